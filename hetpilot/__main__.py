@@ -1,0 +1,3 @@
+from hetpilot.cli import main
+
+raise SystemExit(main())

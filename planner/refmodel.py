@@ -1,0 +1,369 @@
+"""The reference iteration-time model of spec v1 section 5, and plan validation.
+
+This is what every plan is judged by, so it follows the spec literally:
+
+* 5.1 op and transfer times per stage;
+* 5.2 an event simulation of each group's pipeline in which every stage runs
+  its ops one at a time in its order and each direction of each stage
+  boundary is a FIFO channel (transfers queue in the order their ops end on
+  the sending stage, which is that stage's op order);
+* 5.3 bucketed ring all-reduce across groups;
+* 5.4 memory, with and without recompute;
+* 5.5 cost rates and the ideal bound.
+
+Group makespans are memoised on their numeric inputs, so evaluating a plan
+whose groups repeat (one pipeline per identical host, say) simulates each
+distinct group once.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import DeadlockError, InvalidPlanError
+from .schedules import Op, custom_order, inflight, order
+from .types import SCHEDULES, Cluster, Group, Model, Plan, Stage
+
+__all__ = [
+    "Evaluation",
+    "GroupTimes",
+    "evaluate",
+    "group_makespan",
+    "group_op_times",
+    "ideal_time",
+    "pipeline_makespan",
+    "stage_memory_mb",
+    "sync_time",
+    "validate_plan",
+]
+
+
+@dataclass(frozen=True)
+class GroupTimes:
+    """Per-stage forward, backward and boundary-transfer seconds of one microbatch."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    comm: tuple[float, ...]  # comm[j] between stage j and j+1; len S-1
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """What ``hetpilot evaluate`` prints (spec section 7)."""
+
+    valid: bool
+    error: str | None
+    iteration_s: float | None = None
+    sync_s: float | None = None
+    makespans: tuple[float, ...] = ()
+    microbatches: tuple[int, ...] = ()
+    efficiency: float | None = None
+    ideal_s: float | None = None
+    price_per_hour: float | None = None
+    power_watts: float | None = None
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "valid": self.valid,
+            "error": self.error,
+            "iteration_s": self.iteration_s,
+            "sync_s": self.sync_s,
+            "groups": [
+                {"makespan_s": p, "microbatches": m}
+                for p, m in zip(self.makespans, self.microbatches, strict=True)
+            ],
+            "efficiency": self.efficiency,
+            "ideal_s": self.ideal_s,
+            "price_per_hour": self.price_per_hour,
+            "power_watts": self.power_watts,
+        }
+
+
+# -- 5.1 ---------------------------------------------------------------------
+
+def group_op_times(cluster: Cluster, model: Model, group: Group, micro: int) -> GroupTimes:
+    fwd, bwd, comm = [], [], []
+    layers = model.layers
+    for j, stage in enumerate(group.stages):
+        a, b = stage.layers
+        rate = 1000.0 * cluster.by_id[stage.device].tflops
+        f = micro * sum(layer.fwd_gflop for layer in layers[a:b]) / rate
+        bk = micro * sum(layer.bwd_gflop for layer in layers[a:b]) / rate
+        fwd.append(f)
+        bwd.append(bk + f if stage.recompute else bk)
+        if j + 1 < len(group.stages):
+            gbps, lat = cluster.link(stage.device, group.stages[j + 1].device)
+            comm.append(lat + micro * layers[b - 1].out_mb * 8.0 / (1000.0 * gbps))
+    return GroupTimes(tuple(fwd), tuple(bwd), tuple(comm))
+
+
+# -- 5.2 ---------------------------------------------------------------------
+
+def pipeline_makespan(
+    fwd: Sequence[float],
+    bwd: Sequence[float],
+    comm: Sequence[float],
+    orders: Sequence[Sequence[Op]],
+) -> float:
+    """Event simulation of one group; raises DeadlockError if it cannot finish."""
+    n = len(fwd)
+    m = len(orders[0]) // 2
+    f_end: list[list[float | None]] = [[None] * m for _ in range(n)]
+    f_arrive: list[list[float | None]] = [[None] * m for _ in range(n)]
+    b_arrive: list[list[float | None]] = [[None] * m for _ in range(n)]
+    fwd_chan = [0.0] * n  # channel j -> j+1 free at
+    bwd_chan = [0.0] * n  # channel j+1 -> j free at (indexed by j)
+    clock = [0.0] * n
+    pos = [0] * n
+    queued = [True] * n
+    work = deque(range(n))
+    while work:
+        j = work.popleft()
+        queued[j] = False
+        ops = orders[j]
+        last = j == n - 1
+        while pos[j] < len(ops):
+            is_bwd, k = ops[pos[j]]
+            if not is_bwd:
+                ready = 0.0 if j == 0 else f_arrive[j][k]
+            elif last:
+                ready = f_end[j][k]
+            else:
+                ready = b_arrive[j][k]
+            if ready is None:
+                break
+            end = (ready if ready > clock[j] else clock[j]) + (bwd[j] if is_bwd else fwd[j])
+            clock[j] = end
+            pos[j] += 1
+            if not is_bwd:
+                f_end[j][k] = end
+                if not last:
+                    arrive = (end if end > fwd_chan[j] else fwd_chan[j]) + comm[j]
+                    fwd_chan[j] = arrive
+                    f_arrive[j + 1][k] = arrive
+                    if not queued[j + 1]:
+                        queued[j + 1] = True
+                        work.append(j + 1)
+            elif j > 0:
+                arrive = (end if end > bwd_chan[j - 1] else bwd_chan[j - 1]) + comm[j - 1]
+                bwd_chan[j - 1] = arrive
+                b_arrive[j - 1][k] = arrive
+                if not queued[j - 1]:
+                    queued[j - 1] = True
+                    work.append(j - 1)
+    stuck = [j for j in range(n) if pos[j] < len(orders[j])]
+    if stuck:
+        j = stuck[0]
+        is_bwd, k = orders[j][pos[j]]
+        raise DeadlockError(
+            f"stages[{j}].order", f"deadlocks: {'B' if is_bwd else 'F'}{k} can never start"
+        )
+    return max(clock)
+
+
+@lru_cache(maxsize=65536)
+def _cached_makespan(
+    fwd: tuple[float, ...],
+    bwd: tuple[float, ...],
+    comm: tuple[float, ...],
+    schedule: str,
+    microbatches: int,
+) -> float:
+    n = len(fwd)
+    orders = [order(schedule, n, j, microbatches) for j in range(n)]
+    return pipeline_makespan(fwd, bwd, comm, orders)
+
+
+def group_makespan(times: GroupTimes, schedule: str, microbatches: int,
+                   orders: Sequence[Sequence[Op]] | None = None) -> float:
+    """Makespan of a group under a built-in schedule, or under explicit ``orders``."""
+    if orders is not None:
+        return pipeline_makespan(times.fwd, times.bwd, times.comm, orders)
+    return _cached_makespan(times.fwd, times.bwd, times.comm, schedule, microbatches)
+
+
+# -- 5.3 ---------------------------------------------------------------------
+
+def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
+    """Largest per-device sum of bucketed ring all-reduce times."""
+    k = len(groups)
+    if k <= 1:
+        return 0.0
+    owners_per_group = []
+    for g in groups:
+        owner: list[str] = []
+        for stage in g.stages:
+            owner.extend([stage.device] * (stage.layers[1] - stage.layers[0]))
+        owners_per_group.append(owner)
+    per_device: dict[str, float] = {}
+    ring_cache: dict[tuple[str, ...], tuple[float, float]] = {}
+    num_layers = model.num_layers
+    factor = 2.0 * (k - 1) / k
+    lat_hops = 2.0 * (k - 1)
+    layer = 0
+    while layer < num_layers:
+        owners = tuple(o[layer] for o in owners_per_group)
+        size = 0.0
+        end = layer
+        while end < num_layers and all(o[end] == owners[i] for i, o in enumerate(owners_per_group)):
+            size += model.layers[end].param_mb
+            end += 1
+        ring = ring_cache.get(owners)
+        if ring is None:
+            min_gbps, max_lat = float("inf"), 0.0
+            for i in range(k):
+                gbps, lat = cluster.link(owners[i], owners[(i + 1) % k])
+                min_gbps = min(min_gbps, gbps)
+                max_lat = max(max_lat, lat)
+            ring = ring_cache[owners] = (min_gbps, max_lat)
+        all_reduce = factor * size * 8.0 / (1000.0 * ring[0]) + lat_hops * ring[1]
+        for dev in owners:
+            per_device[dev] = per_device.get(dev, 0.0) + all_reduce
+        layer = end
+    return max(per_device.values())
+
+
+# -- 5.4 ---------------------------------------------------------------------
+
+def stage_memory_mb(model: Model, stage: Stage, micro: int, in_flight: int) -> float:
+    a, b = stage.layers
+    layers = model.layers[a:b]
+    params = sum(layer.param_mb for layer in layers) * (1.0 + model.optimizer_factor)
+    act = sum(layer.act_mb for layer in layers)
+    if stage.recompute:
+        inputs = sum(model.layers[i - 1].out_mb for i in range(max(a, 1), b))
+        return params + in_flight * micro * inputs + micro * act
+    return params + in_flight * micro * act
+
+
+# -- 5.5 ---------------------------------------------------------------------
+
+def ideal_time(cluster: Cluster, model: Model, global_batch: int) -> float:
+    return global_batch * model.total_gflop / (1000.0 * cluster.total_tflops)
+
+
+# -- validation and evaluation ------------------------------------------------
+
+def _stage_orders(plan: Plan, gi: int, microbatches: int) -> list[tuple[Op, ...]]:
+    group = plan.groups[gi]
+    n = len(group.stages)
+    if plan.schedule != "custom":
+        return [order(plan.schedule, n, j, microbatches) for j in range(n)]
+    orders = []
+    for j, stage in enumerate(group.stages):
+        field = f"plan.groups[{gi}].stages[{j}].order"
+        if stage.order is None:
+            raise InvalidPlanError(field, 'is required with schedule "custom"')
+        orders.append(custom_order(stage.order, microbatches, field))
+    return orders
+
+
+def validate_plan(
+    cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
+) -> list[list[tuple[Op, ...]]]:
+    """Check every rule of spec section 4; return each group's stage orders.
+
+    Raises InvalidPlanError naming the first field that breaks a rule.
+    Deadlocks of custom orders are found by :func:`evaluate`.
+    """
+    num_layers = model.num_layers
+    micro = plan.microbatch_size
+    if plan.schedule not in SCHEDULES:
+        raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
+    used: dict[str, str] = {}
+    all_orders = []
+    for gi, group in enumerate(plan.groups):
+        gp = f"plan.groups[{gi}]"
+        if group.samples <= 0 or group.samples % micro:
+            raise InvalidPlanError(
+                f"{gp}.samples",
+                f"must be a positive multiple of microbatch_size {micro}, got {group.samples}",
+            )
+        if not group.stages:
+            raise InvalidPlanError(f"{gp}.stages", "must not be empty")
+        expect = 0
+        for si, stage in enumerate(group.stages):
+            sp = f"{gp}.stages[{si}]"
+            if stage.device not in cluster.by_id:
+                raise InvalidPlanError(f"{sp}.device", f"unknown device {stage.device!r}")
+            if stage.device in used:
+                raise InvalidPlanError(
+                    f"{sp}.device", f"{stage.device!r} is already used at {used[stage.device]}"
+                )
+            used[stage.device] = sp
+            a, b = stage.layers
+            if a != expect:
+                raise InvalidPlanError(
+                    f"{sp}.layers", f"must start at layer {expect}, got [{a}, {b})"
+                )
+            if b <= a:
+                raise InvalidPlanError(f"{sp}.layers", f"must be non-empty, got [{a}, {b})")
+            if b > num_layers:
+                raise InvalidPlanError(
+                    f"{sp}.layers", f"ends past the model's {num_layers} layers, got [{a}, {b})"
+                )
+            expect = b
+        if expect != num_layers:
+            raise InvalidPlanError(
+                f"{gp}.stages", f"cover layers [0, {expect}), not all {num_layers}"
+            )
+        m = group.samples // micro
+        orders = _stage_orders(plan, gi, m)
+        n = len(group.stages)
+        for si, stage in enumerate(group.stages):
+            need = stage_memory_mb(model, stage, micro, inflight(orders[si]))
+            have = 1000.0 * cluster.by_id[stage.device].memory_gb
+            if need > have:
+                raise InvalidPlanError(
+                    f"{gp}.stages[{si}]",
+                    f"needs {need:.1f} MB on {stage.device!r}, which has {have:.1f} MB"
+                    f" (stage {si} of {n}, {inflight(orders[si])} microbatches in flight)",
+                )
+        all_orders.append(orders)
+    total = plan.global_batch
+    if global_batch is not None and total != global_batch:
+        raise InvalidPlanError(
+            "plan.groups", f"samples sum to {total}, but the global batch is {global_batch}"
+        )
+    return all_orders
+
+
+def evaluate(
+    cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
+) -> Evaluation:
+    """Judge a plan by spec section 5. Invalid plans give ``valid=False``."""
+    try:
+        all_orders = validate_plan(cluster, model, plan, global_batch)
+        makespans = []
+        micro = plan.microbatch_size
+        for gi, (group, orders) in enumerate(zip(plan.groups, all_orders, strict=True)):
+            times = group_op_times(cluster, model, group, micro)
+            m = group.samples // micro
+            try:
+                if plan.schedule == "custom":
+                    makespans.append(group_makespan(times, plan.schedule, m, orders))
+                else:
+                    makespans.append(group_makespan(times, plan.schedule, m))
+            except DeadlockError as exc:
+                raise DeadlockError(f"plan.groups[{gi}].{exc.field}", exc.problem) from None
+    except InvalidPlanError as exc:
+        return Evaluation(valid=False, error=str(exc))
+    sync = sync_time(cluster, model, plan.groups)
+    iteration = max(makespans) + sync
+    ideal = ideal_time(cluster, model, plan.global_batch if global_batch is None else global_batch)
+    used = [cluster.by_id[d] for d in plan.devices]
+    return Evaluation(
+        valid=True,
+        error=None,
+        iteration_s=iteration,
+        sync_s=sync,
+        makespans=tuple(makespans),
+        microbatches=tuple(g.samples // micro for g in plan.groups),
+        efficiency=ideal / iteration,
+        ideal_s=ideal,
+        price_per_hour=sum(d.price_per_hour for d in used),
+        power_watts=sum(d.power_watts for d in used),
+    )

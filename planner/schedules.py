@@ -1,0 +1,69 @@
+"""Per-stage op orders of spec section 5.2 and the in-flight counts of 5.4.
+
+An op is ``(is_backward, microbatch)``; ``(False, 3)`` is F3, ``(True, 3)`` B3.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+from .errors import InvalidPlanError
+
+__all__ = ["Op", "custom_order", "format_order", "inflight", "order"]
+
+Op = tuple[bool, int]
+
+
+@lru_cache(maxsize=4096)
+def order(schedule: str, num_stages: int, stage: int, microbatches: int) -> tuple[Op, ...]:
+    """The op order of a built-in schedule on one stage."""
+    m = microbatches
+    if schedule == "gpipe":
+        return tuple((False, k) for k in range(m)) + tuple((True, k) for k in range(m))
+    if schedule == "1f1b":
+        w = min(num_stages - stage - 1, m)
+        ops: list[Op] = [(False, k) for k in range(w)]
+        for i in range(m - w):
+            ops.append((False, w + i))
+            ops.append((True, i))
+        ops.extend((True, k) for k in range(m - w, m))
+        return tuple(ops)
+    raise ValueError(f"no built-in order for schedule {schedule!r}")
+
+
+def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[Op, ...]:
+    """Parse and check a custom order: each Fk and Bk once, k < M, Fk before Bk."""
+    parsed: list[Op] = []
+    seen: set[Op] = set()
+    for i, text in enumerate(ops):
+        op = (text[0] == "B", int(text[1:]))
+        if op[1] >= microbatches:
+            raise InvalidPlanError(
+                f"{field}[{i}]", f"{text} names microbatch {op[1]}, but the group has {microbatches}"
+            )
+        if op in seen:
+            raise InvalidPlanError(f"{field}[{i}]", f"{text} appears twice")
+        if op[0] and (False, op[1]) not in seen:
+            raise InvalidPlanError(f"{field}[{i}]", f"B{op[1]} comes before F{op[1]}")
+        seen.add(op)
+        parsed.append(op)
+    if len(parsed) != 2 * microbatches:
+        missing = [
+            f"{'B' if b else 'F'}{k}" for k in range(microbatches) for b in (False, True)
+            if (b, k) not in seen
+        ]
+        raise InvalidPlanError(field, f"misses {', '.join(missing[:6])}{' ...' if len(missing) > 6 else ''}")
+    return tuple(parsed)
+
+
+def format_order(ops: tuple[Op, ...]) -> tuple[str, ...]:
+    return tuple(f"{'B' if b else 'F'}{k}" for b, k in ops)
+
+
+def inflight(ops: tuple[Op, ...]) -> int:
+    """Most forwards run on a stage without their backward (spec 5.4)."""
+    live = peak = 0
+    for is_bwd, _ in ops:
+        live += -1 if is_bwd else 1
+        peak = max(peak, live)
+    return peak

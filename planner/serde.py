@@ -1,0 +1,408 @@
+"""JSON <-> domain types, with validation that names the field and the problem.
+
+Every ``*_from_dict`` takes the parsed JSON and a ``path`` prefix used in
+error messages (``model.layers[3].fwd_gflop: must be >= 0, got -1``). Only the
+*shape* of a plan is checked here; whether a plan is valid for a cluster and a
+model (coverage, memory, deadlock) is the reference model's job
+(:func:`hetpilot.planner.refmodel.validate_plan`).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .errors import ValidationError
+from .types import (
+    COST_KINDS,
+    SCHEDULES,
+    Cluster,
+    Device,
+    Group,
+    Job,
+    Layer,
+    Link,
+    Model,
+    Network,
+    Plan,
+    Stage,
+)
+
+__all__ = [
+    "cluster_from_dict",
+    "cluster_to_dict",
+    "job_from_dict",
+    "load_json",
+    "model_from_dict",
+    "model_to_dict",
+    "plan_from_dict",
+    "plan_to_dict",
+]
+
+_OP = re.compile(r"^[FB](0|[1-9][0-9]*)$")
+
+
+def load_json(path: str | Path, what: str) -> Any:
+    """Read a JSON file; errors name ``what`` (e.g. ``--cluster``)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as exc:
+        raise ValidationError(what, f"cannot read {str(path)!r}: {exc.strerror or exc}") from exc
+    try:
+        return json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ValidationError(what, f"{str(path)!r} is not valid JSON: {exc}") from exc
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed")
+
+
+# -- field helpers -----------------------------------------------------------
+
+def _obj(value: Any, path: str) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise ValidationError(path, f"must be an object, got {_kind(value)}")
+    return value
+
+
+def _list(value: Any, path: str, *, non_empty: bool = False) -> list[Any]:
+    if not isinstance(value, list):
+        raise ValidationError(path, f"must be a list, got {_kind(value)}")
+    if non_empty and not value:
+        raise ValidationError(path, "must not be empty")
+    return value
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", str: "a string", list: "a list", dict: "an object"}.get(
+        type(value), type(value).__name__
+    )
+
+
+def _required(obj: Mapping[str, Any], key: str, path: str) -> Any:
+    if key not in obj:
+        raise ValidationError(f"{path}.{key}", "is required")
+    return obj[key]
+
+
+def _str(obj: Mapping[str, Any], key: str, path: str, default: str | None = None) -> str:
+    value = obj.get(key, default) if default is not None else _required(obj, key, path)
+    if not isinstance(value, str) or not value.strip():
+        raise ValidationError(f"{path}.{key}", f"must be a non-empty string, got {value!r}")
+    return value
+
+
+def _num(
+    obj: Mapping[str, Any],
+    key: str,
+    path: str,
+    *,
+    default: float | None = None,
+    positive: bool = False,
+) -> float:
+    value = _required(obj, key, path) if default is None else obj.get(key, default)
+    return _check_num(value, f"{path}.{key}", positive=positive)
+
+
+def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValidationError(path, f"must be a number, got {_kind(value)}")
+    if not math.isfinite(value):
+        raise ValidationError(path, f"must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValidationError(path, f"must be > 0, got {value:g}")
+    if value < 0:
+        raise ValidationError(path, f"must be >= 0, got {value:g}")
+    return float(value)
+
+
+def _int(obj: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int:
+    value = _required(obj, key, path)
+    return _check_int(value, f"{path}.{key}", minimum=minimum)
+
+
+def _check_int(value: Any, path: str, *, minimum: int = 1) -> int:
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValidationError(path, f"must be an integer, got {_kind(value)} {value!r}")
+    if value < minimum:
+        raise ValidationError(path, f"must be >= {minimum}, got {value}")
+    return value
+
+
+def _bool(obj: Mapping[str, Any], key: str, path: str) -> bool:
+    value = obj.get(key, False)
+    if not isinstance(value, bool):
+        raise ValidationError(f"{path}.{key}", f"must be true or false, got {value!r}")
+    return value
+
+
+# -- cluster -----------------------------------------------------------------
+
+def cluster_from_dict(data: Any, path: str = "cluster") -> Cluster:
+    obj = _obj(data, path)
+    raw_devices = _list(_required(obj, "devices", path), f"{path}.devices", non_empty=True)
+    devices: list[Device] = []
+    seen: set[str] = set()
+    for i, raw in enumerate(raw_devices):
+        p = f"{path}.devices[{i}]"
+        d = _obj(raw, p)
+        dev = Device(
+            id=_str(d, "id", p),
+            host=_str(d, "host", p),
+            tflops=_num(d, "tflops", p, positive=True),
+            memory_gb=_num(d, "memory_gb", p, positive=True),
+            price_per_hour=_num(d, "price_per_hour", p, default=0.0),
+            power_watts=_num(d, "power_watts", p, default=0.0),
+        )
+        if dev.id in seen:
+            raise ValidationError(f"{p}.id", f"duplicate device id {dev.id!r}")
+        seen.add(dev.id)
+        devices.append(dev)
+    hosts = {d.host for d in devices}
+    net_path = f"{path}.network"
+    net = _obj(obj.get("network", {}), net_path)
+    network = Network(
+        intra_host_gbps=_num(net, "intra_host_gbps", net_path, positive=True),
+        inter_host_gbps=_num(net, "inter_host_gbps", net_path, positive=True),
+        latency_us=_num(net, "latency_us", net_path, default=0.0),
+        host_links=_links(net, "host_links", net_path, hosts, "host"),
+        device_links=_links(net, "device_links", net_path, seen, "device"),
+    )
+    return Cluster(devices=tuple(devices), network=network)
+
+
+def _links(
+    net: Mapping[str, Any], key: str, path: str, known: set[str], what: str
+) -> tuple[Link, ...]:
+    links = []
+    for i, raw in enumerate(_list(net.get(key, []), f"{path}.{key}")):
+        p = f"{path}.{key}[{i}]"
+        d = _obj(raw, p)
+        a, b = _str(d, "a", p), _str(d, "b", p)
+        for end, name in (("a", a), ("b", b)):
+            if name not in known:
+                raise ValidationError(f"{p}.{end}", f"unknown {what} {name!r}")
+        if a == b:
+            raise ValidationError(p, f"a link needs two distinct {what}s, got {a!r} twice")
+        latency = d.get("latency_us")
+        links.append(
+            Link(
+                a=a,
+                b=b,
+                gbps=_num(d, "gbps", p, positive=True),
+                latency_us=None if latency is None else _check_num(latency, f"{p}.latency_us"),
+            )
+        )
+    return tuple(links)
+
+
+def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
+    def link(lk: Link) -> dict[str, Any]:
+        out: dict[str, Any] = {"a": lk.a, "b": lk.b, "gbps": lk.gbps}
+        if lk.latency_us is not None:
+            out["latency_us"] = lk.latency_us
+        return out
+
+    net = cluster.network
+    return {
+        "devices": [
+            {
+                "id": d.id,
+                "host": d.host,
+                "tflops": d.tflops,
+                "memory_gb": d.memory_gb,
+                "price_per_hour": d.price_per_hour,
+                "power_watts": d.power_watts,
+            }
+            for d in cluster.devices
+        ],
+        "network": {
+            "intra_host_gbps": net.intra_host_gbps,
+            "inter_host_gbps": net.inter_host_gbps,
+            "latency_us": net.latency_us,
+            "host_links": [link(lk) for lk in net.host_links],
+            "device_links": [link(lk) for lk in net.device_links],
+        },
+    }
+
+
+# -- model -------------------------------------------------------------------
+
+def model_from_dict(data: Any, path: str = "model") -> Model:
+    obj = _obj(data, path)
+    raw_layers = _list(_required(obj, "layers", path), f"{path}.layers", non_empty=True)
+    layers = []
+    for i, raw in enumerate(raw_layers):
+        p = f"{path}.layers[{i}]"
+        d = _obj(raw, p)
+        fwd = _num(d, "fwd_gflop", p)
+        layers.append(
+            Layer(
+                name=str(d.get("name", f"layer{i}")),
+                fwd_gflop=fwd,
+                bwd_gflop=_num(d, "bwd_gflop", p, default=2.0 * fwd),
+                out_mb=_num(d, "out_mb", p),
+                act_mb=_num(d, "act_mb", p),
+                param_mb=_num(d, "param_mb", p),
+            )
+        )
+    if sum(layer.fwd_gflop + layer.bwd_gflop for layer in layers) <= 0:
+        raise ValidationError(f"{path}.layers", "the model does no work: all GFLOP are 0")
+    return Model(
+        name=str(obj.get("name", "model")),
+        layers=tuple(layers),
+        optimizer_factor=_num(obj, "optimizer_factor", path, default=3.0),
+    )
+
+
+def model_to_dict(model: Model) -> dict[str, Any]:
+    return {
+        "name": model.name,
+        "optimizer_factor": model.optimizer_factor,
+        "layers": [
+            {
+                "name": layer.name,
+                "fwd_gflop": layer.fwd_gflop,
+                "bwd_gflop": layer.bwd_gflop,
+                "out_mb": layer.out_mb,
+                "act_mb": layer.act_mb,
+                "param_mb": layer.param_mb,
+            }
+            for layer in model.layers
+        ],
+    }
+
+
+# -- job ---------------------------------------------------------------------
+
+def job_from_dict(data: Any, path: str = "job") -> Job:
+    obj = _obj(data, path)
+    batch = _int(obj, "global_batch", path)
+    micro = _int(obj, "microbatch_size", path)
+    if batch % micro:
+        raise ValidationError(
+            f"{path}.global_batch",
+            f"must be a multiple of microbatch_size {micro}, got {batch}",
+        )
+    raw_sched = obj.get("schedule", ["1f1b", "gpipe"])
+    if isinstance(raw_sched, str):
+        raw_sched = ["1f1b", "gpipe"] if raw_sched == "any" else [raw_sched]
+    scheds = _list(raw_sched, f"{path}.schedule", non_empty=True)
+    for i, s in enumerate(scheds):
+        if s not in SCHEDULES:
+            raise ValidationError(
+                f"{path}.schedule[{i}]", f"must be one of {', '.join(SCHEDULES)}, got {s!r}"
+            )
+    budgets_raw = _obj(obj.get("budgets", {}), f"{path}.budgets")
+    budgets = {}
+    for kind, value in budgets_raw.items():
+        if kind not in COST_KINDS:
+            raise ValidationError(
+                f"{path}.budgets.{kind}", f"unknown cost kind; known: {', '.join(COST_KINDS)}"
+            )
+        budgets[kind] = _check_num(value, f"{path}.budgets.{kind}")
+    return Job(
+        global_batch=batch,
+        microbatch_size=micro,
+        schedules=tuple(dict.fromkeys(scheds)),
+        budgets=budgets,
+        V=_num(obj, "V", path, default=10.0),
+    )
+
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    return {
+        "global_batch": job.global_batch,
+        "microbatch_size": job.microbatch_size,
+        "schedule": list(job.schedules),
+        "budgets": dict(job.budgets),
+        "V": job.V,
+    }
+
+
+# -- plan --------------------------------------------------------------------
+
+def plan_from_dict(data: Any, path: str = "plan") -> Plan:
+    """Parse a plan's shape. Semantic validity is checked by the reference model."""
+    obj = _obj(data, path)
+    micro = _int(obj, "microbatch_size", path)
+    schedule = _required(obj, "schedule", path)
+    if schedule not in SCHEDULES:
+        raise ValidationError(
+            f"{path}.schedule", f"must be one of {', '.join(SCHEDULES)}, got {schedule!r}"
+        )
+    groups = []
+    for gi, raw in enumerate(_list(_required(obj, "groups", path), f"{path}.groups", non_empty=True)):
+        gp = f"{path}.groups[{gi}]"
+        g = _obj(raw, gp)
+        stages = []
+        raw_stages = _list(_required(g, "stages", gp), f"{gp}.stages", non_empty=True)
+        for si, raw_stage in enumerate(raw_stages):
+            sp = f"{gp}.stages[{si}]"
+            s = _obj(raw_stage, sp)
+            rng = _list(_required(s, "layers", sp), f"{sp}.layers")
+            if len(rng) != 2:
+                raise ValidationError(f"{sp}.layers", f"must be [start, end], got {rng!r}")
+            start = _check_int(rng[0], f"{sp}.layers[0]", minimum=0)
+            end = _check_int(rng[1], f"{sp}.layers[1]", minimum=0)
+            order = None
+            if "order" in s and s["order"] is not None:
+                ops = _list(s["order"], f"{sp}.order")
+                for oi, op in enumerate(ops):
+                    if not isinstance(op, str) or not _OP.match(op):
+                        raise ValidationError(
+                            f"{sp}.order[{oi}]", f'must look like "F3" or "B3", got {op!r}'
+                        )
+                order = tuple(ops)
+            if schedule == "custom" and order is None:
+                raise ValidationError(f"{sp}.order", 'is required with schedule "custom"')
+            stages.append(
+                Stage(
+                    device=_str(s, "device", sp),
+                    layers=(start, end),
+                    recompute=_bool(s, "recompute", sp),
+                    order=order,
+                )
+            )
+        groups.append(Group(samples=_int(g, "samples", gp), stages=tuple(stages)))
+    predicted = None
+    pred = obj.get("predicted")
+    if isinstance(pred, Mapping) and isinstance(pred.get("iteration_s"), (int, float)):
+        predicted = float(pred["iteration_s"])
+    return Plan(
+        microbatch_size=micro,
+        schedule=schedule,
+        groups=tuple(groups),
+        predicted_iteration_s=predicted,
+    )
+
+
+def plan_to_dict(plan: Plan) -> dict[str, Any]:
+    groups = []
+    for g in plan.groups:
+        stages = []
+        for s in g.stages:
+            stage: dict[str, Any] = {"device": s.device, "layers": [s.layers[0], s.layers[1]]}
+            if s.recompute:
+                stage["recompute"] = True
+            if plan.schedule == "custom" and s.order is not None:
+                stage["order"] = list(s.order)
+            stages.append(stage)
+        groups.append({"samples": g.samples, "stages": stages})
+    out: dict[str, Any] = {
+        "microbatch_size": plan.microbatch_size,
+        "schedule": plan.schedule,
+        "groups": groups,
+    }
+    if plan.predicted_iteration_s is not None:
+        out["predicted"] = {"iteration_s": round(plan.predicted_iteration_s, 6)}
+    return out

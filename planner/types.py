@@ -1,0 +1,199 @@
+"""Domain types of spec v1 (sections 1-4) as frozen dataclasses.
+
+The types hold already-validated values; parsing and validation of JSON lives
+in :mod:`hetpilot.planner.serde`. Nothing here imports grpc or torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from functools import cached_property
+from types import MappingProxyType
+
+__all__ = [
+    "COST_KINDS",
+    "SCHEDULES",
+    "Cluster",
+    "Device",
+    "Group",
+    "Job",
+    "Layer",
+    "Link",
+    "Model",
+    "Network",
+    "Plan",
+    "Stage",
+]
+
+SCHEDULES = ("gpipe", "1f1b", "custom")
+#: Cost rates a plan has (spec 5.5); budgets are kept on these.
+COST_KINDS = ("price_per_hour", "power_watts")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Device:
+    id: str
+    host: str
+    tflops: float
+    """Sustained TFLOP/s on this model's layers."""
+    memory_gb: float
+    """Memory training may use, decimal GB."""
+    price_per_hour: float = 0.0
+    power_watts: float = 0.0
+
+    def cost(self, kind: str) -> float:
+        return float(getattr(self, kind))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    a: str
+    b: str
+    gbps: float
+    latency_us: float | None = None
+    """None takes the network's latency."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Network:
+    intra_host_gbps: float
+    inter_host_gbps: float
+    latency_us: float
+    host_links: tuple[Link, ...] = ()
+    device_links: tuple[Link, ...] = ()
+
+
+def _pair(a: str, b: str) -> tuple[str, str]:
+    return (a, b) if a <= b else (b, a)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Cluster:
+    devices: tuple[Device, ...]
+    network: Network
+
+    @cached_property
+    def by_id(self) -> Mapping[str, Device]:
+        return MappingProxyType({d.id: d for d in self.devices})
+
+    @cached_property
+    def hosts(self) -> tuple[str, ...]:
+        """Hosts in order of first appearance."""
+        return tuple(dict.fromkeys(d.host for d in self.devices))
+
+    @cached_property
+    def _host_links(self) -> dict[tuple[str, str], tuple[float, float]]:
+        return self._link_table(self.network.host_links)
+
+    @cached_property
+    def _device_links(self) -> dict[tuple[str, str], tuple[float, float]]:
+        return self._link_table(self.network.device_links)
+
+    def _link_table(self, links: tuple[Link, ...]) -> dict[tuple[str, str], tuple[float, float]]:
+        table: dict[tuple[str, str], tuple[float, float]] = {}
+        for link in links:  # later entries for the same pair win
+            lat = self.network.latency_us if link.latency_us is None else link.latency_us
+            table[_pair(link.a, link.b)] = (link.gbps, lat / 1e6)
+        return table
+
+    def link(self, a: str, b: str) -> tuple[float, float]:
+        """(Gbit/s, latency in seconds) between two distinct devices (spec section 1)."""
+        found = self._device_links.get(_pair(a, b))
+        if found is not None:
+            return found
+        da, db = self.by_id[a], self.by_id[b]
+        if da.host != db.host:
+            found = self._host_links.get(_pair(da.host, db.host))
+            if found is not None:
+                return found
+            return self.network.inter_host_gbps, self.network.latency_us / 1e6
+        return self.network.intra_host_gbps, self.network.latency_us / 1e6
+
+    def without(self, device_ids: set[str] | frozenset[str]) -> Cluster:
+        return Cluster(
+            devices=tuple(d for d in self.devices if d.id not in device_ids),
+            network=self.network,
+        )
+
+    @cached_property
+    def total_tflops(self) -> float:
+        return sum(d.tflops for d in self.devices)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layer:
+    name: str
+    fwd_gflop: float
+    bwd_gflop: float
+    out_mb: float
+    act_mb: float
+    param_mb: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class Model:
+    name: str
+    layers: tuple[Layer, ...]
+    optimizer_factor: float = 3.0
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @cached_property
+    def total_gflop(self) -> float:
+        """Forward plus backward GFLOP of one sample."""
+        return sum(layer.fwd_gflop + layer.bwd_gflop for layer in self.layers)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Job:
+    global_batch: int
+    microbatch_size: int
+    schedules: tuple[str, ...] = ("1f1b", "gpipe")
+    """Schedules the planner may choose from (spec section 3)."""
+    budgets: Mapping[str, float] = field(default_factory=dict)
+    """Long-term average budget per cost kind (spec section 6)."""
+    V: float = 10.0
+    """Drift-plus-penalty weight on iteration time."""
+
+    @property
+    def microbatches(self) -> int:
+        return self.global_batch // self.microbatch_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stage:
+    device: str
+    layers: tuple[int, int]
+    """Half-open layer range [a, b)."""
+    recompute: bool = False
+    order: tuple[str, ...] | None = None
+    """Per-stage op order ("F0", "B0", ...) for the custom schedule."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Group:
+    samples: int
+    stages: tuple[Stage, ...]
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(s.device for s in self.stages)
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    microbatch_size: int
+    schedule: str
+    groups: tuple[Group, ...]
+    predicted_iteration_s: float | None = None
+
+    @property
+    def devices(self) -> tuple[str, ...]:
+        return tuple(d for g in self.groups for d in g.devices)
+
+    @property
+    def global_batch(self) -> int:
+        return sum(g.samples for g in self.groups)
