@@ -1,26 +1,89 @@
-"""Lyapunov drift-plus-penalty controller (spec v1 section 6). CONTRACT ONLY.
+"""Lyapunov drift-plus-penalty controller (spec v1 section 6).
 
-This file fixes the interface the simulator (hetpilot.sim) and the daemon
-(hetpilot.daemon) both drive; the implementation lands with issue 3.
+One :class:`Controller` per job. Each slot, :meth:`Controller.step` takes the
+cluster as the controller observes it (devices that are down are absent) and
+
+1. *settles* the previous slot: the queues are recomputed with the cost rates
+   the previous plan really had, now that this slot's observation shows the
+   prices of the last slot (reports arrive after the fact);
+2. asks the planner's tentative search for candidate plans (one per device
+   subset and group structure) and adds the running plan, re-scored on the
+   observed cluster;
+3. picks the candidate minimising ``V * T + sum_k Q_k * c_k`` (policy
+   ``lyapunov``), where a candidate other than the running plan also pays the
+   time it takes to switch to it (:mod:`hetpilot.planner.switching`) spread
+   over the slot's iterations, and switches only when that beats the running
+   plan by ``hysteresis * V * T_running`` (so plans do not flap on noise);
+4. updates the virtual queues ``Q_k(t+1) = max(Q_k + c_k - budget_k, 0)``.
+
+The same object runs the simulator's comparison policies (``fastest``,
+``budget-greedy``, ``static``), chosen by :attr:`ControllerConfig.policy`, so
+every policy shares the running-plan bookkeeping, switching cost and handling
+of devices that go down. A budget below the cheapest plan the search finds
+is a warning in :attr:`Decision.warnings`; the controller then does its best
+(the queue grows and pushes it to the cheapest plans). When no plan fits at
+all, :meth:`step` raises :class:`~hetpilot.planner.errors.InfeasibleError`
+and the controller's state is unchanged.
+
+Pure: no grpc, asyncio or torch. The daemon and the simulator both drive it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any
 
-from .types import Cluster, Job, Model, Plan
+from . import serde
+from .candidates import Candidate, plan_costs
+from .errors import InfeasibleError, ValidationError
+from .refmodel import evaluate
+from .switching import SwitchCost, switch_cost
+from .types import COST_KINDS, Cluster, Job, Model, Plan
 
-__all__ = ["Controller", "ControllerConfig", "Decision"]
+__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "SearchFn"]
+
+#: Policies one controller can run (``lyapunov`` is the product; the rest are
+#: the simulator's comparison points).
+POLICIES = ("lyapunov", "fastest", "budget-greedy", "static")
+
+#: The tentative search: cluster, model, job -> scored candidate plans.
+SearchFn = Callable[[Cluster, Model, Job], Sequence[Candidate]]
+
+_STATE_FORMAT = 1
 
 
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
     slot_s: float = 60.0
-    """Wall-clock length of one slot (an epoch), used to weigh switching cost."""
+    """Wall-clock length of one slot (an epoch), used to weigh switching cost
+    when ``iterations_per_slot`` is not given (iterations = slot_s / T)."""
     hysteresis: float = 0.02
-    """Switch only when the predicted saving beats the switching cost by this fraction."""
+    """Switch only when the predicted saving, net of the switching cost, beats
+    the running plan by this fraction of its ``V * T`` term."""
+    iterations_per_slot: int | None = None
+    """Iterations in one slot (epoch size / global batch), if known."""
+    policy: str = "lyapunov"
+    """One of :data:`POLICIES`: ``lyapunov`` minimises ``V*T + sum Q*c``;
+    ``fastest`` ignores budgets; ``budget-greedy`` takes the fastest candidate
+    whose cost rates fit the budgets this slot; ``static`` plans once like
+    budget-greedy and keeps that plan until one of its devices goes down."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.slot_s) and self.slot_s > 0):
+            raise ValidationError("config.slot_s", f"must be > 0, got {self.slot_s}")
+        if not (math.isfinite(self.hysteresis) and self.hysteresis >= 0):
+            raise ValidationError("config.hysteresis", f"must be >= 0, got {self.hysteresis}")
+        if self.iterations_per_slot is not None and self.iterations_per_slot < 1:
+            raise ValidationError(
+                "config.iterations_per_slot", f"must be >= 1, got {self.iterations_per_slot}"
+            )
+        if self.policy not in POLICIES:
+            raise ValidationError(
+                "config.policy", f"must be one of {', '.join(POLICIES)}, got {self.policy!r}"
+            )
 
 
 @dataclass(frozen=True)
@@ -37,22 +100,341 @@ class Decision:
     """Virtual queues after this slot's update."""
     switch_cost_s: float = 0.0
     warnings: tuple[str, ...] = field(default_factory=tuple)
+    switch_mb: float = 0.0
+    """MB of parameters and optimizer state the switch moves."""
+    label: str = ""
+    """Which structure of the tentative search the plan came from."""
+    forced: bool = False
+    """The running plan could not continue (a device down, or no plan yet)."""
+    candidates: int = 0
+    """How many candidates the slot compared (the running plan included)."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """What the last slot charged, kept so the next slot can settle it."""
+
+    queues_before: Mapping[str, float]
+    budgets: Mapping[str, float]
+    costs: Mapping[str, float]
+
+
+def _default_search(cluster: Cluster, model: Model, job: Job) -> Sequence[Candidate]:
+    from .search import candidate_plans  # the planner's tentative search
+
+    return candidate_plans(cluster, model, job)
+
+
+def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for kind, value in budgets.items():
+        if kind not in COST_KINDS:
+            raise ValidationError(f"{path}.{kind}", f"unknown cost kind; known: {', '.join(COST_KINDS)}")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ValidationError(f"{path}.{kind}", f"must be a finite number, got {value!r}")
+        if value < 0:
+            raise ValidationError(f"{path}.{kind}", f"must be >= 0, got {value}")
+        out[kind] = float(value)
+    return out
+
+
+def _check_v(value: Any, path: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValidationError(path, f"must be a finite number, got {value!r}")
+    if value <= 0:
+        raise ValidationError(path, f"must be > 0, got {value}")
+    return float(value)
 
 
 class Controller:
-    def __init__(self, model: Model, job: Job, config: ControllerConfig | None = None) -> None:
-        raise NotImplementedError("issue 3")
+    """Drift-plus-penalty control of one job's plan under long-term budgets."""
+
+    def __init__(
+        self,
+        model: Model,
+        job: Job,
+        config: ControllerConfig | None = None,
+        *,
+        search: SearchFn | None = None,
+    ) -> None:
+        self.model = model
+        self.job = job
+        self.config = config or ControllerConfig()
+        self._search = search or _default_search
+        self._budgets = _check_budgets(job.budgets, "job.budgets")
+        self._V = _check_v(job.V, "job.V")
+        self._queues: dict[str, float] = {k: 0.0 for k in self._budgets}
+        self._plan: Plan | None = None
+        self._version = 0
+        self._slot = 0
+        self._pending: _Pending | None = None
+        self._short: set[str] = set()  # budgets currently below the cheapest candidate
+
+    # -- public surface ------------------------------------------------------
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._plan
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def queues(self) -> Mapping[str, float]:
+        return MappingProxyType(dict(self._queues))
+
+    @property
+    def budgets(self) -> Mapping[str, float]:
+        return MappingProxyType(dict(self._budgets))
+
+    @property
+    def V(self) -> float:
+        return self._V
+
+    def set_budgets(
+        self, budgets: Mapping[str, float] | None = None, V: float | None = None
+    ) -> None:
+        """Change the budgets (the whole mapping) and/or V from the next slot on.
+
+        A new cost kind starts with an empty queue; a kind no longer budgeted
+        loses its queue. Raises ValidationError naming the field.
+        """
+        new_budgets = None if budgets is None else _check_budgets(budgets, "budgets")
+        new_v = None if V is None else _check_v(V, "V")
+        if new_budgets is not None:
+            self._budgets = new_budgets
+            self._queues = {k: self._queues.get(k, 0.0) for k in new_budgets}
+            self._short &= set(new_budgets)
+        if new_v is not None:
+            self._V = new_v
 
     def step(self, observed: Cluster) -> Decision:
-        raise NotImplementedError("issue 3")
+        """Decide the plan for the next slot on the ``observed`` cluster."""
+        queues = self._settled_queues(observed)
+        job = replace(self.job, budgets=dict(self._budgets), V=self._V)
+        found = list(self._search(observed, self.model, job))
+        running, why_not = self._running_candidate(observed)
+        pool = [c for c in found if running is None or c.plan != running.plan]
+        if running is None and not pool:
+            raise InfeasibleError("no plan fits the observed cluster's memory")
+        warnings = self._budget_warnings(pool + ([running] if running else []))
+        chosen, switch = self._choose(observed, running, pool, queues)
+        switched = running is None or chosen is not running
+        if switched:
+            self._version += 1
+        if why_not:
+            warnings.append(why_not)
+        self._plan = chosen.plan
+        costs = {k: float(chosen.costs.get(k, 0.0)) for k in COST_KINDS}
+        self._pending = _Pending(
+            MappingProxyType(dict(queues)), MappingProxyType(dict(self._budgets)),
+            MappingProxyType(costs),
+        )
+        self._queues = self._updated(queues, self._budgets, costs)
+        decision = Decision(
+            slot=self._slot,
+            plan=chosen.plan,
+            version=self._version,
+            switched=switched,
+            iteration_s=chosen.iteration_s,
+            costs=MappingProxyType(costs),
+            queues=MappingProxyType(dict(self._queues)),
+            switch_cost_s=switch.seconds,
+            warnings=tuple(warnings),
+            switch_mb=switch.mb,
+            label="running" if chosen is running else chosen.label,
+            forced=running is None,
+            candidates=len(pool) + (running is not None),
+        )
+        self._slot += 1
+        return decision
 
-    def set_budgets(self, budgets: Mapping[str, float] | None = None, V: float | None = None) -> None:
-        raise NotImplementedError("issue 3")
+    # -- state ---------------------------------------------------------------
 
     def to_state(self) -> dict[str, Any]:
-        raise NotImplementedError("issue 3")
+        """Everything needed to resume: JSON-able, restored by :meth:`from_state`."""
+        pending = None
+        if self._pending is not None:
+            pending = {
+                "queues_before": dict(self._pending.queues_before),
+                "budgets": dict(self._pending.budgets),
+                "costs": dict(self._pending.costs),
+            }
+        return {
+            "format": _STATE_FORMAT,
+            "slot": self._slot,
+            "version": self._version,
+            "plan": None if self._plan is None else serde.plan_to_dict(self._plan),
+            "queues": dict(self._queues),
+            "budgets": dict(self._budgets),
+            "V": self._V,
+            "pending": pending,
+            "short": sorted(self._short),
+        }
 
     @classmethod
-    def from_state(cls, model: Model, job: Job, state: Mapping[str, Any],
-                   config: ControllerConfig | None = None) -> Controller:
-        raise NotImplementedError("issue 3")
+    def from_state(
+        cls,
+        model: Model,
+        job: Job,
+        state: Mapping[str, Any],
+        config: ControllerConfig | None = None,
+        *,
+        search: SearchFn | None = None,
+    ) -> Controller:
+        """Rebuild a controller from :meth:`to_state`; ValidationError names the field."""
+        if not isinstance(state, Mapping):
+            raise ValidationError("state", "must be an object")
+        if state.get("format") != _STATE_FORMAT:
+            raise ValidationError("state.format", f"must be {_STATE_FORMAT}, got {state.get('format')!r}")
+        ctl = cls(model, job, config, search=search)
+        ctl._budgets = _check_budgets(_mapping(state, "budgets"), "state.budgets")
+        ctl._V = _check_v(state.get("V"), "state.V")
+        queues = _check_budgets(_mapping(state, "queues"), "state.queues")
+        ctl._queues = {k: queues.get(k, 0.0) for k in ctl._budgets}
+        ctl._slot = _count(state, "slot")
+        ctl._version = _count(state, "version")
+        raw_plan = state.get("plan")
+        ctl._plan = None if raw_plan is None else serde.plan_from_dict(raw_plan, "state.plan")
+        raw_pending = state.get("pending")
+        if raw_pending is not None:
+            if not isinstance(raw_pending, Mapping):
+                raise ValidationError("state.pending", "must be an object or null")
+            ctl._pending = _Pending(
+                MappingProxyType(_check_budgets(_mapping(raw_pending, "queues_before", "state.pending"),
+                                                "state.pending.queues_before")),
+                MappingProxyType(_check_budgets(_mapping(raw_pending, "budgets", "state.pending"),
+                                                "state.pending.budgets")),
+                MappingProxyType(_check_budgets(_mapping(raw_pending, "costs", "state.pending"),
+                                                "state.pending.costs")),
+            )
+        short = state.get("short", [])
+        if not isinstance(short, list) or any(k not in COST_KINDS for k in short):
+            raise ValidationError("state.short", f"must be a list of cost kinds, got {short!r}")
+        ctl._short = set(short)
+        return ctl
+
+    # -- internals -----------------------------------------------------------
+
+    @staticmethod
+    def _updated(
+        queues: Mapping[str, float], budgets: Mapping[str, float], costs: Mapping[str, float]
+    ) -> dict[str, float]:
+        return {k: max(queues.get(k, 0.0) + costs.get(k, 0.0) - b, 0.0) for k, b in budgets.items()}
+
+    def _settled_queues(self, observed: Cluster) -> dict[str, float]:
+        """Q(t): the last update redone with the cost rates the last plan really had."""
+        queues = dict(self._queues)
+        pending, plan = self._pending, self._plan
+        if pending is not None and plan is not None and all(d in observed.by_id for d in plan.devices):
+            real = plan_costs(observed, plan)
+            redone = self._updated(pending.queues_before, pending.budgets, real)
+            queues.update({k: v for k, v in redone.items() if k in queues})
+        return {k: queues.get(k, 0.0) for k in self._budgets}
+
+    def _running_candidate(self, observed: Cluster) -> tuple[Candidate | None, str | None]:
+        plan = self._plan
+        if plan is None:
+            return None, None
+        missing = [d for d in plan.devices if d not in observed.by_id]
+        if missing:
+            return None, f"plan v{self._version} uses devices no longer present ({', '.join(missing[:4])}); re-planned"
+        ev = evaluate(observed, self.model, plan, self.job.global_batch)
+        if not ev.valid or ev.iteration_s is None:
+            return None, f"plan v{self._version} is no longer valid ({ev.error}); re-planned"
+        return Candidate(plan, ev.iteration_s, plan_costs(observed, plan), "running"), None
+
+    def _fits(self, cand: Candidate) -> bool:
+        return all(cand.costs.get(k, 0.0) <= b * (1 + 1e-9) for k, b in self._budgets.items())
+
+    def _budget_warnings(self, cands: Sequence[Candidate]) -> list[str]:
+        out = []
+        short = set()
+        for kind, budget in self._budgets.items():
+            cheapest = min(c.costs.get(kind, 0.0) for c in cands)
+            if cheapest > budget * (1 + 1e-9):
+                short.add(kind)
+                if kind not in self._short:
+                    out.append(
+                        f"job.budgets.{kind}: {budget:g} is below the cheapest feasible plan "
+                        f"({cheapest:g}); its queue will grow and the controller keeps to the "
+                        "cheapest plans it finds"
+                    )
+        self._short = short
+        return out
+
+    def _choose(
+        self,
+        observed: Cluster,
+        running: Candidate | None,
+        pool: list[Candidate],
+        queues: Mapping[str, float],
+    ) -> tuple[Candidate, SwitchCost]:
+        policy = self.config.policy
+        no_switch = SwitchCost(0.0, 0.0)
+        if policy == "static" and running is not None:
+            return running, no_switch
+        if policy in ("budget-greedy", "static") and self._budgets:
+            everyone = pool + ([running] if running else [])
+            fitting = [c for c in everyone if self._fits(c)]
+            if not fitting:  # nothing fits: the least over budget, relative to each budget
+                def excess(c: Candidate) -> float:
+                    return sum(max(c.costs.get(k, 0.0) - b, 0.0) / max(b, 1e-9)
+                               for k, b in self._budgets.items())
+                least = min(excess(c) for c in everyone)
+                fitting = [c for c in everyone if excess(c) <= least * (1 + 1e-9)]
+            if running is not None and running not in fitting:
+                running = None  # must move: the running plan breaks the budget
+            pool = [c for c in fitting if c is not running]
+            if not pool:
+                assert running is not None
+                return running, no_switch
+        scored_q: Mapping[str, float] = queues if policy == "lyapunov" else {}
+        V = self._V
+
+        def score(c: Candidate) -> float:
+            return c.score(V, scored_q)
+
+        pool.sort(key=score)
+        best: Candidate | None = None
+        best_eff, best_switch = math.inf, no_switch
+        for cand in pool:
+            raw = score(cand)
+            if raw >= best_eff:
+                break  # penalties are >= 0: nothing later can win
+            sw = switch_cost(observed, self.model, self._plan, cand.plan)
+            eff = raw + V * self._per_iteration(sw.seconds, cand.iteration_s)
+            if eff < best_eff:
+                best, best_eff, best_switch = cand, eff, sw
+        if running is None:
+            assert best is not None
+            return best, best_switch
+        keep = score(running)
+        if best is not None and best_eff < keep - self.config.hysteresis * V * running.iteration_s:
+            return best, best_switch
+        return running, no_switch
+
+    def _per_iteration(self, switch_s: float, iteration_s: float) -> float:
+        """Switching time spread over the slot's iterations (seconds per iteration)."""
+        if switch_s == 0.0:
+            return 0.0
+        n = self.config.iterations_per_slot
+        if n is None:
+            n_f = max(self.config.slot_s / max(iteration_s, 1e-12), 1.0)
+            return switch_s / n_f
+        return switch_s / n
+
+
+def _mapping(obj: Mapping[str, Any], key: str, path: str = "state") -> Mapping[str, Any]:
+    value = obj.get(key)
+    if not isinstance(value, Mapping):
+        raise ValidationError(f"{path}.{key}", "must be an object")
+    return value
+
+
+def _count(obj: Mapping[str, Any], key: str) -> int:
+    value = obj.get(key)
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValidationError(f"state.{key}", f"must be an integer >= 0, got {value!r}")
+    return value

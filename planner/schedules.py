@@ -9,7 +9,7 @@ from functools import lru_cache
 
 from .errors import InvalidPlanError
 
-__all__ = ["Op", "custom_order", "format_order", "inflight", "order"]
+__all__ = ["Op", "custom_order", "format_order", "inflight", "order", "warmup_order"]
 
 Op = tuple[bool, int]
 
@@ -21,14 +21,26 @@ def order(schedule: str, num_stages: int, stage: int, microbatches: int) -> tupl
     if schedule == "gpipe":
         return tuple((False, k) for k in range(m)) + tuple((True, k) for k in range(m))
     if schedule == "1f1b":
-        w = min(num_stages - stage - 1, m)
-        ops: list[Op] = [(False, k) for k in range(w)]
-        for i in range(m - w):
-            ops.append((False, w + i))
-            ops.append((True, i))
-        ops.extend((True, k) for k in range(m - w, m))
-        return tuple(ops)
+        return warmup_order(num_stages - stage - 1, m)
     raise ValueError(f"no built-in order for schedule {schedule!r}")
+
+
+@lru_cache(maxsize=4096)
+def warmup_order(warmup: int, microbatches: int) -> tuple[Op, ...]:
+    """w forwards, then alternate one forward and one backward, then drain.
+
+    ``warmup = S - j - 1`` is 1f1b; ``warmup >= M`` is gpipe; values between
+    are the "eager 1f1b" custom orders the planner tries when extra in-flight
+    microbatches hide transfer latency.
+    """
+    m = microbatches
+    w = max(0, min(warmup, m))
+    ops: list[Op] = [(False, k) for k in range(w)]
+    for i in range(m - w):
+        ops.append((False, w + i))
+        ops.append((True, i))
+    ops.extend((True, k) for k in range(m - w, m))
+    return tuple(ops)
 
 
 def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[Op, ...]:

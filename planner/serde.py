@@ -295,7 +295,7 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
         )
     raw_sched = obj.get("schedule", ["1f1b", "gpipe"])
     if isinstance(raw_sched, str):
-        raw_sched = ["1f1b", "gpipe"] if raw_sched == "any" else [raw_sched]
+        raw_sched = ["1f1b", "gpipe", "custom"] if raw_sched == "any" else [raw_sched]
     scheds = _list(raw_sched, f"{path}.schedule", non_empty=True)
     for i, s in enumerate(scheds):
         if s not in SCHEDULES:

@@ -1,0 +1,140 @@
+"""Uneven data assignment across data-parallel groups.
+
+Each group's makespan is close to affine in its number of microbatches,
+``P_g(M) ~ a_g + b_g * M`` (fill/drain plus a per-microbatch cycle). The
+continuous assignment is the linear programme
+
+    minimise t  s.t.  a_g * u_g + b_g * M_g <= t,  sum_g M_g = N,
+                      0 <= M_g <= cap_g * u_g ... (relaxed: u_g = 1)
+
+solved with cvxpy. The problem is built once per number of groups with
+``cp.Parameter``s (DPP), so re-solves in the tentative search and every
+controller slot only update values. Rounding then works on the *exact*
+makespans: floor the LP solution (keeping every group at >= 1 microbatch),
+hand out the remaining microbatches one at a time to the group whose makespan
+grows least, and finally move single microbatches off the slowest group while
+that lowers the maximum. For nondecreasing ``P_g`` the greedy hand-out is
+optimal for the integer min-max problem given the floor, so the result is
+within one microbatch's cycle of the LP bound.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections.abc import Callable, Sequence
+from functools import lru_cache
+
+import cvxpy as cp
+import numpy as np
+
+from .errors import SolverError
+
+__all__ = ["AssignmentLP", "assign_microbatches", "lp_problem"]
+
+_SOLVERS = ("CLARABEL", "HIGHS")
+
+
+class AssignmentLP:
+    """The DPP-compiled LP for K groups."""
+
+    def __init__(self, k: int) -> None:
+        self.k = k
+        self.a = cp.Parameter(k, nonneg=True, name="fill_s")
+        self.b = cp.Parameter(k, nonneg=True, name="cycle_s")
+        self.cap = cp.Parameter(k, nonneg=True, name="max_microbatches")
+        self.total = cp.Parameter(nonneg=True, name="microbatches")
+        self.m = cp.Variable(k, name="M")
+        self.t = cp.Variable(name="t")
+        constraints = [
+            self.a + cp.multiply(self.b, self.m) <= self.t,
+            cp.sum(self.m) == self.total,
+            self.m >= 0,
+            self.m <= self.cap,
+        ]
+        self.problem = cp.Problem(cp.Minimize(self.t), constraints)
+
+    def solve(
+        self, fill: Sequence[float], cycle: Sequence[float], cap: Sequence[float], total: int
+    ) -> np.ndarray:
+        self.a.value = np.asarray(fill, dtype=float)
+        self.b.value = np.asarray(cycle, dtype=float)
+        self.cap.value = np.asarray(cap, dtype=float)
+        self.total.value = float(total)
+        errors = []
+        for solver in _SOLVERS:
+            try:
+                self.problem.solve(solver=solver)
+            except (cp.error.SolverError, ValueError) as exc:  # pragma: no cover - solver specific
+                errors.append(f"{solver}: {exc}")
+                continue
+            if self.problem.status in (cp.OPTIMAL, cp.OPTIMAL_INACCURATE) and self.m.value is not None:
+                return np.clip(np.asarray(self.m.value, dtype=float), 0.0, None)
+            errors.append(f"{solver}: {self.problem.status}")
+        raise SolverError(f"data assignment LP failed: {'; '.join(errors)}")
+
+
+@lru_cache(maxsize=64)
+def lp_problem(k: int) -> AssignmentLP:
+    return AssignmentLP(k)
+
+
+def assign_microbatches(
+    makespan: Callable[[int, int], float],
+    fill: Sequence[float],
+    cycle: Sequence[float],
+    cap: Sequence[int],
+    total: int,
+) -> list[int] | None:
+    """Integer microbatches per group (each >= 1), or None if ``total`` cannot fit.
+
+    ``makespan(g, M)`` is the exact makespan of group g with M microbatches
+    (``inf`` when it does not fit in memory).
+    """
+    k = len(fill)
+    caps = [max(0, int(c)) for c in cap]
+    if k == 0 or total < k or sum(min(c, total) for c in caps) < total or min(caps) < 1:
+        return None
+    if k == 1:
+        counts = [total]
+    else:
+        relaxed = lp_problem(k).solve(fill, cycle, caps, total)
+        counts = [min(caps[g], max(1, math.floor(relaxed[g] + 1e-9))) for g in range(k)]
+        while sum(counts) > total:  # the >= 1 floor can overshoot for tiny groups
+            g = max(range(k), key=lambda i: (counts[i] > 1, makespan(i, counts[i])))
+            counts[g] -= 1
+    current = [makespan(g, counts[g]) for g in range(k)]
+    heap = [(makespan(g, counts[g] + 1), g) for g in range(k) if counts[g] < caps[g]]
+    heapq.heapify(heap)
+    missing = total - sum(counts)
+    while missing > 0 and heap:
+        _, g = heapq.heappop(heap)
+        counts[g] += 1
+        missing -= 1
+        current[g] = makespan(g, counts[g])
+        if counts[g] < caps[g]:
+            heapq.heappush(heap, (makespan(g, counts[g] + 1), g))
+    if missing > 0:
+        return None
+    # local improvement: move one microbatch off the slowest group
+    for _ in range(16):
+        worst = max(range(k), key=current.__getitem__)
+        if counts[worst] <= 1:
+            break
+        target = min(
+            (i for i in range(k) if i != worst and counts[i] < caps[i]),
+            key=lambda i: makespan(i, counts[i] + 1),
+            default=None,
+        )
+        if target is None:
+            break
+        new_target = makespan(target, counts[target] + 1)
+        new_worst = makespan(worst, counts[worst] - 1)
+        if max(new_target, new_worst) >= current[worst] * (1 - 1e-12):
+            break
+        counts[worst] -= 1
+        counts[target] += 1
+        current[worst], current[target] = new_worst, new_target
+    if any(not math.isfinite(p) for p in current):
+        return None
+    return counts

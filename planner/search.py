@@ -1,0 +1,363 @@
+"""Tentative search over group structures: the hetpilot planner.
+
+A *structure* fixes which devices form data-parallel groups and the stage
+order inside each group (device mapping). For each structure and schedule the
+planner cuts every group (:mod:`.partition`), assigns microbatches across
+groups (:mod:`.assign`) and scores the whole plan with the reference model
+(:mod:`.refmodel`), gradient synchronisation included. Structures tried:
+
+* ``dp``: every device its own replica;
+* ``host``: one pipeline per host (fast intra-host links);
+* ``chain``: one pipeline over all devices, hosts chained along fast links;
+* ``split-host`` / ``host-pairs``: halves of hosts, pairs of linked hosts;
+* ``chunk-s``: pipelines of s devices along the chain (s = 2, 4, 8);
+* ``speed-class``: per-host pipelines of devices of similar speed;
+* ``fit-dp``: replicas where the model fits, pipelines of the rest.
+
+Each structure is also tried on device subsets without the slowest devices
+(stragglers that would only slow the whole); on small clusters every subset
+is tried. Baseline plans are candidates too, so the planner is never worse
+than the baselines under the reference model. Finally, where the job allows
+"custom", eager-1f1b orders (more warm-up forwards where memory allows) are
+tried on the best plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .candidates import Candidate, plan_costs
+from .errors import InfeasibleError
+from .partition import GroupCut, ModelArrays, evaluate_cut, partition_group
+from .refmodel import evaluate
+from .schedules import format_order, warmup_order
+from .types import Cluster, Device, Group, Job, Model, Plan, Stage
+
+__all__ = ["Structure", "candidate_plans", "make_plan", "structures"]
+
+_EXHAUSTIVE_DEVICES = 6
+_BUILTIN = ("1f1b", "gpipe")
+
+
+@dataclass(frozen=True)
+class Structure:
+    label: str
+    groups: tuple[tuple[Device, ...], ...]
+
+
+# -- structures -----------------------------------------------------------------
+
+def _host_chain(cluster: Cluster, devices: Sequence[Device]) -> list[str]:
+    """Hosts ordered greedily so that consecutive hosts share fast links."""
+    hosts = list(dict.fromkeys(d.host for d in devices))
+    if len(hosts) <= 2:
+        return hosts
+    rep = {}
+    for d in devices:
+        rep.setdefault(d.host, d.id)
+    if len(hosts) > 64:  # uniform big clusters: keep the given order (O(n^2) otherwise)
+        return hosts
+    chain = [hosts[0]]
+    left = set(hosts[1:])
+    while left:
+        last = rep[chain[-1]]
+        nxt = max(sorted(left), key=lambda h: cluster.link(last, rep[h])[0])
+        chain.append(nxt)
+        left.remove(nxt)
+    return chain
+
+
+def _by_host(cluster: Cluster, devices: Sequence[Device]) -> dict[str, list[Device]]:
+    out: dict[str, list[Device]] = {h: [] for h in _host_chain(cluster, devices)}
+    for d in devices:
+        out[d.host].append(d)
+    for h in out:  # biggest memory first: stage 0 keeps the most microbatches in flight
+        out[h].sort(key=lambda d: (-d.memory_gb, -d.tflops, d.id))
+    return out
+
+
+def _chunks(items: Sequence[Device], size: int) -> list[tuple[Device, ...]]:
+    return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
+
+
+def _fits_alone(arr: ModelArrays, dev: Device, micro: int) -> bool:
+    total = arr.num_layers
+    params = arr.segment_sum(arr.param, 0, total) * (1 + arr.opt)
+    rc = params + micro * arr.segment_sum(arr.inp, 0, total) + micro * arr.segment_sum(arr.act, 0, total)
+    return rc <= 1000.0 * dev.memory_gb
+
+
+def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
+               micro: int) -> list[Structure]:
+    """Candidate device mappings for ``devices`` (a subset of the cluster)."""
+    max_stages = arr.num_layers
+    by_host = _by_host(cluster, devices)
+    chain = [d for h in by_host for d in by_host[h]]
+    out: list[Structure] = []
+
+    def add(label: str, groups: Iterable[Sequence[Device]]) -> None:
+        split: list[tuple[Device, ...]] = []
+        for g in groups:
+            if g:
+                split.extend(_chunks(list(g), max_stages))
+        out.append(Structure(label, tuple(split)))
+
+    add("dp", [[d] for d in chain])
+    add("host", by_host.values())
+    add("chain", [chain])
+    add("split-host", [half for g in by_host.values()
+                       for half in (g[: (len(g) + 1) // 2], g[(len(g) + 1) // 2:])])
+    hosts = list(by_host.values())
+    add("host-pairs", [hosts[i] + (hosts[i + 1] if i + 1 < len(hosts) else [])
+                       for i in range(0, len(hosts), 2)])
+    for size in (2, 4, 8):
+        if size < len(chain):
+            add(f"chunk-{size}", _chunks(chain, size))
+    tiers: dict[tuple[str, int], list[Device]] = {}
+    for d in chain:
+        tiers.setdefault((d.host, round(math.log(d.tflops, 1.5))), []).append(d)
+    add("speed-class", tiers.values())
+    fit = [d for d in chain if _fits_alone(arr, d, micro)]
+    rest: dict[str, list[Device]] = {}
+    for d in chain:
+        if d not in fit:
+            rest.setdefault(d.host, []).append(d)
+    add("fit-dp", [[d] for d in fit] + list(rest.values()))
+    unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
+    for s in out:
+        key = tuple(tuple(d.id for d in g) for g in s.groups)
+        unique.setdefault(key, s)
+    return list(unique.values())
+
+
+# -- planning one structure -------------------------------------------------------
+
+class Planner:
+    """Plans one (cluster, model, job); caches cuts by group signature."""
+
+    def __init__(self, cluster: Cluster, model: Model, job: Job) -> None:
+        self.cluster = cluster
+        self.model = model
+        self.job = job
+        self.arr = ModelArrays(model)
+        self.micro = job.microbatch_size
+        self.total = job.microbatches
+        self._cuts: dict[tuple[object, ...], GroupCut | None] = {}
+        self._evals: dict[tuple[object, ...], GroupCut | None] = {}
+
+    def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
+        return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
+
+    def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
+        return (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+
+    def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
+        key = (self._signature(devs), microbatches, schedule)
+        if key not in self._cuts:
+            self._cuts[key] = partition_group(
+                self.arr, devs, self.links(devs), self.micro, microbatches, schedule
+            )
+        return self._cuts[key]
+
+    def at(self, devs: Sequence[Device], bounds: tuple[int, ...], microbatches: int,
+           schedule: str) -> GroupCut | None:
+        key = (self._signature(devs), bounds, microbatches, schedule)
+        if key not in self._evals:
+            self._evals[key] = evaluate_cut(
+                self.arr, devs, self.links(devs), bounds, self.micro, microbatches, schedule
+            )
+        return self._evals[key]
+
+    def _cap(self, devs: Sequence[Device], bounds: tuple[int, ...], schedule: str) -> int:
+        """Most microbatches the cut holds in memory (gpipe keeps all in flight)."""
+        if schedule != "gpipe":
+            return self.total
+        lo, hi = 0, self.total
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.at(devs, bounds, mid, schedule) is not None:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
+    def plan_structure(self, structure: Structure, schedule: str) -> Candidate | None:
+        total = self.total
+        groups = [g for g in structure.groups if g]
+        speed = [sum(d.tflops for d in g) for g in groups]
+        cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
+        for g, sp in zip(groups, speed, strict=True):
+            guess = max(1, min(total, round(total * sp / sum(speed))))
+            c = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
+            if c is not None:
+                cuts.append((g, c))
+        if not cuts:
+            return None
+        if len(cuts) > total:  # more groups than microbatches: keep the fastest
+            cuts.sort(key=lambda gc: gc[1].makespan)
+            cuts = cuts[:total]
+        for _ in range(2):
+            counts = self._assign(cuts, schedule)
+            if counts is None:
+                return None
+            changed = False
+            for i, ((g, c), m) in enumerate(zip(cuts, counts, strict=True)):
+                fresh = self.cut(g, m, schedule)
+                kept = self.at(g, c.bounds, m, schedule)
+                if fresh is not None and (kept is None or fresh.makespan < kept.makespan):
+                    changed = changed or fresh.bounds != c.bounds
+                    cuts[i] = (g, fresh)
+            if not changed:
+                break
+        return self._candidate(structure.label, cuts, counts, schedule)
+
+    def _assign(self, cuts: list[tuple[tuple[Device, ...], GroupCut]],
+                schedule: str) -> list[int] | None:
+        from .assign import assign_microbatches
+
+        total = self.total
+
+        def makespan(i: int, m: int) -> float:
+            if m < 1:
+                return 0.0
+            g, c = cuts[i]
+            found = self.at(g, c.bounds, m, schedule)
+            return math.inf if found is None else found.makespan
+
+        fill, cycle, caps = [], [], []
+        share = max(1, total // len(cuts))
+        for i, (g, c) in enumerate(cuts):
+            m1 = min(total, share)
+            m2 = m1 + max(2, len(g))
+            p1, p2 = makespan(i, m1), makespan(i, m2)
+            if not math.isfinite(p2):
+                p1, m1, p2, m2 = makespan(i, 1), 1, makespan(i, 2), 2
+            slope = (p2 - p1) / (m2 - m1) if math.isfinite(p2) else p1
+            cycle.append(max(slope, 1e-12))
+            fill.append(max(p1 - slope * m1, 0.0))
+            caps.append(self._cap(g, c.bounds, schedule))
+        return assign_microbatches(makespan, fill, cycle, caps, total)
+
+    def _candidate(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
+                   counts: list[int], schedule: str) -> Candidate | None:
+        groups = []
+        for (g, cut), m in zip(cuts, counts, strict=True):
+            c = self.at(g, cut.bounds, m, schedule)
+            if c is None:
+                return None
+            stages = tuple(
+                Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]), recompute=c.recompute[j])
+                for j, d in enumerate(g)
+            )
+            groups.append(Group(samples=m * self.micro, stages=stages))
+        plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
+        return self.score(plan, label)
+
+    def score(self, plan: Plan, label: str) -> Candidate | None:
+        result = evaluate(self.cluster, self.model, plan, self.job.global_batch)
+        if not result.valid or result.iteration_s is None:
+            return None
+        plan = Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule,
+                    groups=plan.groups, predicted_iteration_s=result.iteration_s)
+        return Candidate(plan, result.iteration_s, plan_costs(self.cluster, plan), label)
+
+    def eager_variants(self, best: Candidate) -> list[Candidate]:
+        """Custom orders with more warm-up forwards than 1f1b (memory permitting)."""
+        plan = best.plan
+        if plan.schedule != "1f1b" or all(len(g.stages) == 1 for g in plan.groups):
+            return []
+        out = []
+        for extra in (1, 2, 4):
+            groups = []
+            for g in plan.groups:
+                m = g.samples // self.micro
+                n = len(g.stages)
+                stages = tuple(
+                    Stage(device=s.device, layers=s.layers, recompute=s.recompute,
+                          order=format_order(warmup_order(n - j - 1 + extra, m)))
+                    for j, s in enumerate(g.stages)
+                )
+                groups.append(Group(samples=g.samples, stages=stages))
+            cand = self.score(Plan(microbatch_size=self.micro, schedule="custom",
+                                   groups=tuple(groups)), f"{best.label}+eager{extra}")
+            if cand is not None:
+                out.append(cand)
+        return out
+
+
+# -- the search -----------------------------------------------------------------------
+
+def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
+    """Device subsets to try: all of them on small clusters, else without stragglers."""
+    n = len(devices)
+    if n <= _EXHAUSTIVE_DEVICES:
+        out = []
+        for k in range(n, 0, -1):
+            for combo in itertools.combinations(devices, k):
+                out.append((f"subset{k}", list(combo)))
+        return out
+    slow_first = sorted(devices, key=lambda d: (d.tflops, d.id))
+    out = [("all", list(devices))]
+    k = 1
+    while k < n:
+        dropped = {d.id for d in slow_first[:k]}
+        out.append((f"drop{k}", [d for d in devices if d.id not in dropped]))
+        k *= 2
+    return out
+
+
+def candidate_plans(cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+    """The best plan of every structure and device subset tried, each scored.
+
+    Every candidate is valid under the reference model. The list is what the
+    Lyapunov controller chooses from; :func:`make_plan` takes the fastest.
+    """
+    planner = Planner(cluster, model, job)
+    schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
+    found: list[Candidate] = []
+    for label, subset in _subsets(list(cluster.devices)):
+        for structure in structures(cluster, subset, planner.arr, planner.micro):
+            for schedule in schedules:
+                cand = planner.plan_structure(
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule
+                )
+                if cand is not None:
+                    found.append(cand)
+    from .baselines import BASELINES
+
+    for name, baseline in BASELINES.items():
+        try:
+            plan = baseline(cluster, model, job)
+        except InfeasibleError:
+            continue
+        cand = planner.score(plan, f"baseline/{name}")
+        if cand is not None:
+            found.append(cand)
+    if found and "custom" in job.schedules:
+        best = min(found, key=lambda c: c.iteration_s)
+        found.extend(planner.eager_variants(best))
+    return found
+
+
+def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpilot") -> Plan:
+    """The plan of ``policy``: hetpilot's fastest, or a baseline's."""
+    if policy != "hetpilot":
+        from .baselines import BASELINES
+
+        if policy not in BASELINES:
+            raise ValueError(f"unknown policy {policy!r}")
+        plan = BASELINES[policy](cluster, model, job)
+        scored = Planner(cluster, model, job).score(plan, policy)
+        if scored is None:
+            raise InfeasibleError(f"{policy}: its plan does not fit in memory")
+        return scored.plan
+    found = candidate_plans(cluster, model, job)
+    if not found:
+        raise InfeasibleError(
+            "no plan fits in memory: no device or pipeline of devices can hold the model "
+            f"with microbatch size {job.microbatch_size}, even with recompute"
+        )
+    return min(found, key=lambda c: (c.iteration_s, len(c.plan.devices))).plan
