@@ -19,6 +19,14 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hetpilot.planner.cli", "plan a cluster, model and batch (spec v1 section 7)"),
     "evaluate": ("hetpilot.planner.cli", "judge a plan with the reference model"),
+    "daemon": ("hetpilot.daemon.cli", "run the control-plane daemon (head node)"),
+    "agent": ("hetpilot.agents.cli", "run the node agent (one per GPU host)"),
+    "submit": ("hetpilot.client.cli", "submit a job file (job.toml); prints the job id"),
+    "jobs": ("hetpilot.client.cli", "list your jobs"),
+    "job": ("hetpilot.client.cli", "show one job"),
+    "watch": ("hetpilot.client.cli", "follow a job's plan versions live"),
+    "budget": ("hetpilot.client.cli", "change a job's budgets or V (price_per_hour=20 V=5)"),
+    "cancel": ("hetpilot.client.cli", "cancel a job"),
 }
 
 

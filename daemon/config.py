@@ -1,0 +1,152 @@
+"""Daemon configuration: frozen keyword-only dataclasses loaded from one TOML file.
+
+Command-line flags (``--listen``, ``--state-dir``) override the file. Secrets
+are read from files named in the config (``*_file``) or given inline for
+tests; nothing is read from the environment.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
+
+
+class ConfigError(ValueError):
+    """A config value that is missing, of the wrong type or out of range."""
+
+
+def _positive(name: str, value: float) -> None:
+    if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name}: must be a positive number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TlsConfig:
+    cert_file: str = ""
+    """PEM server certificate chain; TLS is off when empty."""
+    key_file: str = ""
+    """PEM private key of cert_file."""
+    client_ca_file: str = ""
+    """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+
+    def __post_init__(self) -> None:
+        if bool(self.cert_file) != bool(self.key_file):
+            raise ConfigError("tls: cert_file and key_file go together")
+        if self.client_ca_file and not self.cert_file:
+            raise ConfigError("tls.client_ca_file: needs cert_file and key_file")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.cert_file)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AuthConfig:
+    owner_tokens: dict[str, str] = field(default_factory=dict)
+    """Job owner -> bearer token. Owners see and change only their own jobs."""
+    owner_tokens_file: str = ""
+    """TOML file of ``owner = "token"`` lines, merged into owner_tokens."""
+    cluster_token: str = ""
+    """Bearer token of agents and trainers."""
+    cluster_token_file: str = ""
+    """File holding the cluster token (first line), used when cluster_token is empty."""
+    allow_unauthenticated: bool = False
+    """Development only: every caller is owner "anonymous" and a cluster member."""
+
+    def __post_init__(self) -> None:
+        for owner, token in self.owner_tokens.items():
+            if not isinstance(token, str) or len(token) < 8:
+                raise ConfigError(f"auth.owner_tokens.{owner}: token must be >= 8 characters")
+        if len(set(self.owner_tokens.values())) != len(self.owner_tokens):
+            raise ConfigError("auth.owner_tokens: two owners share a token")
+        if self.cluster_token and len(self.cluster_token) < 8:
+            raise ConfigError("auth.cluster_token: must be >= 8 characters")
+
+    def resolved(self) -> AuthConfig:
+        """Read the token files into the inline fields."""
+        owners = dict(self.owner_tokens)
+        if self.owner_tokens_file:
+            with open(self.owner_tokens_file, "rb") as fh:
+                owners.update({str(k): str(v) for k, v in tomllib.load(fh).items()})
+        cluster = self.cluster_token
+        if not cluster and self.cluster_token_file:
+            cluster = Path(self.cluster_token_file).read_text().strip().splitlines()[0]
+        return replace(self, owner_tokens=owners, cluster_token=cluster,
+                       owner_tokens_file="", cluster_token_file="")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DaemonConfig:
+    listen: str = "127.0.0.1:7070"
+    """gRPC address, host:port; port 0 lets the OS pick (written to state_dir/endpoints.json)."""
+    state_dir: str = "/var/lib/hetpilot"
+    """Holds state.db (SQLite, WAL) and endpoints.json."""
+    metrics_listen: str = "127.0.0.1:9464"
+    """Prometheus /metrics address; empty turns metrics off; port 0 lets the OS pick."""
+    slot_s: float = 60.0
+    """Default controller slot length of jobs that do not set one."""
+    report_interval_s: float = 1.0
+    """How often agents are asked to report."""
+    heartbeat_timeout_s: float = 10.0
+    """An agent silent this long is down; its devices leave the next plan."""
+    grace_s: float = 5.0
+    """On SIGTERM, how long in-flight calls get before they are cancelled."""
+    max_message_bytes: int = 4 * 1024 * 1024
+    """Larger requests are refused with RESOURCE_EXHAUSTED."""
+    max_concurrent_streams: int = 10000
+    intra_host_gbps: float = 2400.0
+    """Network defaults for pairs no probe has measured (spec v1 section 1)."""
+    inter_host_gbps: float = 25.0
+    latency_us: float = 5.0
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+
+    def __post_init__(self) -> None:
+        if ":" not in self.listen:
+            raise ConfigError(f"listen: must be host:port, got {self.listen!r}")
+        if self.metrics_listen and ":" not in self.metrics_listen:
+            raise ConfigError(f"metrics_listen: must be host:port, got {self.metrics_listen!r}")
+        for name in ("slot_s", "report_interval_s", "heartbeat_timeout_s", "grace_s",
+                     "intra_host_gbps", "inter_host_gbps"):
+            _positive(name, getattr(self, name))
+        if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
+            raise ConfigError(f"latency_us: must be >= 0, got {self.latency_us!r}")
+        if self.heartbeat_timeout_s < self.report_interval_s:
+            raise ConfigError("heartbeat_timeout_s: must be >= report_interval_s")
+        if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
+            raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
+
+
+def _build(cls: type, data: dict[str, Any], path: str) -> Any:
+    known = {f.name for f in fields(cls)}
+    unknown = set(data) - known
+    if unknown:
+        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        return cls(**data)
+    except TypeError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+
+
+def load_daemon_config(path: str | Path | None = None, **overrides: Any) -> DaemonConfig:
+    """Read ``[daemon]``, ``[auth]`` and ``[tls]`` from a TOML file; overrides win."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    unknown = set(data) - {"daemon", "auth", "tls"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
+    top = dict(data.get("daemon", {}))
+    top.update({k: v for k, v in overrides.items() if v is not None})
+    top["auth"] = _build(AuthConfig, dict(data.get("auth", {})), "auth")
+    top["tls"] = _build(TlsConfig, dict(data.get("tls", {})), "tls")
+    return _build(DaemonConfig, top, "daemon")  # type: ignore[no-any-return]

@@ -1,0 +1,249 @@
+"""Protobuf <-> daemon records: every ``*_from_proto`` validates and raises
+ValidationError (INVALID_ARGUMENT) or TooLarge (RESOURCE_EXHAUSTED); every
+``*_to_proto`` builds a message. The only module of the daemon, with the
+servicers, that sees protobuf.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Iterable, Mapping, Sequence
+
+from hetpilot.planner.errors import ValidationError
+from hetpilot.planner.types import COST_KINDS
+from hetpilot.v1 import agent_pb2, common_pb2, job_pb2, trainer_pb2
+
+from .errors import TooLarge
+from .records import (
+    JOB_CANCELLED,
+    JOB_PENDING,
+    JOB_RUNNING,
+    AgentRecord,
+    AgentReport,
+    DeviceInfo,
+    DeviceReport,
+    JobRecord,
+    JobStatus,
+    LinkReport,
+    PlanRecord,
+    StageTiming,
+    TimingsRecord,
+)
+
+__all__ = [
+    "MAX_DEVICES",
+    "MAX_ITEMS",
+    "agent_from_proto",
+    "attach_from_proto",
+    "budgets_from_proto",
+    "job_to_proto",
+    "peers_to_proto",
+    "plan_to_proto",
+    "report_from_proto",
+    "submit_from_proto",
+    "timings_from_proto",
+]
+
+MAX_DEVICES = 64
+"""Devices per host."""
+MAX_ITEMS = 1024
+"""Links per report, allowed hosts per job, stages per timing report."""
+MAX_MODEL_CHARS = 2_000_000
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+_KINDS = {common_pb2.DEVICE_KIND_CPU: "cpu", common_pb2.DEVICE_KIND_CUDA: "cuda",
+          common_pb2.DEVICE_KIND_EMULATED: "emulated"}
+_KIND_ENUM = {v: k for k, v in _KINDS.items()}
+_STATES = {JOB_PENDING: job_pb2.JOB_STATE_PENDING, JOB_RUNNING: job_pb2.JOB_STATE_RUNNING,
+           JOB_CANCELLED: job_pb2.JOB_STATE_CANCELLED}
+
+
+def name(value: str, field: str) -> str:
+    """A host, device index, job id or address: short, printable, no spaces."""
+    if not value:
+        raise ValidationError(field, "must not be empty")
+    if not _NAME.match(value):
+        raise ValidationError(field, f"must match {_NAME.pattern}, got {value[:40]!r}")
+    return value
+
+
+def number(value: float, field: str, *, positive: bool = False, maximum: float = 1e12) -> float:
+    if not math.isfinite(value):
+        raise ValidationError(field, f"must be finite, got {value}")
+    if value < 0 or (positive and value == 0):
+        raise ValidationError(field, f"must be {'> 0' if positive else '>= 0'}, got {value}")
+    if value > maximum:
+        raise ValidationError(field, f"must be <= {maximum:g}, got {value}")
+    return float(value)
+
+
+def fraction(value: float, field: str) -> float:
+    return number(value, field, maximum=1.0)
+
+
+def count(items: Sequence[object], field: str, limit: int = MAX_ITEMS) -> None:
+    if len(items) > limit:
+        raise TooLarge(f"{field}: at most {limit} entries, got {len(items)}")
+
+
+def budgets_from_proto(budgets: Mapping[str, float], field: str = "budgets") -> dict[str, float]:
+    out = {}
+    for kind, value in budgets.items():
+        if kind not in COST_KINDS:
+            raise ValidationError(f"{field}.{kind[:40]}",
+                                  f"unknown cost kind; known: {', '.join(COST_KINDS)}")
+        out[kind] = number(value, f"{field}.{kind}")
+    return out
+
+
+# -- jobs ------------------------------------------------------------------
+
+def submit_from_proto(req: job_pb2.SubmitJobRequest) -> JobRecord:
+    """A JobRecord without id, owner and state (the handler sets them)."""
+    if len(req.model_json) > MAX_MODEL_CHARS:
+        raise TooLarge(f"model_json: at most {MAX_MODEL_CHARS} characters")
+    count(req.allowed_hosts, "allowed_hosts")
+    count(req.schedules, "schedules", 3)
+    if req.name and len(req.name) > 128:
+        raise ValidationError("name", "at most 128 characters")
+    if len(req.request_id) > 128:
+        raise ValidationError("request_id", "at most 128 characters")
+    if req.global_batch < 1:
+        raise ValidationError("global_batch", "must be >= 1")
+    if req.microbatch_size < 1:
+        raise ValidationError("microbatch_size", "must be >= 1")
+    return JobRecord(
+        job_id="", owner="", state="", name=req.name or "job",
+        global_batch=req.global_batch, microbatch_size=req.microbatch_size,
+        schedules=tuple(req.schedules), budgets=budgets_from_proto(req.budgets),
+        V=number(req.v, "v") or 10.0, slot_s=number(req.slot_s, "slot_s", maximum=86400 * 7),
+        allowed_hosts=tuple(name(h, f"allowed_hosts[{i}]")
+                            for i, h in enumerate(req.allowed_hosts)),
+        model_json=req.model_json, profile_on_attach=req.profile_on_attach,
+        request_id=req.request_id)
+
+
+def _model_name(model_json: str) -> str:
+    if not model_json:
+        return ""
+    try:
+        return str(json.loads(model_json).get("name", ""))
+    except (ValueError, AttributeError):
+        return ""
+
+
+def job_to_proto(rec: JobRecord, status: JobStatus,
+                 emulated: Iterable[str] = ()) -> job_pb2.JobInfo:
+    emu = set(emulated)
+    return job_pb2.JobInfo(
+        job_id=rec.job_id, owner=rec.owner, name=rec.name, state=_STATES[rec.state],
+        global_batch=rec.global_batch, microbatch_size=rec.microbatch_size,
+        schedules=list(rec.schedules), budgets=dict(rec.budgets), v=rec.V, slot_s=rec.slot_s,
+        allowed_hosts=list(rec.allowed_hosts), profile_on_attach=rec.profile_on_attach,
+        model_name=_model_name(rec.model_json), slot=status.slot,
+        plan_version=status.plan_version, iteration_s=status.iteration_s,
+        costs=dict(status.costs), average_costs=status.average_costs(),
+        queues=dict(status.queues), devices=list(status.devices),
+        emulated_devices=[d for d in status.devices if d in emu],
+        created_unix_ms=rec.created_ms, warnings=list(status.warnings))
+
+
+def plan_to_proto(plan: PlanRecord) -> common_pb2.PlanVersion:
+    return common_pb2.PlanVersion(
+        job_id=plan.job_id, version=plan.version, slot=plan.slot,
+        plan_json=json.dumps(plan.plan), iteration_s=plan.iteration_s,
+        costs=dict(plan.costs), queues=dict(plan.queues), switch_cost_s=plan.switch_cost_s,
+        warnings=list(plan.warnings), created_unix_ms=plan.created_ms)
+
+
+# -- agents ----------------------------------------------------------------
+
+def agent_from_proto(req: agent_pb2.RegisterRequest) -> AgentRecord:
+    host = name(req.host, "host")
+    if req.probe_address:
+        name(req.probe_address, "probe_address")
+    count(req.devices, "devices", MAX_DEVICES)
+    if not req.devices:
+        raise ValidationError("devices", "must not be empty")
+    devices = []
+    seen = set()
+    for i, d in enumerate(req.devices):
+        f = f"devices[{i}]"
+        index = name(d.index, f"{f}.index")
+        if index in seen:
+            raise ValidationError(f"{f}.index", f"duplicate device {index!r}")
+        seen.add(index)
+        kind = _KINDS.get(d.kind)
+        if kind is None:
+            raise ValidationError(f"{f}.kind", f"unknown device kind {d.kind}")
+        if d.emulated != (kind == "emulated"):
+            raise ValidationError(f"{f}.emulated", "must be set exactly for DEVICE_KIND_EMULATED")
+        if len(d.name) > 128:
+            raise ValidationError(f"{f}.name", "at most 128 characters")
+        devices.append(DeviceInfo(
+            index=index, name=d.name, kind=kind,
+            tflops=number(d.tflops, f"{f}.tflops", positive=True, maximum=1e6),
+            memory_gb=number(d.memory_gb, f"{f}.memory_gb", positive=True, maximum=1e6),
+            price_per_hour=number(d.price_per_hour, f"{f}.price_per_hour", maximum=1e6),
+            power_watts=number(d.power_watts, f"{f}.power_watts", maximum=1e7),
+            emulated=d.emulated))
+    return AgentRecord(host=host, probe_address=req.probe_address, devices=tuple(devices))
+
+
+def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
+    agent_id = name(req.agent_id, "agent_id")
+    count(req.devices, "devices", MAX_DEVICES)
+    count(req.links, "links")
+    devices = []
+    for i, d in enumerate(req.devices):
+        f = f"devices[{i}]"
+        devices.append(DeviceReport(
+            index=name(d.index, f"{f}.index"),
+            tflops=number(d.tflops, f"{f}.tflops", maximum=1e6),
+            memory_total_gb=number(d.memory_total_gb, f"{f}.memory_total_gb", maximum=1e6),
+            memory_free_gb=number(d.memory_free_gb, f"{f}.memory_free_gb", maximum=1e6),
+            utilization=fraction(d.utilization, f"{f}.utilization"),
+            colocated_processes=d.colocated_processes,
+            colocated_load=fraction(d.colocated_load, f"{f}.colocated_load"),
+            emulated=d.emulated))
+    links = []
+    for i, link in enumerate(req.links):
+        f = f"links[{i}]"
+        links.append(LinkReport(peer_host=name(link.peer_host, f"{f}.peer_host"),
+                                gbps=number(link.gbps, f"{f}.gbps", maximum=1e6),
+                                rtt_us=number(link.rtt_us, f"{f}.rtt_us", maximum=1e9)))
+    return AgentReport(agent_id=agent_id, seq=req.seq, unix_ms=req.unix_ms,
+                       devices=tuple(devices), links=tuple(links))
+
+
+def peers_to_proto(peers: Iterable[tuple[str, str]]) -> list[agent_pb2.Peer]:
+    return [agent_pb2.Peer(host=h, probe_address=a) for h, a in peers]
+
+
+def device_kind_enum(kind: str) -> int:
+    return _KIND_ENUM[kind]
+
+
+# -- trainers --------------------------------------------------------------
+
+def attach_from_proto(req: trainer_pb2.AttachRequest) -> tuple[str, int, str, str]:
+    if len(req.model_json) > MAX_MODEL_CHARS:
+        raise TooLarge(f"model_json: at most {MAX_MODEL_CHARS} characters")
+    return (name(req.job_id, "job_id"), req.rank, name(req.device_id, "device_id"),
+            req.model_json)
+
+
+def timings_from_proto(req: trainer_pb2.StageTimingsReport, unix_ms: int) -> TimingsRecord:
+    count(req.stages, "stages")
+    stages = []
+    for i, s in enumerate(req.stages):
+        f = f"stages[{i}]"
+        stages.append(StageTiming(
+            stage_index=s.stage_index, device_id=name(s.device_id, f"{f}.device_id"),
+            fwd_s=number(s.fwd_s, f"{f}.fwd_s"), bwd_s=number(s.bwd_s, f"{f}.bwd_s"),
+            comm_s=number(s.comm_s, f"{f}.comm_s"),
+            samples_per_s=number(s.samples_per_s, f"{f}.samples_per_s")))
+    return TimingsRecord(job_id=name(req.job_id, "job_id"), rank=req.rank,
+                         plan_version=req.plan_version, iteration=req.iteration,
+                         stages=tuple(stages), unix_ms=unix_ms)

@@ -1,0 +1,343 @@
+"""The daemon's handlers: explicit state (a Store, the live agent table, the
+job loops) and the operations the servicers call. No protobuf here: the
+servicers translate (:mod:`hetpilot.daemon.convert`) and map the errors of
+:mod:`hetpilot.daemon.errors` to status codes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
+
+from hetpilot.planner.controller import Controller
+from hetpilot.planner.errors import ValidationError
+from hetpilot.planner.serde import job_from_dict, model_from_dict
+from hetpilot.planner.types import Cluster, Device, Job, Link, Model, Network
+
+from .config import DaemonConfig
+from .errors import FailedPrecondition, NotFound
+from .metrics import Metrics
+from .records import (
+    JOB_CANCELLED,
+    JOB_PENDING,
+    JOB_RUNNING,
+    AgentRecord,
+    AgentReport,
+    JobRecord,
+    JobStatus,
+    PlanRecord,
+    TimingsRecord,
+)
+from .store import Store
+
+__all__ = ["PEERS_PER_AGENT", "ControlPlane", "parse_model", "to_job"]
+
+#: Each agent probes this many peers (its successors in host order), so probe
+#: traffic grows linearly with the cluster; unmeasured pairs take the defaults.
+PEERS_PER_AGENT = 4
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not allowed")
+
+
+def parse_model(text: str, path: str = "model_json") -> Model:
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except ValueError as exc:
+        raise ValidationError(path, f"is not valid JSON: {exc}") from None
+    return model_from_dict(data, path)
+
+
+def to_job(rec: JobRecord) -> Job:
+    return job_from_dict({"global_batch": rec.global_batch,
+                          "microbatch_size": rec.microbatch_size,
+                          "schedule": list(rec.schedules) or "any",
+                          "budgets": dict(rec.budgets), "V": rec.V})
+
+
+class ControlPlane:
+    """Jobs, agents and trainers. Methods run on the event loop thread."""
+
+    def __init__(self, store: Store, config: DaemonConfig, metrics: Metrics | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.store = store
+        self.config = config
+        self.metrics = metrics or Metrics()
+        self.clock = clock
+        self._agents: dict[str, AgentRecord] = {a.host: a for a in store.agents()}
+        self._reports: dict[str, AgentReport] = store.latest_reports()
+        now = clock()
+        # After a restart every known agent gets one heartbeat timeout to come back.
+        self._last_seen: dict[str, float] = dict.fromkeys(self._agents, now)
+        self._up: frozenset[str] = frozenset(self._agents)
+        self.membership_epoch = 0
+        self._peers_cache: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._plan_events: dict[str, asyncio.Event] = {}
+        self._loops: dict[str, Any] = {}
+        self._attached: dict[tuple[str, int], str] = {}
+        self._tasks: list[asyncio.Task[None]] = []
+        self.metrics.agents_up.set(len(self._up))
+
+    # -- lifecycle ----------------------------------------------------------
+
+    async def start(self) -> None:
+        from .control import JobLoop
+
+        for rec in self.store.list_jobs():
+            if rec.state != JOB_CANCELLED:
+                self._start_loop(rec.job_id, JobLoop)
+        self._tasks.append(asyncio.create_task(self._sweep(), name="liveness-sweep"))
+
+    def _start_loop(self, job_id: str, loop_cls: Any = None) -> None:
+        if loop_cls is None:
+            from .control import JobLoop as loop_cls
+        if job_id not in self._loops:
+            loop = loop_cls(self, job_id)
+            self._loops[job_id] = loop
+            loop.start()
+            self.metrics.jobs.set(len(self._loops))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for loop in list(self._loops.values()):
+            await loop.stop()
+        self._loops.clear()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        for ev in self._plan_events.values():
+            ev.set()  # wake watchers so they see the stop
+
+    def loop_done(self, job_id: str) -> None:
+        self._loops.pop(job_id, None)
+        self.metrics.jobs.set(len(self._loops))
+
+    # -- jobs ---------------------------------------------------------------
+
+    def submit(self, owner: str, spec: JobRecord) -> JobRecord:
+        job = to_job(spec)  # validates batch, microbatch, schedules, budgets, V
+        if spec.model_json:
+            Controller(parse_model(spec.model_json), job)  # the controller's own checks
+        elif not spec.profile_on_attach:
+            raise ValidationError("model_json", "is required unless profile_on_attach is set")
+        rec = spec.with_changes(
+            job_id=uuid.uuid4().hex[:12], owner=owner,
+            state=JOB_RUNNING if spec.model_json else JOB_PENDING,
+            slot_s=spec.slot_s or self.config.slot_s, created_ms=int(time.time() * 1000))
+        rec = self.store.create_job(rec)
+        if rec.state != JOB_CANCELLED:
+            self._start_loop(rec.job_id)
+        return rec
+
+    def _own(self, owner: str | None, job_id: str) -> JobRecord:
+        if not job_id:
+            raise ValidationError("job_id", "must not be empty")
+        rec = self.store.get_job(job_id)
+        if rec is None or (owner is not None and rec.owner != owner):
+            raise NotFound(f"job {job_id!r} not found")
+        return rec
+
+    def get(self, owner: str | None, job_id: str) -> tuple[JobRecord, JobStatus]:
+        rec = self._own(owner, job_id)
+        return rec, self.store.job_status(job_id)[0]
+
+    def list(self, owner: str, include_cancelled: bool = False) -> list[tuple[JobRecord, JobStatus]]:
+        return [(r, self.store.job_status(r.job_id)[0]) for r in self.store.list_jobs(owner)
+                if include_cancelled or r.state != JOB_CANCELLED]
+
+    async def cancel(self, owner: str, job_id: str) -> tuple[JobRecord, JobStatus]:
+        rec = self._own(owner, job_id)
+        if rec.state != JOB_CANCELLED:
+            rec = rec.with_changes(state=JOB_CANCELLED)
+            self.store.update_job(rec)
+            loop = self._loops.pop(job_id, None)
+            if loop is not None:
+                await loop.stop()
+            self.metrics.jobs.set(len(self._loops))
+            self.notify(job_id)
+        return rec, self.store.job_status(job_id)[0]
+
+    def update_budgets(self, owner: str, job_id: str, budgets: Mapping[str, float],
+                       V: float | None) -> tuple[JobRecord, JobStatus]:
+        rec = self._own(owner, job_id)
+        if rec.state == JOB_CANCELLED:
+            raise FailedPrecondition(f"job {job_id} is cancelled")
+        new = rec.with_changes(budgets={**rec.budgets, **budgets},
+                               V=rec.V if V is None else V)
+        job = to_job(new)
+        if new.model_json:
+            Controller(parse_model(new.model_json), job)
+        self.store.update_job(new)
+        loop = self._loops.get(job_id)
+        if loop is not None:
+            loop.set_budgets(new.budgets, new.V)
+        return new, self.store.job_status(job_id)[0]
+
+    def notify(self, job_id: str) -> None:
+        ev = self._plan_events.pop(job_id, None)
+        if ev is not None:
+            ev.set()
+
+    async def watch(self, owner: str | None, job_id: str,
+                    after_version: int) -> AsyncIterator[PlanRecord]:
+        """Stored versions after ``after_version``, then new ones, until the job ends."""
+        self._own(owner, job_id)
+        last = after_version
+        while True:
+            ev = self._plan_events.setdefault(job_id, asyncio.Event())
+            for plan in self.store.plans(job_id, last):
+                last = plan.version
+                yield plan
+            rec = self.store.get_job(job_id)
+            if rec is None or rec.state == JOB_CANCELLED:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout=5.0)
+
+    # -- agents -------------------------------------------------------------
+
+    def register(self, agent: AgentRecord) -> tuple[tuple[str, str], ...]:
+        agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
+                            devices=agent.devices, registered_ms=int(time.time() * 1000))
+        self.store.put_agent(agent)
+        changed = self._agents.get(agent.host) != agent
+        self._agents[agent.host] = agent
+        self._seen(agent.host)
+        if changed:
+            self._membership_changed()
+        return self.peers(agent.host)
+
+    def _seen(self, host: str) -> None:
+        self._last_seen[host] = self.clock()
+        if host not in self._up:
+            self._up = self._up | {host}
+            self._membership_changed()
+
+    def report(self, report: AgentReport) -> tuple[tuple[str, str], ...]:
+        agent = self._agents.get(report.agent_id)
+        if agent is None:
+            raise NotFound(f"agent {report.agent_id!r} is not registered")
+        known = {d.index for d in agent.devices}
+        for d in report.devices:
+            if d.index not in known:
+                raise ValidationError("devices.index", f"device {d.index!r} was not registered")
+        self.store.put_report(report)
+        self._reports[report.agent_id] = report
+        self._seen(report.agent_id)
+        self.metrics.reports.inc()
+        return self.peers(report.agent_id)
+
+    def heartbeat(self, agent_id: str) -> tuple[tuple[str, str], ...]:
+        if agent_id not in self._agents:
+            raise NotFound(f"agent {agent_id!r} is not registered")
+        self._seen(agent_id)
+        return self.peers(agent_id)
+
+    def is_up(self, host: str) -> bool:
+        return host in self._up
+
+    def _membership_changed(self) -> None:
+        self.membership_epoch += 1
+        self._peers_cache.clear()
+        self.metrics.agents_up.set(len(self._up))
+
+    def peers(self, host: str) -> tuple[tuple[str, str], ...]:
+        cached = self._peers_cache.get(host)
+        if cached is None:
+            ring = sorted(h for h in self._up if self._agents[h].probe_address)
+            if host in ring:
+                i = ring.index(host)
+                others = [ring[(i + k) % len(ring)] for k in range(1, len(ring))]
+            else:
+                others = ring
+            cached = tuple((h, self._agents[h].probe_address)
+                           for h in others[:PEERS_PER_AGENT])
+            self._peers_cache[host] = cached
+        return cached
+
+    def sweep(self) -> bool:
+        """Mark agents silent past the heartbeat timeout down; True when any changed."""
+        cutoff = self.clock() - self.config.heartbeat_timeout_s
+        up = frozenset(h for h in self._up if self._last_seen.get(h, 0.0) >= cutoff)
+        if up != self._up:
+            self._up = up
+            self._membership_changed()
+            return True
+        return False
+
+    async def _sweep(self) -> None:
+        period = max(0.05, self.config.heartbeat_timeout_s / 4)
+        while True:
+            await asyncio.sleep(period)
+            self.sweep()
+
+    def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]:
+        return [(a, a.host in self._up, self._reports.get(a.host)) for a in self._agents.values()]
+
+    def emulated_devices(self) -> frozenset[str]:
+        return frozenset(f"{a.host}:{d.index}" for a in self._agents.values()
+                         for d in a.devices if d.emulated)
+
+    def observed_cluster(self, allowed_hosts: tuple[str, ...] = ()) -> Cluster:
+        """The cluster as the latest reports show it: devices of up agents only."""
+        allowed = set(allowed_hosts)
+        devices: list[Device] = []
+        for host in sorted(self._up):
+            if allowed and host not in allowed:
+                continue
+            agent = self._agents[host]
+            report = self._reports.get(host)
+            measured = {d.index: d for d in report.devices} if report else {}
+            for d in agent.devices:
+                m = measured.get(d.index)
+                tflops = m.tflops if m is not None and m.tflops > 0 else d.tflops
+                if m is not None and 0 < m.colocated_load < 1 and not d.emulated:
+                    tflops *= 1.0 - m.colocated_load
+                if tflops <= 0 or d.memory_gb <= 0:
+                    continue
+                devices.append(Device(id=f"{host}:{d.index}", host=host, tflops=tflops,
+                                      memory_gb=d.memory_gb, price_per_hour=d.price_per_hour,
+                                      power_watts=d.power_watts))
+        hosts = {d.host for d in devices}
+        links: list[Link] = []
+        for host in sorted(hosts):
+            report = self._reports.get(host)
+            for link in report.links if report else ():
+                if link.peer_host in hosts and link.peer_host != host and link.gbps > 0:
+                    links.append(Link(a=host, b=link.peer_host, gbps=link.gbps,
+                                      latency_us=link.rtt_us / 2))
+        network = Network(intra_host_gbps=self.config.intra_host_gbps,
+                          inter_host_gbps=self.config.inter_host_gbps,
+                          latency_us=self.config.latency_us, host_links=tuple(links))
+        return Cluster(devices=tuple(devices), network=network)
+
+    # -- trainers -----------------------------------------------------------
+
+    def attach(self, job_id: str, rank: int, device_id: str,
+               model_json: str) -> PlanRecord | None:
+        rec = self._own(None, job_id)
+        if rec.state == JOB_CANCELLED:
+            raise FailedPrecondition(f"job {job_id} is cancelled")
+        if model_json and not rec.model_json:
+            if not rec.profile_on_attach:
+                raise FailedPrecondition(f"job {job_id} already has a model profile")
+            parse_model(model_json)
+            rec = rec.with_changes(model_json=model_json, state=JOB_RUNNING)
+            self.store.update_job(rec)
+            loop = self._loops.get(job_id)
+            if loop is not None:
+                loop.wake()
+        self._attached[(job_id, rank)] = device_id
+        plans = self.store.plans(job_id, max(0, self.store.job_status(job_id)[0].plan_version - 1))
+        return plans[-1] if plans else None
+
+    def stage_timings(self, timings: TimingsRecord) -> None:
+        self._own(None, timings.job_id)
+        self.store.put_timings(timings)

@@ -1,0 +1,192 @@
+"""What the daemon keeps: jobs, plan versions, agents and their reports.
+
+Plain frozen dataclasses; the store persists them as JSON and the servicers
+translate them to and from protobuf (:mod:`hetpilot.daemon.convert`). Nothing
+here imports grpc.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any, ClassVar, Self
+
+__all__ = [
+    "JOB_CANCELLED",
+    "JOB_PENDING",
+    "JOB_RUNNING",
+    "AgentRecord",
+    "AgentReport",
+    "DeviceInfo",
+    "DeviceReport",
+    "JobRecord",
+    "JobStatus",
+    "LinkReport",
+    "PlanRecord",
+    "StageTiming",
+    "TimingsRecord",
+]
+
+JOB_PENDING = "pending"
+JOB_RUNNING = "running"
+JOB_CANCELLED = "cancelled"
+
+
+class _Json:
+    """to_json / from_json for flat dataclasses whose tuples hold dataclasses or scalars."""
+
+    _nested: ClassVar[dict[str, type]] = {}
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self))  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        kwargs: dict[str, Any] = {}
+        names = {f.name for f in fields(cls)}  # type: ignore[arg-type]
+        for key, value in data.items():
+            if key not in names:
+                continue
+            nested = cls._nested.get(key)
+            if nested is not None:
+                value = tuple(nested.from_dict(v) for v in value)  # type: ignore[attr-defined]
+            elif isinstance(value, list):
+                value = tuple(value)
+            kwargs[key] = value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_json(cls, text: str) -> Self:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobRecord(_Json):
+    job_id: str
+    owner: str
+    name: str
+    state: str
+    global_batch: int
+    microbatch_size: int
+    schedules: tuple[str, ...]
+    budgets: dict[str, float]
+    V: float
+    slot_s: float
+    allowed_hosts: tuple[str, ...] = ()
+    model_json: str = ""
+    """Spec v1 section 2 JSON; empty until the trainer profiles (profile_on_attach)."""
+    profile_on_attach: bool = False
+    request_id: str = ""
+    created_ms: int = 0
+
+    def with_changes(self, **changes: Any) -> JobRecord:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobStatus(_Json):
+    """What the control loop leaves after each slot."""
+
+    slot: int = 0
+    plan_version: int = 0
+    iteration_s: float = 0.0
+    costs: dict[str, float] = field(default_factory=dict)
+    cost_sums: dict[str, float] = field(default_factory=dict)
+    """Sum over slots of each cost rate; / slot gives the time average."""
+    queues: dict[str, float] = field(default_factory=dict)
+    devices: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+
+    def average_costs(self) -> dict[str, float]:
+        return {k: v / self.slot for k, v in self.cost_sums.items()} if self.slot else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanRecord(_Json):
+    job_id: str
+    version: int
+    slot: int
+    plan: dict[str, Any]
+    """Spec v1 section 4 JSON (serde.plan_to_dict)."""
+    iteration_s: float
+    costs: dict[str, float]
+    queues: dict[str, float]
+    switch_cost_s: float = 0.0
+    warnings: tuple[str, ...] = ()
+    created_ms: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceInfo(_Json):
+    index: str
+    name: str
+    kind: str
+    """"cpu", "cuda" or "emulated"."""
+    tflops: float
+    memory_gb: float
+    price_per_hour: float = 0.0
+    power_watts: float = 0.0
+    emulated: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentRecord(_Json):
+    host: str
+    probe_address: str
+    devices: tuple[DeviceInfo, ...]
+    registered_ms: int = 0
+    _nested: ClassVar[dict[str, type]] = {"devices": DeviceInfo}
+
+    @property
+    def agent_id(self) -> str:
+        return self.host
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceReport(_Json):
+    index: str
+    tflops: float
+    memory_total_gb: float = 0.0
+    memory_free_gb: float = 0.0
+    utilization: float = 0.0
+    colocated_processes: int = 0
+    colocated_load: float = 0.0
+    emulated: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkReport(_Json):
+    peer_host: str
+    gbps: float
+    rtt_us: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentReport(_Json):
+    agent_id: str
+    seq: int
+    unix_ms: int
+    devices: tuple[DeviceReport, ...] = ()
+    links: tuple[LinkReport, ...] = ()
+    _nested: ClassVar[dict[str, type]] = {"devices": DeviceReport, "links": LinkReport}
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageTiming(_Json):
+    stage_index: int
+    device_id: str
+    fwd_s: float
+    bwd_s: float
+    comm_s: float
+    samples_per_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class TimingsRecord(_Json):
+    job_id: str
+    rank: int
+    plan_version: int
+    iteration: int
+    stages: tuple[StageTiming, ...]
+    unix_ms: int = 0
+    _nested: ClassVar[dict[str, type]] = {"stages": StageTiming}

@@ -1,0 +1,138 @@
+"""Wire the daemon together and run it until SIGTERM: grpc.aio server with
+auth, health and reflection, the SQLite store, job loops, Prometheus metrics
+and systemd notify. Graceful stop: health NOT_SERVING, ``server.stop(grace)``,
+stop the loops, flush the store."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from hetpilot.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    job_pb2,
+    job_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+from .auth import Authenticator, AuthInterceptor
+from .config import DaemonConfig, TlsConfig
+from .core import ControlPlane
+from .metrics import Metrics
+from .sdnotify import Notifier
+from .servicers import AgentServicer, JobServicer, TrainerServicer
+from .store import SqliteStore
+
+__all__ = ["SERVICES", "serve", "server_credentials"]
+
+log = logging.getLogger("hetpilot.daemon")
+
+SERVICES = (
+    job_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
+    agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
+    trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name,
+)
+
+
+def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
+    key = Path(tls.key_file).read_bytes()
+    cert = Path(tls.cert_file).read_bytes()
+    if tls.client_ca_file:
+        return grpc.ssl_server_credentials(
+            [(key, cert)], root_certificates=Path(tls.client_ca_file).read_bytes(),
+            require_client_auth=True)
+    return grpc.ssl_server_credentials([(key, cert)])
+
+
+def _write_endpoints(state_dir: Path, grpc_addr: str, metrics_addr: str) -> None:
+    tmp = state_dir / "endpoints.json.tmp"
+    tmp.write_text(json.dumps({"grpc": grpc_addr, "metrics": metrics_addr, "pid": os.getpid()}))
+    tmp.replace(state_dir / "endpoints.json")
+
+
+def _split(addr: str) -> tuple[str, int]:
+    host, _, port = addr.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
+            loop.add_signal_handler(sig, stop.set)
+    state_dir = Path(config.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    notifier = Notifier()
+    store = SqliteStore(state_dir / "state.db")
+    metrics = Metrics()
+    metrics_addr = ""
+    if config.metrics_listen:
+        host, port = _split(config.metrics_listen)
+        metrics_addr = f"{host}:{metrics.serve(host, port)}"
+    plane = ControlPlane(store, config, metrics)
+    auth = Authenticator(config.auth.resolved())
+    server = grpc.aio.server(
+        interceptors=[AuthInterceptor(
+            auth, lambda: metrics.rejected.labels(code="UNAUTHENTICATED").inc())],
+        options=[
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.max_concurrent_streams", config.max_concurrent_streams),
+            ("grpc.keepalive_permit_without_calls", 1),
+            ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+        ])
+    job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(plane), server)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+         reflection.SERVICE_NAME), server)
+    if config.tls.enabled:
+        port = server.add_secure_port(config.listen, server_credentials(config.tls))
+    else:
+        port = server.add_insecure_port(config.listen)
+    host, _ = _split(config.listen)
+    grpc_addr = f"{host}:{port}"
+    await server.start()
+    await plane.start()
+    for name in ("", *SERVICES):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    _write_endpoints(state_dir, grpc_addr, metrics_addr)
+    log.info("serving on %s (metrics %s)", grpc_addr, metrics_addr or "off")
+    notifier.notify(READY=1, STATUS=f"serving on {grpc_addr}", MAINPID=os.getpid())
+    watchdog = None
+    interval = notifier.watchdog_interval_s()
+    if notifier.enabled and interval:
+        async def ping() -> None:
+            while True:
+                notifier.notify(WATCHDOG=1, STATUS=f"serving on {grpc_addr}; "
+                                f"{len(plane.agent_table())} agents")
+                await asyncio.sleep(interval)
+        watchdog = asyncio.create_task(ping())
+    try:
+        await stop.wait()
+    finally:
+        log.info("stopping (grace %.1fs)", config.grace_s)
+        notifier.notify(STOPPING=1, STATUS="stopping")
+        await health_servicer.enter_graceful_shutdown()
+        if watchdog is not None:
+            watchdog.cancel()
+        await server.stop(config.grace_s)
+        await plane.stop()
+        store.close()
+        metrics.close()
+        notifier.close()
+        log.info("stopped")

@@ -1,0 +1,181 @@
+"""gRPC servicers: deserialise (convert), call the ControlPlane, map domain
+errors to status codes. Nothing else lives here."""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any, TypeVar
+
+import grpc
+from hetpilot.planner.errors import ValidationError
+from hetpilot.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    common_pb2,
+    job_pb2,
+    job_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+from . import convert
+from .auth import Authenticator
+from .core import ControlPlane
+from .errors import FailedPrecondition, NotFound, TooLarge
+
+__all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
+
+T = TypeVar("T")
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    if isinstance(exc, ValidationError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    if isinstance(exc, NotFound):
+        return grpc.StatusCode.NOT_FOUND, str(exc)
+    if isinstance(exc, FailedPrecondition):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    return None
+
+
+def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
+        try:
+            return await fn(self, request, context)
+        except (ValidationError, TooLarge, NotFound, FailedPrecondition) as exc:
+            code, message = status_of(exc)  # type: ignore[misc]
+            self.plane.metrics.rejected.labels(code=code.name).inc()
+            await context.abort(code, message)
+            raise  # unreachable: abort raises
+
+    return wrapper
+
+
+def _stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[T]]:
+    @functools.wraps(fn)
+    async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext
+                      ) -> AsyncIterator[T]:
+        try:
+            async for item in fn(self, request, context):
+                yield item
+        except (ValidationError, TooLarge, NotFound, FailedPrecondition) as exc:
+            code, message = status_of(exc)  # type: ignore[misc]
+            self.plane.metrics.rejected.labels(code=code.name).inc()
+            await context.abort(code, message)
+
+    return wrapper
+
+
+class JobServicer(job_pb2_grpc.JobServiceServicer):
+    def __init__(self, plane: ControlPlane, auth: Authenticator) -> None:
+        self.plane, self.auth = plane, auth
+
+    def _owner(self, context: grpc.aio.ServicerContext) -> str:
+        owner = self.auth.owner(context.invocation_metadata())
+        assert owner is not None  # the interceptor refused everyone else
+        return owner
+
+    def _info(self, pair: tuple[Any, Any]) -> job_pb2.JobInfo:
+        return convert.job_to_proto(pair[0], pair[1], self.plane.emulated_devices())
+
+    @_unary
+    async def SubmitJob(self, request: job_pb2.SubmitJobRequest,
+                        context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
+        rec = self.plane.submit(self._owner(context), convert.submit_from_proto(request))
+        return self._info(self.plane.get(None, rec.job_id))
+
+    @_unary
+    async def GetJob(self, request: job_pb2.GetJobRequest,
+                     context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
+        return self._info(self.plane.get(self._owner(context), request.job_id))
+
+    @_unary
+    async def ListJobs(self, request: job_pb2.ListJobsRequest,
+                       context: grpc.aio.ServicerContext) -> job_pb2.ListJobsResponse:
+        jobs = self.plane.list(self._owner(context), request.include_cancelled)
+        return job_pb2.ListJobsResponse(jobs=[self._info(p) for p in jobs])
+
+    @_unary
+    async def CancelJob(self, request: job_pb2.CancelJobRequest,
+                        context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
+        return self._info(await self.plane.cancel(self._owner(context), request.job_id))
+
+    @_unary
+    async def UpdateBudgets(self, request: job_pb2.UpdateBudgetsRequest,
+                            context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
+        budgets = convert.budgets_from_proto(request.budgets)
+        v = convert.number(request.v, "v", positive=True) if request.HasField("v") else None
+        return self._info(self.plane.update_budgets(self._owner(context), request.job_id,
+                                                    budgets, v))
+
+    @_stream
+    async def WatchPlans(self, request: job_pb2.WatchPlansRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[common_pb2.PlanVersion]:
+        async for plan in self.plane.watch(self._owner(context), request.job_id,
+                                           request.after_version):
+            yield convert.plan_to_proto(plan)
+
+
+class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    @_unary
+    async def Register(self, request: agent_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
+        peers = self.plane.register(convert.agent_from_proto(request))
+        cfg = self.plane.config
+        return agent_pb2.RegisterResponse(
+            agent_id=request.host, report_interval_s=cfg.report_interval_s,
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s, peers=convert.peers_to_proto(peers))
+
+    @_stream
+    async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
+        epoch = -1
+        async for request in request_iterator:
+            peers = self.plane.report(convert.report_from_proto(request))
+            ack = agent_pb2.ReportAck(seq=request.seq)
+            if epoch != self.plane.membership_epoch:
+                epoch = self.plane.membership_epoch
+                ack.peers.extend(convert.peers_to_proto(peers))
+            yield ack
+
+    @_unary
+    async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,
+                        context: grpc.aio.ServicerContext) -> agent_pb2.HeartbeatResponse:
+        peers = self.plane.heartbeat(convert.name(request.agent_id, "agent_id"))
+        return agent_pb2.HeartbeatResponse(peers=convert.peers_to_proto(peers))
+
+
+class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+
+    @_unary
+    async def Attach(self, request: trainer_pb2.AttachRequest,
+                     context: grpc.aio.ServicerContext) -> trainer_pb2.AttachResponse:
+        plan = self.plane.attach(*convert.attach_from_proto(request))
+        return trainer_pb2.AttachResponse(
+            plan=convert.plan_to_proto(plan) if plan else common_pb2.PlanVersion())
+
+    @_stream
+    async def WatchPlans(self, request: trainer_pb2.TrainerWatchRequest,
+                         context: grpc.aio.ServicerContext
+                         ) -> AsyncIterator[common_pb2.PlanVersion]:
+        job_id = convert.name(request.job_id, "job_id")
+        async for plan in self.plane.watch(None, job_id, request.after_version):
+            yield convert.plan_to_proto(plan)
+
+    @_unary
+    async def ReportStageTimings(self, request: trainer_pb2.StageTimingsReport,
+                                 context: grpc.aio.ServicerContext
+                                 ) -> trainer_pb2.StageTimingsAck:
+        self.plane.stage_timings(convert.timings_from_proto(request, int(time.time() * 1000)))
+        return trainer_pb2.StageTimingsAck()
