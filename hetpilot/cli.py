@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("hetpilot.client.cli", "follow a job's plan versions live"),
     "budget": ("hetpilot.client.cli", "change a job's budgets or V (price_per_hour=20 V=5)"),
     "cancel": ("hetpilot.client.cli", "cancel a job"),
+    "sim": ("hetpilot.sim.cli", "drive policies through a scenario and score every slot"),
 }
 
 

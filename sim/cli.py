@@ -1,0 +1,197 @@
+"""``hetpilot sim`` (spec v1 section 7): drive policies through a scenario.
+
+Output on stdout is JSON lines (``--json`` names that default): one object
+per slot and one summary object (``"summary": true``) per policy. ``--table``
+prints a readable table instead. ``--sweep-V 0.1,1,10`` prints one line per
+V (the trade-off: average iteration time against average cost and backlog).
+``--plot out.png`` draws the chosen policies side by side.
+
+Exit codes: 0 ok; 2 bad input (one line on stderr naming the field), also
+with ``--strict`` when a budget is below the cheapest feasible plan at slot 0
+(without it that is a warning on stderr and in the output, and the controller
+does its best); 3 when no slot of the run could place a plan.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from hetpilot.planner.errors import ValidationError
+
+from .engine import SlotRecord, simulate, summarize
+from .policies import POLICY_NAMES, CachedSearch, parse_policies
+from .scenario import Scenario, Timeline, load_scenario
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--scenario", required=True, metavar="S.json")
+    parser.add_argument("--policy", default="lyapunov", metavar="NAME[,NAME...]",
+                        help=f"one or more of {', '.join(POLICY_NAMES)} (default lyapunov)")
+    parser.add_argument("--emit-plans", action="store_true", help="add each slot's plan")
+    out = parser.add_mutually_exclusive_group()
+    out.add_argument("--json", action="store_true", help="JSON lines on stdout (the default)")
+    out.add_argument("--table", action="store_true", help="a readable table instead of JSON lines")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the measurement noise")
+    parser.add_argument("--noise", type=float, default=0.0, metavar="FRAC",
+                        help="relative noise on what policies observe (default 0: exact, one slot late)")
+    parser.add_argument("--slots", type=int, metavar="N", help="run only the first N slots")
+    parser.add_argument("--V", type=float, dest="V", metavar="V", help="override the job's V")
+    parser.add_argument("--hysteresis", type=float, metavar="FRAC",
+                        help="controller hysteresis (default 0.02)")
+    parser.add_argument("--plot", metavar="out.png", help="plot iteration time, cost and backlog")
+    parser.add_argument("--sweep-V", dest="sweep_v", metavar="V1,V2,...",
+                        help="run the first policy once per V and print the trade-off")
+    parser.add_argument("--strict", action="store_true",
+                        help="exit 2 when a budget is below the cheapest feasible plan at slot 0")
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"hetpilot: error: {message}", file=sys.stderr)
+    return code
+
+
+def _check_args(args: argparse.Namespace) -> list[float]:
+    if not (math.isfinite(args.noise) and args.noise >= 0):
+        raise ValidationError("--noise", f"must be >= 0, got {args.noise}")
+    if args.slots is not None and args.slots < 1:
+        raise ValidationError("--slots", f"must be >= 1, got {args.slots}")
+    if args.V is not None and not (math.isfinite(args.V) and args.V > 0):
+        raise ValidationError("--V", f"must be > 0, got {args.V}")
+    if args.hysteresis is not None and not (math.isfinite(args.hysteresis) and args.hysteresis >= 0):
+        raise ValidationError("--hysteresis", f"must be >= 0, got {args.hysteresis}")
+    sweep: list[float] = []
+    if args.sweep_v:
+        for part in args.sweep_v.split(","):
+            try:
+                v = float(part)
+            except ValueError:
+                raise ValidationError("--sweep-V", f"{part!r} is not a number") from None
+            if not (math.isfinite(v) and v > 0):
+                raise ValidationError("--sweep-V", f"values must be > 0, got {part}")
+            sweep.append(v)
+    return sweep
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return _run(args)
+    except BrokenPipeError:  # `hetpilot sim ... | head`: stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    try:
+        sweep = _check_args(args)
+        policies = parse_policies(args.policy)
+        scenario = load_scenario(args.scenario)
+    except ValidationError as exc:
+        return _fail(str(exc), 2)
+    from hetpilot.planner.search import candidate_plans
+
+    search = CachedSearch(candidate_plans)
+    timeline = Timeline(scenario, args.slots)
+    if sweep:
+        return _sweep(scenario, timeline, policies[0], sweep, search, args)
+    runs: dict[str, list[SlotRecord]] = {}
+    rows: list[dict[str, Any]] = []
+    for name in policies:
+        records: list[SlotRecord] = []
+        seen: set[str] = set()
+        for rec in simulate(scenario, name, seed=args.seed, noise=args.noise, slots=args.slots,
+                            V=args.V, hysteresis=args.hysteresis, timeline=timeline, search=search):
+            records.append(rec)
+            for w in rec.warnings:
+                if w.startswith("job.budgets.") and w not in seen:
+                    seen.add(w)
+                    if args.strict and rec.slot == 0:
+                        return _fail(w.split("; ")[0], 2)
+                    print(f"hetpilot: warning: {name}: {w}", file=sys.stderr)
+            row = rec.to_dict(args.emit_plans)
+            if args.table:
+                rows.append(row)
+            else:
+                print(json.dumps(row), flush=False)
+        summary = summarize(records)
+        runs[name] = records
+        if args.table:
+            rows.append(summary)
+        else:
+            print(json.dumps(summary), flush=True)
+    if args.table:
+        _print_table(rows)
+    if args.plot:
+        from .plot import plot_runs
+
+        try:
+            plot_runs(runs, args.plot, title=args.scenario)
+        except OSError as exc:
+            return _fail(f"--plot: cannot write {args.plot!r}: {exc.strerror or exc}", 2)
+    if all(r.iteration_s is None for recs in runs.values() for r in recs):
+        return _fail("no slot of the run could place a plan: nothing fits in memory", 3)
+    return 0
+
+
+def _sweep(scenario: Scenario, timeline: Timeline, policy: str, values: Sequence[float],
+           search: CachedSearch, args: argparse.Namespace) -> int:
+    rows = []
+    for v in values:
+        records = list(simulate(scenario, policy, seed=args.seed, noise=args.noise,
+                                slots=args.slots, V=v, hysteresis=args.hysteresis,
+                                timeline=timeline, search=search))
+        s = summarize(records)
+        row = {
+            "V": v,
+            "policy": policy,
+            "avg_iteration_s": s["avg_iteration_s"],
+            "avg_effective_iteration_s": s["avg_effective_iteration_s"],
+            "avg_price_per_hour": s["avg_price_per_hour"],
+            "avg_power_watts": s["avg_power_watts"],
+            "budgets": s["budgets"],
+            "avg_queues": s["avg_queues"],
+            "max_queues": s["max_queues"],
+            "switches": s["switches"],
+        }
+        rows.append(row)
+        if not args.table:
+            print(json.dumps(row), flush=True)
+    if args.table:
+        _print_table(rows)
+    if args.plot:
+        from .plot import plot_sweep
+
+        plot_sweep(rows, args.plot, title=args.scenario)
+    return 0
+
+
+def _print_table(rows: Sequence[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    skip = {"summary", "plan", "budgets", "tail_avg_budgets", "warnings"}
+    cols = list(dict.fromkeys(k for r in rows for k in r if k not in skip))
+    table = Table(show_lines=False)
+    for c in cols:
+        table.add_column(c, overflow="fold")
+    for r in rows:
+        table.add_row(*[_cell(r.get(c)) for c in cols], style="bold" if r.get("summary") else None)
+    Console().print(table)
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    if isinstance(value, dict):
+        return " ".join(f"{k.split('_')[0]}={_cell(v)}" for k, v in value.items())
+    return str(value)

@@ -1,0 +1,172 @@
+"""The policies the simulator compares, behind one small interface.
+
+- ``lyapunov`` (default), ``fastest``, ``budget-greedy`` and ``static`` are
+  :class:`~hetpilot.planner.controller.Controller` objects with that
+  ``policy``: they share the tentative search, the switching cost and the
+  handling of devices that go down.
+- ``even-dp``, ``uniform-pp``, ``megatron`` and ``balanced-homogeneous`` are
+  the planner's baselines run as static policies: planned once at slot 0 by
+  ``make_plan(policy=NAME)``, ignoring budgets, like a user who picks a
+  layout and keeps it.
+
+Every static policy (``static`` and the baselines) keeps its plan until a
+device of that plan goes down; then it re-plans on the devices that are up
+(a down device never appears in a plan) and keeps the new plan, even after
+the device returns. That is the kindest reading of "plan once": without the
+fallback it could not run at all.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
+from typing import Protocol
+
+from hetpilot.planner.candidates import Candidate, plan_costs
+from hetpilot.planner.controller import Controller, ControllerConfig, Decision, SearchFn
+from hetpilot.planner.errors import InfeasibleError
+from hetpilot.planner.refmodel import evaluate
+from hetpilot.planner.switching import switch_cost
+from hetpilot.planner.types import Cluster, Job, Model, Plan
+
+__all__ = [
+    "BASELINES",
+    "CONTROLLED",
+    "POLICY_NAMES",
+    "CachedSearch",
+    "Policy",
+    "make_policy",
+]
+
+CONTROLLED = ("lyapunov", "static", "fastest", "budget-greedy")
+BASELINES = ("even-dp", "uniform-pp", "megatron", "balanced-homogeneous")
+POLICY_NAMES = CONTROLLED + BASELINES
+
+MakePlanFn = Callable[..., Plan]
+
+
+class Policy(Protocol):
+    name: str
+
+    def decide(self, observed: Cluster, budgets: Mapping[str, float], V: float) -> Decision:
+        """The plan for this slot; raises InfeasibleError when nothing fits."""
+        ...
+
+
+class CachedSearch:
+    """Memoises the tentative search on (cluster object, job), so that several
+    policies run over one timeline search each distinct cluster once."""
+
+    def __init__(self, search: SearchFn, size: int = 16) -> None:
+        self._search = search
+        self._size = size
+        self._cache: OrderedDict[tuple[object, ...], tuple[Cluster, list[Candidate]]] = OrderedDict()
+
+    def __call__(self, cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+        key = (id(cluster), id(model), job.global_batch, job.microbatch_size, job.schedules,
+               tuple(sorted(job.budgets.items())), job.V)
+        hit = self._cache.get(key)
+        if hit is not None and hit[0] is cluster:
+            self._cache.move_to_end(key)
+            return hit[1]
+        found = list(self._search(cluster, model, job))
+        self._cache[key] = (cluster, found)
+        if len(self._cache) > self._size:
+            self._cache.popitem(last=False)
+        return found
+
+
+class _Controlled:
+    def __init__(self, name: str, model: Model, job: Job, config: ControllerConfig,
+                 search: SearchFn | None) -> None:
+        self.name = name
+        self.controller = Controller(model, job, config, search=search)
+
+    def decide(self, observed: Cluster, budgets: Mapping[str, float], V: float) -> Decision:
+        ctl = self.controller
+        if dict(ctl.budgets) != dict(budgets) or ctl.V != V:
+            ctl.set_budgets(budgets, V)
+        return ctl.step(observed)
+
+
+class _Baseline:
+    """A planner baseline planned once, re-planned only when a device is down."""
+
+    def __init__(self, name: str, model: Model, job: Job, make_plan: MakePlanFn) -> None:
+        self.name = name
+        self.model = model
+        self.job = job
+        self._make_plan = make_plan
+        self._plan: Plan | None = None
+        self._version = 0
+        self._slot = 0
+
+    def decide(self, observed: Cluster, budgets: Mapping[str, float], V: float) -> Decision:
+        old = self._plan
+        plan = old
+        warnings: tuple[str, ...] = ()
+        if plan is None or any(d not in observed.by_id for d in plan.devices):
+            plan = self._make_plan(observed, self.model, self.job, policy=self.name)
+            if old is not None:
+                warnings = (f"{self.name}: a device of plan v{self._version} is down; re-planned",)
+        ev = evaluate(observed, self.model, plan, self.job.global_batch)
+        if not ev.valid or ev.iteration_s is None:
+            raise InfeasibleError(f"{self.name} plan is invalid: {ev.error}")
+        switched = plan is not old
+        sw = switch_cost(observed, self.model, old, plan) if switched else None
+        if switched:
+            self._version += 1
+        self._plan = plan
+        decision = Decision(
+            slot=self._slot,
+            plan=plan,
+            version=self._version,
+            switched=switched,
+            iteration_s=ev.iteration_s,
+            costs=plan_costs(observed, plan),
+            queues=MappingProxyType({}),
+            switch_cost_s=0.0 if sw is None else sw.seconds,
+            warnings=warnings,
+            switch_mb=0.0 if sw is None else sw.mb,
+            label=self.name,
+            forced=old is None or switched,
+            candidates=1,
+        )
+        self._slot += 1
+        return decision
+
+
+def make_policy(
+    name: str,
+    model: Model,
+    job: Job,
+    *,
+    iterations_per_slot: int,
+    hysteresis: float = ControllerConfig.hysteresis,
+    search: SearchFn | None = None,
+    make_plan: MakePlanFn | None = None,
+) -> Policy:
+    if name in CONTROLLED:
+        config = ControllerConfig(policy=name, iterations_per_slot=iterations_per_slot,
+                                  hysteresis=hysteresis)
+        return _Controlled(name, model, job, config, search)
+    if name in BASELINES:
+        if make_plan is None:
+            from hetpilot.planner.search import make_plan as planner_make_plan
+
+            make_plan = planner_make_plan
+        return _Baseline(name, model, job, make_plan)
+    raise ValueError(f"unknown policy {name!r}")
+
+
+def parse_policies(text: str, path: str = "--policy") -> Sequence[str]:
+    from hetpilot.planner.errors import ValidationError
+
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValidationError(path, "names no policy")
+    for n in names:
+        if n not in POLICY_NAMES:
+            raise ValidationError(path, f"unknown policy {n!r}; known: {', '.join(POLICY_NAMES)}")
+    return list(dict.fromkeys(names))
