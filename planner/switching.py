@@ -97,7 +97,7 @@ def switch_cost(cluster: Cluster, model: Model, old: Plan | None, new: Plan) -> 
             for src in _sources(holders.get(layer), present[dev].host):
                 gbps, lat = cluster.link(src, dev)
                 t = lat + mb * 8.0 / (1000.0 * gbps)
-                if t < best_t:
+                if t <= best_t:
                     best_src, best_t = src, t
             total += mb
             recv_mb[dev] = recv_mb.get(dev, 0.0) + mb
