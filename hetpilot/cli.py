@@ -19,6 +19,10 @@ from collections.abc import Sequence
 COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("hetpilot.planner.cli", "plan a cluster, model and batch (spec v1 section 7)"),
     "evaluate": ("hetpilot.planner.cli", "judge a plan with the reference model"),
+    "train-check": ("hetpilot.trainer.cli",
+                    "check the trainer against full-batch training on N local ranks (float64)"),
+    "profile": ("hetpilot.trainer.cli", "measure a model's per-layer profile (spec section 2)"),
+    "train": ("hetpilot.trainer.cli", "run a training job on a plan file (under torchrun)"),
     "daemon": ("hetpilot.daemon.cli", "run the control-plane daemon (head node)"),
     "agent": ("hetpilot.agents.cli", "run the node agent (one per GPU host)"),
     "submit": ("hetpilot.client.cli", "submit a job file (job.toml); prints the job id"),

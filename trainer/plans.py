@@ -1,0 +1,229 @@
+"""Where plans come from, and the check that refuses a wrong plan before any rank computes.
+
+A :class:`PlanSource` yields plan versions; rank 0 polls it at every epoch
+boundary and broadcasts what it got, so every rank switches to the same
+version at the same step (:mod:`hetpilot.trainer.runtime`). Two sources are
+here: :class:`StaticPlanSource` (a fixed list, for tests and benchmarks) and
+:class:`FilePlanSource` (a plan file for offline use; rewriting the file with
+a new ``"version"`` switches the plan at the next epoch).
+
+This module imports no torch: the CLI checks plans with it before it spawns
+any rank.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from hetpilot.planner.errors import DeadlockError, InvalidPlanError, ValidationError
+from hetpilot.planner.refmodel import pipeline_makespan, validate_plan
+from hetpilot.planner.serde import plan_from_dict, plan_to_dict
+from hetpilot.planner.types import (
+    Cluster,
+    Device,
+    Group,
+    Layer,
+    Model,
+    Network,
+    Plan,
+    Stage,
+)
+
+__all__ = [
+    "FilePlanSource",
+    "PlanSource",
+    "PlanVersion",
+    "StaticPlanSource",
+    "check_plan",
+    "random_plan",
+]
+
+
+@dataclass(frozen=True)
+class PlanVersion:
+    version: int
+    plan: Plan
+
+
+class PlanSource(Protocol):
+    """Yields plan versions; only rank 0's source is polled."""
+
+    def poll(self, after_version: int) -> PlanVersion | None:
+        """The newest plan with a version above ``after_version``, or None."""
+        ...
+
+
+class StaticPlanSource:
+    """Plan version i+1 is ``plans[i]``; version v becomes visible at epoch ``at_epoch[v-1]``."""
+
+    def __init__(self, plans: Sequence[Plan], at_epoch: Sequence[int] | None = None) -> None:
+        self._plans = list(plans)
+        self._at = list(at_epoch) if at_epoch is not None else list(range(len(plans)))
+        self.epoch = 0
+        """Set by the caller (the trainer sets it before each poll)."""
+
+    def poll(self, after_version: int) -> PlanVersion | None:
+        best = None
+        for i, plan in enumerate(self._plans):
+            if i + 1 > after_version and self._at[i] <= self.epoch:
+                best = PlanVersion(i + 1, plan)
+        return best
+
+
+class FilePlanSource:
+    """A spec section 4 plan file, optionally with an integer ``"version"`` (default 1)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def poll(self, after_version: int) -> PlanVersion | None:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, ValueError) as exc:
+            if after_version == 0:
+                raise ValidationError("--plan", f"cannot read {str(self.path)!r}: {exc}") from exc
+            return None  # a file being rewritten: keep the running plan
+        version = int(data.get("version", 1)) if isinstance(data, Mapping) else 1
+        if version <= after_version:
+            return None
+        return PlanVersion(version, plan_from_dict(data, path="plan"))
+
+
+# -- refusal -----------------------------------------------------------------
+
+def check_plan(
+    plan: Plan, device_ids: Sequence[str], num_layers: int, global_batch: int
+) -> list[list[tuple[tuple[bool, int], ...]]]:
+    """Refuse a plan the ranks cannot run; return each group's stage op orders.
+
+    Raises :class:`InvalidPlanError` naming the field: a device id no rank
+    has, a layer range outside ``[0, num_layers)`` or not covering it, samples
+    not summing to ``global_batch`` or not a multiple of the microbatch size,
+    a custom order that is malformed or deadlocks.
+    """
+    known = set(device_ids)
+    for gi, group in enumerate(plan.groups):
+        for si, stage in enumerate(group.stages):
+            if stage.device not in known:
+                shown = ", ".join(sorted(known)[:8]) + (" ..." if len(known) > 8 else "")
+                raise InvalidPlanError(
+                    f"plan.groups[{gi}].stages[{si}].device",
+                    f"no rank has device {stage.device!r} (ranks have: {shown})",
+                )
+    # Memory and speed do not matter here: a cluster of the ranks' devices with
+    # ample memory, and a model of the right length, let the reference model's
+    # validator check everything else with its own messages.
+    cluster = Cluster(
+        devices=tuple(Device(id=d, host=d, tflops=1.0, memory_gb=1e12) for d in known),
+        network=Network(intra_host_gbps=1.0, inter_host_gbps=1.0, latency_us=0.0),
+    )
+    model = Model(
+        name="check",
+        layers=tuple(
+            Layer(name=str(i), fwd_gflop=0.0, bwd_gflop=0.0, out_mb=0.0, act_mb=0.0, param_mb=0.0)
+            for i in range(num_layers)
+        ),
+    )
+    orders = validate_plan(cluster, model, plan, global_batch)
+    for gi, group_orders in enumerate(orders):
+        n = len(group_orders)
+        try:
+            pipeline_makespan([1.0] * n, [1.0] * n, [0.0] * max(n - 1, 0), group_orders)
+        except DeadlockError as exc:
+            raise DeadlockError(f"plan.groups[{gi}].{exc.field}", exc.problem) from None
+    return orders
+
+
+# -- random valid plans (train-check) ------------------------------------------
+
+def _random_custom_orders(rng: random.Random, stages: int, micro: int) -> list[list[str]]:
+    """Orders read off one random sequential run, so they cannot deadlock."""
+    f_done = [[False] * micro for _ in range(stages)]
+    b_done = [[False] * micro for _ in range(stages)]
+    orders: list[list[str]] = [[] for _ in range(stages)]
+    while True:
+        ready: list[tuple[int, bool, int]] = []
+        for j in range(stages):
+            for k in range(micro):
+                if not f_done[j][k] and (j == 0 or f_done[j - 1][k]):
+                    ready.append((j, False, k))
+                elif (
+                    f_done[j][k]
+                    and not b_done[j][k]
+                    and (b_done[j + 1][k] if j + 1 < stages else True)
+                ):
+                    ready.append((j, True, k))
+        if not ready:
+            return orders
+        j, is_bwd, k = rng.choice(ready)
+        (b_done if is_bwd else f_done)[j][k] = True
+        orders[j].append(("B" if is_bwd else "F") + str(k))
+
+
+def random_plan(
+    rng: random.Random,
+    device_ids: Sequence[str],
+    num_layers: int,
+    global_batch: int,
+    microbatch_size: int,
+    schedule: str,
+    *,
+    groups: int | None = None,
+    leave_idle: bool = False,
+) -> Plan:
+    """A random valid plan: ``groups`` groups (random if None), uneven samples, random cuts
+    and recompute; with ``leave_idle`` one device is left out."""
+    devices = list(device_ids)
+    rng.shuffle(devices)
+    if leave_idle and len(devices) > 1:
+        devices = devices[:-1]
+    micro_total = global_batch // microbatch_size
+    top = min(len(devices), micro_total)
+    k = rng.randint(1, top) if groups is None else max(1, min(groups, top))
+    # devices -> groups (each non-empty, at most num_layers stages)
+    sizes = [1] * k
+    for _ in range(len(devices) - k):
+        options = [i for i in range(k) if sizes[i] < num_layers]
+        if not options:
+            break
+        sizes[rng.choice(options)] += 1
+    # microbatches -> groups, uneven, each at least one
+    counts = [1] * k
+    for _ in range(micro_total - k):
+        counts[rng.randrange(k)] += 1
+    made = []
+    pos = 0
+    for g in range(k):
+        stage_devices = devices[pos : pos + sizes[g]]
+        pos += sizes[g]
+        cuts = sorted(rng.sample(range(1, num_layers), len(stage_devices) - 1))
+        bounds = [0, *cuts, num_layers]
+        orders: list[tuple[str, ...] | None] = (
+            [tuple(o) for o in _random_custom_orders(rng, len(stage_devices), counts[g])]
+            if schedule == "custom"
+            else [None] * len(stage_devices)
+        )
+        stages = tuple(
+            Stage(
+                device=d,
+                layers=(bounds[j], bounds[j + 1]),
+                recompute=rng.random() < 0.3,
+                order=orders[j],
+            )
+            for j, d in enumerate(stage_devices)
+        )
+        made.append(Group(samples=counts[g] * microbatch_size, stages=stages))
+    return Plan(microbatch_size=microbatch_size, schedule=schedule, groups=tuple(made))
+
+
+def plan_json(plan: Plan, version: int | None = None) -> dict[str, Any]:
+    data = plan_to_dict(plan)
+    if version is not None:
+        data["version"] = version
+    return data
+

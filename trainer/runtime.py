@@ -1,0 +1,494 @@
+"""The hybrid data + pipeline parallel runtime: carries out plans and switches them live.
+
+A user hands :class:`Trainer` the model as an ordered list of layers
+(modules, e.g. the children of an ``nn.Sequential``, or zero-argument
+factories), a loss, an optimizer factory and a map-style dataset of
+``(input, target)`` pairs; every rank of a ``torchrun`` job builds one
+``Trainer`` after ``torch.distributed.init_process_group``.
+
+How a plan (spec v1 section 4) runs:
+
+* the rank whose device id is a stage's device holds that stage's layers and
+  runs the stage's op order (:mod:`hetpilot.trainer.pipeline`); ranks whose
+  device the plan leaves out idle for the epoch;
+* iteration i of epoch e takes samples ``perm_e[i*B:(i+1)*B]`` of a
+  seeded per-epoch permutation, whatever the plan; group g takes the g-th
+  slice of its ``samples`` and cuts it into microbatches;
+* the last stage scales each microbatch's (mean-reduced) loss by ``m / B``,
+  so summing gradients over microbatches and over groups gives exactly the
+  full-batch mean gradient; the gradient sum over groups is one all-reduce
+  per bucket of spec section 5.3 (maximal runs of layers with the same owners),
+  in layer order on every rank, over a process group of the owners;
+* each layer has its own optimizer (from the user's factory). Element-wise
+  optimizers (SGD, Adam, AdamW, ...) step exactly as one optimizer over the
+  whole model would; optimizers that couple layers (LAMB's global norm,
+  gradient clipping by global norm) do not, and are not supported.
+
+Live switching (:meth:`Trainer.switch`): at an epoch boundary rank 0 polls
+its :class:`~hetpilot.trainer.plans.PlanSource` and broadcasts what it got,
+so all ranks take the same version at the same step; every rank checks the
+plan (:func:`~hetpilot.trainer.plans.check_plan`); each layer whose new
+owner did not hold it receives its parameters and optimizer state from its
+owner in the old plan's group 0; the bucket process groups are rebuilt. The
+step counter and the data order carry on unchanged.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hetpilot.planner.serde import plan_from_dict, plan_to_dict
+from hetpilot.planner.types import Plan
+from torch import nn
+
+from .pipeline import StageRunner, StageStats
+from .plans import PlanSource, check_plan
+
+__all__ = ["JsonlReporter", "Trainer", "layer_seed"]
+
+LayerSpec = nn.Module | Callable[[], nn.Module]
+OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Reporter = Callable[[dict[str, Any]], None]
+
+
+def layer_seed(seed: int, layer: int) -> int:
+    """Seed under which layer ``layer``'s factory is called (same on every rank)."""
+    return seed * 1_000_003 + 7919 * layer + 1
+
+
+class JsonlReporter:
+    """Appends each report as one JSON line (offline measurement)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        with self.path.open("a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+
+class Trainer:
+    """One rank of a hybrid DP + pipeline job. See the module docstring."""
+
+    def __init__(
+        self,
+        layers: Sequence[LayerSpec] | nn.Sequential,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        optimizer: OptimizerFactory,
+        dataset: Any,
+        *,
+        global_batch: int,
+        device_id: str,
+        plan_source: PlanSource | None = None,
+        seed: int = 0,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str = "cpu",
+        slowdown: float = 1.0,
+        reporter: Reporter | None = None,
+    ) -> None:
+        if not dist.is_initialized():
+            raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
+        if slowdown < 1.0:
+            raise ValueError(f"slowdown must be >= 1 (an emulated slower device), got {slowdown}")
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self._specs: list[LayerSpec] = list(layers)
+        if not self._specs:
+            raise ValueError("the model needs at least one layer")
+        self._loss_fn = loss_fn
+        self._opt_factory = optimizer
+        self.dataset = dataset
+        self.global_batch = global_batch
+        self.iterations_per_epoch = len(dataset) // global_batch
+        if self.iterations_per_epoch < 1:
+            raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch")
+        self.seed = seed
+        self.dtype = dtype or torch.get_default_dtype()
+        self.device = torch.device(device)
+        self.slowdown = slowdown
+        self.reporter = reporter
+        self.source = plan_source
+        self.device_id = device_id
+        ids: list[Any] = [None] * self.world
+        dist.all_gather_object(ids, device_id)
+        self.device_ids: list[str] = [str(i) for i in ids]
+        if len(set(self.device_ids)) != self.world:
+            raise ValueError(f"two ranks report the same device id: {self.device_ids}")
+        self.rank_of = {d: r for r, d in enumerate(self.device_ids)}
+
+        self.plan: Plan | None = None
+        self.version = 0
+        self.epoch = 0
+        self.iteration = 0
+        """Next iteration within ``epoch``."""
+        self.step = 0
+        """Optimizer steps taken (global iterations)."""
+        self._held: dict[int, nn.Module] = {}
+        self._optims: dict[int, torch.optim.Optimizer | None] = {}
+        # owners[l]: ranks holding layer l now; [] means "build it where needed".
+        self._owners: list[list[int]] = [[] for _ in self._specs]
+        if any(isinstance(s, nn.Module) for s in self._specs):
+            # Modules built by user code may differ per rank: rank 0's are the truth.
+            self._owners = [[0] for _ in self._specs]
+            if self.rank == 0:
+                for layer in range(self.num_layers):
+                    self._install(layer)
+        self._ckpt_dir: Path | None = None
+        self._runner: StageRunner | None = None
+        self._ops: tuple[tuple[bool, int], ...] = ()
+        self._role: tuple[int, int] | None = None
+        self._buckets: list[tuple[int, int, Any]] = []  # (first, end, process group) I take part in
+        self._groups_made: list[Any] = []
+        self.last_switch: dict[str, Any] = {}
+
+    # -- layers ---------------------------------------------------------------
+
+    @property
+    def num_layers(self) -> int:
+        return len(self._specs)
+
+    @property
+    def held_layers(self) -> dict[int, nn.Module]:
+        return dict(self._held)
+
+    def _install(self, layer: int, state: dict[str, Any] | None = None) -> None:
+        spec = self._specs[layer]
+        if isinstance(spec, nn.Module):
+            module = spec
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(layer_seed(self.seed, layer))
+                module = spec()
+        module.to(device=self.device, dtype=self.dtype)
+        params = list(module.parameters())
+        optim = self._opt_factory(params) if params else None
+        if state is not None:
+            module.load_state_dict(state["module"])
+            if optim is not None and state.get("optim") is not None:
+                optim.load_state_dict(state["optim"])
+        self._held[layer] = module
+        self._optims[layer] = optim
+
+    def _layer_state(self, layer: int) -> dict[str, Any]:
+        optim = self._optims[layer]
+        return {
+            "module": self._held[layer].state_dict(),
+            "optim": optim.state_dict() if optim is not None else None,
+        }
+
+    def _send_state(self, layer: int, dst: int) -> int:
+        buf = io.BytesIO()
+        torch.save(self._layer_state(layer), buf)
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(self.device)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst=dst)
+        dist.send(data, dst=dst)
+        return data.numel()
+
+    def _recv_state(self, src: int) -> dict[str, Any]:
+        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dist.recv(size, src=src)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        dist.recv(data, src=src)
+        state: dict[str, Any] = torch.load(
+            io.BytesIO(data.cpu().numpy().tobytes()), map_location=self.device, weights_only=True
+        )
+        return state
+
+    # -- plans ----------------------------------------------------------------
+
+    def _new_owners(self, plan: Plan) -> list[list[int]]:
+        owners: list[list[int]] = [[] for _ in self._specs]
+        for group in plan.groups:
+            for stage in group.stages:
+                for layer in range(*stage.layers):
+                    owners[layer].append(self.rank_of[stage.device])
+        return owners
+
+    def poll_plan(self) -> bool:
+        """Rank 0 polls its source, all ranks take its answer; switch if there is a new plan."""
+        payload: list[Any] = [None]
+        if self.rank == 0 and self.source is not None:
+            if hasattr(self.source, "epoch"):
+                self.source.epoch = self.epoch
+            # before the first plan (or after a resume) any version is taken
+            found = self.source.poll(self.version if self.plan is not None else 0)
+            if found is not None:
+                payload = [(found.version, plan_to_dict(found.plan))]
+        dist.broadcast_object_list(payload, src=0)
+        if payload[0] is None:
+            return False
+        version, data = payload[0]
+        self.switch(plan_from_dict(data), version)
+        return True
+
+    def switch(self, plan: Plan, version: int | None = None) -> dict[str, Any]:
+        """Take ``plan`` at this iteration boundary (every rank calls this with the same plan).
+
+        Raises InvalidPlanError (same on every rank) before anything moves.
+        """
+        orders = check_plan(plan, self.device_ids, self.num_layers, self.global_batch)
+        started = time.perf_counter()
+        new = self._new_owners(plan)
+        moved = 0
+        for layer, (old, now) in enumerate(zip(self._owners, new, strict=True)):
+            if not old:  # nobody holds it yet: build it (seeded) or load it from a checkpoint
+                if self.rank in now:
+                    self._install(layer, self._ckpt_state(layer))
+                continue
+            for dst in now:
+                if dst in old:
+                    continue
+                if self.rank == old[0]:
+                    moved += self._send_state(layer, dst)
+                elif self.rank == dst:
+                    self._install(layer, self._recv_state(old[0]))
+        for layer in list(self._held):
+            if self.rank not in new[layer]:
+                del self._held[layer]
+                del self._optims[layer]
+        self._owners = new
+        self._ckpt_dir = None
+        move_s = time.perf_counter() - started
+        self._rebuild(plan, orders)
+        self.plan = plan
+        self.version = self.version + 1 if version is None else version
+        dist.barrier()
+        self.last_switch = {
+            "version": self.version,
+            "bytes_sent": moved,
+            "move_s": move_s,
+            "total_s": time.perf_counter() - started,
+        }
+        return self.last_switch
+
+    def _rebuild(self, plan: Plan, orders: list[list[tuple[tuple[bool, int], ...]]]) -> None:
+        for pg in self._groups_made:
+            dist.destroy_process_group(pg)
+        self._groups_made, self._buckets = [], []
+        self._runner, self._role, self._ops = None, None, ()
+        # buckets of spec 5.3: maximal runs of layers with the same owner tuple
+        if len(plan.groups) > 1:
+            made: dict[tuple[int, ...], Any] = {}
+            layer = 0
+            while layer < self.num_layers:
+                owners = tuple(self._owners[layer])
+                end = layer
+                while end < self.num_layers and tuple(self._owners[end]) == owners:
+                    end += 1
+                key = tuple(sorted(owners))
+                if key not in made:  # every rank calls new_group, in the same order
+                    made[key] = dist.new_group(ranks=list(key))
+                    self._groups_made.append(made[key])
+                if self.rank in owners:
+                    self._buckets.append((layer, end, made[key]))
+                layer = end
+        for gi, group in enumerate(plan.groups):
+            for si, stage in enumerate(group.stages):
+                if self.rank_of[stage.device] != self.rank:
+                    continue
+                self._role = (gi, si)
+                self._ops = orders[gi][si]
+                n = len(group.stages)
+                self._runner = StageRunner(
+                    [self._held[layer] for layer in range(*stage.layers)],
+                    prev_rank=self.rank_of[group.stages[si - 1].device] if si > 0 else None,
+                    next_rank=self.rank_of[group.stages[si + 1].device] if si + 1 < n else None,
+                    recompute=stage.recompute,
+                    loss_fn=self._loss_fn,
+                    loss_scale=plan.microbatch_size / self.global_batch,
+                    dtype=self.dtype,
+                    device=self.device,
+                    slowdown=self.slowdown,
+                )
+
+    # -- iterations -------------------------------------------------------------
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+        return torch.randperm(len(self.dataset), generator=gen)
+
+    def batch_indices(self, epoch: int, iteration: int) -> list[int]:
+        """Dataset indices of one global batch; independent of the plan."""
+        b = self.global_batch
+        return self._epoch_order(epoch)[iteration * b : (iteration + 1) * b].tolist()
+
+    def _collate(self, indices: Sequence[int], which: int) -> torch.Tensor:
+        items = [self.dataset[i][which] for i in indices]
+        out = torch.stack([torch.as_tensor(t) for t in items])
+        if which == 0 and out.is_floating_point():
+            out = out.to(self.dtype)
+        return out
+
+    def train_step(self) -> tuple[StageStats | None, float]:
+        """One iteration of the current plan; returns this rank's stage stats and wall time."""
+        if self.plan is None:
+            raise RuntimeError("no plan yet: call switch() or poll_plan() first")
+        started = time.perf_counter()
+        stats = None
+        if self._runner is not None and self._role is not None:
+            gi, _ = self._role
+            m = self.plan.microbatch_size
+            offset = sum(g.samples for g in self.plan.groups[:gi])
+            mine = self.batch_indices(self.epoch, self.iteration)[
+                offset : offset + self.plan.groups[gi].samples
+            ]
+            stats, _ = self._runner.run(
+                self._ops,
+                lambda k: self._collate(mine[k * m : (k + 1) * m], 0),
+                lambda k: self._collate(mine[k * m : (k + 1) * m], 1),
+            )
+            sync_started = time.perf_counter()
+            self._sync_grads()
+            stats.sync_s = time.perf_counter() - sync_started
+            for optim in self._optims.values():
+                if optim is not None:
+                    optim.step()
+                    optim.zero_grad(set_to_none=True)
+        self.iteration += 1
+        self.step += 1
+        return stats, time.perf_counter() - started
+
+    def _sync_grads(self) -> None:
+        for first, end, pg in self._buckets:
+            params = [p for layer in range(first, end) for p in self._held[layer].parameters()]
+            if not params:
+                continue
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+            pos = 0
+            for p in params:
+                assert p.grad is not None
+                n = p.numel()
+                p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
+                pos += n
+
+    def train_epoch(self, max_iterations: int | None = None) -> dict[str, Any]:
+        """Run the rest of the current epoch (or ``max_iterations`` of it); report; advance."""
+        total = StageStats()
+        steps = 0
+        started = time.perf_counter()
+        while self.iteration < self.iterations_per_epoch:
+            if max_iterations is not None and steps >= max_iterations:
+                break
+            stats, _ = self.train_step()
+            steps += 1
+            if stats is not None:
+                total.add(stats)
+        wall = time.perf_counter() - started
+        record = self._record(total, steps, wall)
+        if self.iteration >= self.iterations_per_epoch:
+            self.epoch += 1
+            self.iteration = 0
+        if self.reporter is not None:
+            self.reporter(record)
+        return record
+
+    def _record(self, total: StageStats, steps: int, wall: float) -> dict[str, Any]:
+        per_mb = max(total.microbatches, 1)
+        record: dict[str, Any] = {
+            "rank": self.rank,
+            "device_id": self.device_id,
+            "plan_version": self.version,
+            "epoch": self.epoch,
+            "iterations": steps,
+            "step": self.step,
+            "group": None if self._role is None else self._role[0],
+            "stage": None if self._role is None else self._role[1],
+            "fwd_s": total.fwd_s / per_mb,
+            "bwd_s": total.bwd_s / per_mb,
+            "transfer_wait_s": total.wait_s / max(steps, 1),
+            "sync_s": total.sync_s / max(steps, 1),
+            "iteration_s": wall / max(steps, 1),
+            "samples_per_s": self.global_batch * steps / wall if wall > 0 else 0.0,
+        }
+        if self.slowdown != 1.0:
+            record["emulated_slowdown"] = self.slowdown
+        return record
+
+    def fit(self, epochs: int) -> list[dict[str, Any]]:
+        """Train until ``epochs`` epochs are done, taking new plans at epoch boundaries."""
+        records = []
+        while self.epoch < epochs:
+            if self.iteration == 0 or self.plan is None:
+                self.poll_plan()
+            if self.plan is None:
+                raise RuntimeError("the plan source gave no plan")
+            records.append(self.train_epoch())
+        return records
+
+    # -- checkpoints ------------------------------------------------------------
+
+    def save_checkpoint(self, directory: str | Path) -> None:
+        """Each layer's owner in group 0 writes it; rank 0 writes the position (shared directory)."""
+        if self.plan is None:
+            raise RuntimeError("nothing to save before the first plan")
+        path = Path(directory)
+        path.mkdir(parents=True, exist_ok=True)
+        for stage in self.plan.groups[0].stages:
+            if self.rank_of[stage.device] == self.rank:
+                for layer in range(*stage.layers):
+                    torch.save(self._layer_state(layer), path / f"layer{layer:05d}.pt")
+        dist.barrier()
+        if self.rank == 0:
+            meta = {
+                "epoch": self.epoch,
+                "iteration": self.iteration,
+                "step": self.step,
+                "plan_version": self.version,
+                "num_layers": self.num_layers,
+                "global_batch": self.global_batch,
+                "seed": self.seed,
+                "plan": plan_to_dict(self.plan),
+            }
+            tmp = path / "meta.json.tmp"
+            tmp.write_text(json.dumps(meta, indent=1))
+            tmp.replace(path / "meta.json")
+        dist.barrier()
+
+    def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
+        """Resume from ``directory``, under any plan and world size.
+
+        Before the first plan: the next :meth:`switch` loads each layer on its
+        new owners. After it: held layers are reloaded now (every rank calls this).
+        """
+        path = Path(directory)
+        meta: dict[str, Any] = json.loads((path / "meta.json").read_text())
+        if meta["num_layers"] != self.num_layers or meta["global_batch"] != self.global_batch:
+            raise ValueError(
+                f"checkpoint {str(path)!r} is of {meta['num_layers']} layers and batch "
+                f"{meta['global_batch']}, not {self.num_layers} and {self.global_batch}"
+            )
+        self.epoch, self.iteration, self.step = meta["epoch"], meta["iteration"], meta["step"]
+        self.version = meta["plan_version"]
+        self._ckpt_dir = path
+        if self.plan is None:
+            self._held.clear()
+            self._optims.clear()
+            self._owners = [[] for _ in self._specs]
+        else:
+            for layer in list(self._held):
+                self._install(layer, self._ckpt_state(layer))
+            assert self.plan is not None
+            self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
+                                                self.global_batch))
+            self._ckpt_dir = None
+        dist.barrier()
+        return meta
+
+    def _ckpt_state(self, layer: int) -> dict[str, Any] | None:
+        if self._ckpt_dir is None:
+            return None
+        state: dict[str, Any] = torch.load(
+            self._ckpt_dir / f"layer{layer:05d}.pt", map_location=self.device, weights_only=True
+        )
+        return state
