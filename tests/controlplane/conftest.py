@@ -13,7 +13,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-
 from hetpilot.client.channel import Endpoint, metadata, open_sync
 from hetpilot.daemon.config import AuthConfig, DaemonConfig
 

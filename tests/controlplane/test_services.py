@@ -9,7 +9,6 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from hetpilot.v1 import (
     agent_pb2_grpc,
     job_pb2,

@@ -1,0 +1,164 @@
+"""The node agent: register the host's devices, stream reports, probe peers.
+
+It never gives up on the daemon: any failure (daemon away, restarting,
+refusing) closes the channel and reconnects with capped exponential backoff
+and jitter, then registers again. Reports wait for their ack with a deadline,
+so a daemon that hangs is noticed as surely as one that is gone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import time
+
+import grpc
+from hetpilot.client.channel import Endpoint, metadata, open_aio
+from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+from .config import AgentConfig
+from .netprobe import measure, start_probe_server
+from .probes import DeviceState, discover, refresh
+
+__all__ = ["Agent"]
+
+log = logging.getLogger("hetpilot.agent")
+
+_KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
+         "emulated": common_pb2.DEVICE_KIND_EMULATED}
+
+
+class Agent:
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.devices: list[DeviceState] = []
+        self.peers: dict[str, str] = {}
+        self.links: dict[str, tuple[float, float]] = {}
+        self.probe_address = ""
+        self.reports_acked = 0
+        self.connections = 0
+        self._seq = 0
+        self._md = metadata(config.cluster_token())
+        self._endpoint = Endpoint(address=config.daemon, ca_file=config.ca_file,
+                                  cert_file=config.cert_file, key_file=config.key_file)
+
+    # -- requests ------------------------------------------------------------
+
+    def register_request(self) -> agent_pb2.RegisterRequest:
+        return agent_pb2.RegisterRequest(
+            host=self.config.host, probe_address=self.probe_address, agent_version="1",
+            devices=[agent_pb2.DeviceInfo(
+                index=d.index, name=d.name, kind=_KIND[d.kind], tflops=d.tflops,
+                memory_gb=d.memory_total_gb, price_per_hour=d.price_per_hour,
+                power_watts=d.power_watts, emulated=d.emulated) for d in self.devices])
+
+    def report(self) -> agent_pb2.AgentReport:
+        self._seq += 1
+        return agent_pb2.AgentReport(
+            agent_id=self.config.host, seq=self._seq, unix_ms=int(time.time() * 1000),
+            devices=[agent_pb2.DeviceReport(
+                index=d.index, tflops=d.tflops, memory_total_gb=d.memory_total_gb,
+                memory_free_gb=d.memory_free_gb, utilization=d.utilization,
+                colocated_processes=d.colocated_processes, colocated_load=d.colocated_load,
+                emulated=d.emulated) for d in self.devices],
+            links=[agent_pb2.LinkReport(peer_host=h, gbps=g, rtt_us=r)
+                   for h, (g, r) in sorted(self.links.items()) if h in self.peers])
+
+    # -- loops ---------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event) -> None:
+        host, _, port = self.config.probe_listen.rpartition(":")
+        server = await start_probe_server(host.strip("[]"), int(port))
+        bound = server.sockets[0].getsockname()[1]
+        adv_host = host if host not in ("0.0.0.0", "::", "") else self.config.host
+        self.probe_address = self.config.probe_advertise or f"{adv_host}:{bound}"
+        self.devices = await asyncio.to_thread(discover, self.config)
+        log.info("%d device(s): %s; probe server %s", len(self.devices),
+                 ", ".join(f"{d.index}={d.kind}:{d.tflops:.2f}TF" for d in self.devices),
+                 self.probe_address)
+        tasks = [asyncio.create_task(self._measure_loop(stop)),
+                 asyncio.create_task(self._link_loop(stop))]
+        try:
+            await self._connect_loop(stop)
+        finally:
+            for t in tasks:
+                t.cancel()
+            for t in tasks:
+                with contextlib.suppress(asyncio.CancelledError):
+                    await t
+            server.close()
+            await server.wait_closed()
+
+    async def _connect_loop(self, stop: asyncio.Event) -> None:
+        backoff = 0.2
+        while not stop.is_set():
+            channel = open_aio(self._endpoint)
+            try:
+                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                resp = await stub.Register(self.register_request(), metadata=self._md,
+                                           timeout=self.config.call_timeout_s)
+                self._set_peers(resp.peers)
+                self.connections += 1
+                log.info("registered with %s", self.config.daemon)
+                backoff = 0.2
+                await self._stream(stub, max(0.05, resp.report_interval_s), stop)
+            except Exception as exc:  # never crash on the daemon: log, back off, reconnect
+                code = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
+                        else type(exc).__name__)
+                log.warning("daemon %s: %s; retrying in %.1fs", self.config.daemon, code, backoff)
+            finally:
+                await channel.close(grace=None)
+            if stop.is_set():
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, self.config.max_backoff_s)
+
+    async def _stream(self, stub: agent_pb2_grpc.AgentServiceStub, interval: float,
+                      stop: asyncio.Event) -> None:
+        call = stub.Report(metadata=self._md)
+        try:
+            while not stop.is_set():
+                await asyncio.wait_for(call.write(self.report()), self.config.call_timeout_s)
+                ack = await asyncio.wait_for(call.read(), self.config.call_timeout_s)
+                if ack is grpc.aio.EOF:
+                    await call  # raises the stream's status
+                    return
+                self.reports_acked += 1
+                if ack.peers:
+                    self._set_peers(ack.peers)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+            await call.done_writing()
+        finally:
+            call.cancel()
+
+    def _set_peers(self, peers: object) -> None:
+        self.peers = {p.host: p.probe_address for p in peers  # type: ignore[attr-defined]
+                      if p.host != self.config.host}
+
+    async def _measure_loop(self, stop: asyncio.Event) -> None:
+        last_probe = time.monotonic()
+        while not stop.is_set():
+            await asyncio.sleep(1.0)
+            reprobe = time.monotonic() - last_probe >= self.config.reprobe_interval_s
+            if reprobe:
+                last_probe = time.monotonic()
+            try:
+                self.devices = await asyncio.to_thread(refresh, self.devices, self.config,
+                                                       reprobe=reprobe)
+            except Exception:  # a flaky probe must not stop reporting
+                log.exception("device refresh failed")
+
+    async def _link_loop(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            for host, address in list(self.peers.items()):
+                try:
+                    self.links[host] = await measure(address, self.config.link_probe_bytes,
+                                                     timeout=self.config.call_timeout_s)
+                except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError) as exc:
+                    log.info("link probe to %s (%s) failed: %s", host, address, exc)
+                    self.links.pop(host, None)
+            await asyncio.sleep(self.config.link_probe_interval_s if self.peers else 1.0)

@@ -1,0 +1,67 @@
+"""``hetpilot agent --daemon ADDR [--config agent.toml] [--emulate SPEC ...]``.
+
+Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad configuration."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+
+from .config import ConfigError, load_agent_config, parse_emulate
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--daemon", metavar="HOST:PORT",
+                        help="daemon address (default: the config, then $HETPILOT_ADDRESS)")
+    parser.add_argument("--config", metavar="agent.toml")
+    parser.add_argument("--host", help="this host's name in the cluster (default: hostname)")
+    parser.add_argument("--probe-listen", metavar="HOST:PORT",
+                        help="link-probe server address (port 0: OS picks)")
+    parser.add_argument("--token-file", help="file holding the cluster token")
+    parser.add_argument("--emulate", action="append", default=[], metavar="SPEC",
+                        help="declare fake devices for CPU-only test clusters: "
+                             "tflops=50,memory_gb=24[,price_per_hour=1,power_watts=300,count=2]")
+    parser.add_argument("--link-probe-interval", type=float, metavar="S")
+    parser.add_argument("--log-level", default="INFO")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        emulate = tuple(parse_emulate(s) for s in args.emulate)
+        config = load_agent_config(
+            args.config, daemon=args.daemon, host=args.host, probe_listen=args.probe_listen,
+            token_file=args.token_file, emulate=emulate,
+            link_probe_interval_s=args.link_probe_interval)
+        if not config.daemon:
+            env = os.environ.get("HETPILOT_ADDRESS", "")
+            if not env:
+                raise ConfigError("no daemon address: pass --daemon or set HETPILOT_ADDRESS")
+            config = load_agent_config(args.config, daemon=env, host=args.host,
+                                       probe_listen=args.probe_listen,
+                                       token_file=args.token_file, emulate=emulate,
+                                       link_probe_interval_s=args.link_probe_interval)
+        config.cluster_token()
+    except (ConfigError, OSError) as exc:
+        print(f"hetpilot agent: error: {exc}", file=sys.stderr)
+        return 2
+    from .agent import Agent
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with contextlib.suppress(NotImplementedError):
+                loop.add_signal_handler(sig, stop.set)
+        await Agent(config).run(stop)
+
+    asyncio.run(main())
+    return 0

@@ -1,0 +1,146 @@
+"""Agent configuration: frozen keyword-only dataclasses from one TOML file."""
+
+from __future__ import annotations
+
+import math
+import socket
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "load_agent_config", "parse_emulate"]
+
+
+class ConfigError(ValueError):
+    """A config value that is missing, of the wrong type or out of range."""
+
+
+def _check(name: str, value: Any, *, positive: bool = True) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value < 0 or (positive and value == 0):
+        raise ConfigError(f"{name}: must be a {'positive' if positive else 'non-negative'} "
+                          f"number, got {value!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedDevice:
+    """A fake device for CPU-only test clusters; reported with emulated=true."""
+
+    tflops: float
+    """Declared sustained TFLOP/s."""
+    memory_gb: float
+    """Declared memory, decimal GB."""
+    price_per_hour: float = 0.0
+    power_watts: float = 0.0
+    count: int = 1
+    """How many such devices the host declares."""
+
+    def __post_init__(self) -> None:
+        _check("emulate.tflops", self.tflops)
+        _check("emulate.memory_gb", self.memory_gb)
+        _check("emulate.price_per_hour", self.price_per_hour, positive=False)
+        _check("emulate.power_watts", self.power_watts, positive=False)
+        if not isinstance(self.count, int) or not 1 <= self.count <= 64:
+            raise ConfigError(f"emulate.count: must be an integer in [1, 64], got {self.count!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class AgentConfig:
+    daemon: str = ""
+    """host:port of the daemon."""
+    host: str = field(default_factory=socket.gethostname)
+    """This host's name in the cluster (device ids are "<host>:<index>")."""
+    probe_listen: str = "0.0.0.0:7071"
+    """TCP probe server address peers measure bandwidth and RTT against; port 0: OS picks."""
+    probe_advertise: str = ""
+    """Address peers dial; defaults to probe_listen with the host name when it binds 0.0.0.0."""
+    token: str = ""
+    """Cluster bearer token (inline, tests only)."""
+    token_file: str = ""
+    """File holding the cluster token; used when token is empty."""
+    ca_file: str = ""
+    """PEM CA of the daemon's certificate; TLS is on when set."""
+    cert_file: str = ""
+    """Client certificate for mutual TLS."""
+    key_file: str = ""
+    price_per_hour: float = 0.0
+    """Price of each real device of this host (measured devices carry no price)."""
+    power_watts: float = 0.0
+    reprobe_interval_s: float = 300.0
+    """How often the matmul probe re-measures each device."""
+    link_probe_interval_s: float = 30.0
+    """How often peers' bandwidth and RTT are measured."""
+    link_probe_bytes: int = 4_000_000
+    """Bytes sent per bandwidth probe."""
+    call_timeout_s: float = 5.0
+    """Deadline of every unary call and of each report's ack."""
+    max_backoff_s: float = 10.0
+    """Reconnect backoff cap (starts at 0.2 s, doubles, with jitter)."""
+    emulate: tuple[EmulatedDevice, ...] = ()
+    """Declared fake devices; when set, no hardware is probed."""
+
+    def __post_init__(self) -> None:
+        if self.daemon and ":" not in self.daemon:
+            raise ConfigError(f"daemon: must be host:port, got {self.daemon!r}")
+        if ":" not in self.probe_listen:
+            raise ConfigError(f"probe_listen: must be host:port, got {self.probe_listen!r}")
+        if not self.host or any(c.isspace() for c in self.host):
+            raise ConfigError(f"host: must be a non-empty name without spaces, got {self.host!r}")
+        for name in ("reprobe_interval_s", "link_probe_interval_s", "call_timeout_s",
+                     "max_backoff_s"):
+            _check(name, getattr(self, name))
+        _check("price_per_hour", self.price_per_hour, positive=False)
+        _check("power_watts", self.power_watts, positive=False)
+        if not 1000 <= self.link_probe_bytes <= 64_000_000:
+            raise ConfigError("link_probe_bytes: must be in [1000, 64e6]")
+
+    def cluster_token(self) -> str:
+        if self.token or not self.token_file:
+            return self.token
+        return Path(self.token_file).read_text().strip().splitlines()[0]
+
+
+def parse_emulate(text: str) -> EmulatedDevice:
+    """``tflops=50,memory_gb=24[,price_per_hour=1][,power_watts=300][,count=2]``."""
+    values: dict[str, Any] = {}
+    for part in text.split(","):
+        key, sep, raw = part.partition("=")
+        key = key.strip()
+        if not sep or key not in {f.name for f in fields(EmulatedDevice)}:
+            raise ConfigError(f"--emulate: bad item {part!r}; "
+                              "want tflops=..,memory_gb=..[,price_per_hour=..,power_watts=..,count=..]")
+        try:
+            values[key] = int(raw) if key == "count" else float(raw)
+        except ValueError:
+            raise ConfigError(f"--emulate: {key} must be a number, got {raw!r}") from None
+    try:
+        return EmulatedDevice(**values)
+    except TypeError as exc:
+        raise ConfigError(f"--emulate: {exc}") from None
+
+
+def load_agent_config(path: str | Path | None = None, **overrides: Any) -> AgentConfig:
+    """Read ``[agent]`` and ``[[emulate]]`` from a TOML file; overrides win."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+    unknown = set(data) - {"agent", "emulate"}
+    if unknown:
+        raise ConfigError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
+    top = dict(data.get("agent", {}))
+    try:
+        emulate = tuple(EmulatedDevice(**e) for e in data.get("emulate", []))
+    except TypeError as exc:
+        raise ConfigError(f"emulate: {exc}") from None
+    if emulate:
+        top["emulate"] = emulate
+    top.update({k: v for k, v in overrides.items() if v is not None and v != ()})
+    names = {f.name for f in fields(AgentConfig)}
+    if set(top) - names:
+        raise ConfigError(f"agent: unknown key(s) {', '.join(sorted(set(top) - names))}")
+    return AgentConfig(**top)

@@ -1,0 +1,83 @@
+"""Link probes between agents: a small TCP server on every agent and a client
+that measures round-trip time (1-byte pings) and bandwidth (a bulk send
+acknowledged by the receiver). Bounded sizes and timeouts everywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import struct
+import time
+
+__all__ = ["MAX_PROBE_BYTES", "measure", "start_probe_server"]
+
+MAX_PROBE_BYTES = 64_000_000
+_CHUNK = 256 * 1024
+
+
+async def _handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    try:
+        while True:
+            cmd = await asyncio.wait_for(reader.readexactly(1), timeout=30)
+            if cmd == b"P":
+                writer.write(b"P")
+            elif cmd == b"B":
+                (n,) = struct.unpack("!I", await reader.readexactly(4))
+                if n > MAX_PROBE_BYTES:
+                    return
+                left = n
+                while left:
+                    data = await reader.read(min(left, _CHUNK))
+                    if not data:
+                        return
+                    left -= len(data)
+                writer.write(b"K")
+            else:
+                return
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, struct.error):
+        pass
+    finally:
+        writer.close()
+        with contextlib.suppress(Exception):
+            await writer.wait_closed()
+
+
+async def start_probe_server(host: str, port: int) -> asyncio.Server:
+    return await asyncio.start_server(_handle, host, port)
+
+
+async def measure(address: str, nbytes: int = 4_000_000, pings: int = 5,
+                  timeout: float = 10.0) -> tuple[float, float]:
+    """(Gbit/s, RTT in microseconds) to the probe server at ``address``."""
+    host, _, port = address.rpartition(":")
+
+    async def run() -> tuple[float, float]:
+        reader, writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        try:
+            rtts = []
+            for _ in range(pings):
+                t0 = time.perf_counter()
+                writer.write(b"P")
+                await writer.drain()
+                await reader.readexactly(1)
+                rtts.append(time.perf_counter() - t0)
+            rtt = min(rtts)
+            payload = b"\0" * min(nbytes, _CHUNK)
+            t0 = time.perf_counter()
+            writer.write(b"B" + struct.pack("!I", nbytes))
+            left = nbytes
+            while left:
+                chunk = payload[: min(left, len(payload))]
+                writer.write(chunk)
+                await writer.drain()
+                left -= len(chunk)
+            await reader.readexactly(1)
+            elapsed = max(time.perf_counter() - t0 - rtt, 1e-6)
+            return nbytes * 8 / elapsed / 1e9, rtt * 1e6
+        finally:
+            writer.close()
+            with contextlib.suppress(Exception):
+                await writer.wait_closed()
+
+    return await asyncio.wait_for(run(), timeout=timeout)

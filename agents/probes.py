@@ -1,0 +1,188 @@
+"""Device discovery and measurement.
+
+Order: declared emulated devices (``--emulate``) when given; else CUDA devices
+through torch (imported lazily, only here) with NVML for utilisation and
+co-located processes when pynvml is installed; else the CPU as one device.
+Speed is a short matmul probe: numpy on the CPU, torch.cuda on a GPU.
+
+No GPU exists on the machines this was written on: the CUDA and NVML paths
+are untested there and written to the torch / NVML documentation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from .config import AgentConfig
+
+__all__ = ["DeviceState", "cpu_matmul_tflops", "discover", "refresh"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceState:
+    index: str
+    name: str
+    kind: str
+    """"cpu", "cuda" or "emulated"."""
+    tflops: float
+    memory_total_gb: float
+    memory_free_gb: float
+    utilization: float = 0.0
+    colocated_processes: int = 0
+    colocated_load: float = 0.0
+    price_per_hour: float = 0.0
+    power_watts: float = 0.0
+
+    @property
+    def emulated(self) -> bool:
+        return self.kind == "emulated"
+
+
+def cpu_matmul_tflops(n: int = 384, seconds: float = 0.2) -> float:
+    """Sustained float32 TFLOP/s of numpy matmul on this CPU."""
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+    a @ b  # warm up
+    iters, t0 = 0, time.perf_counter()
+    while True:
+        a @ b
+        iters += 1
+        elapsed = time.perf_counter() - t0
+        if elapsed >= seconds:
+            return 2 * n**3 * iters / elapsed / 1e12
+
+
+def _meminfo() -> tuple[float, float]:
+    """(total, available) GB from /proc/meminfo; zeros where it is missing."""
+    values: dict[str, float] = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                values[key] = float(rest.split()[0]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
+
+
+def _cpu_load() -> tuple[float, int]:
+    """(load share 0..1, runnable processes other than us)."""
+    try:
+        with open("/proc/loadavg") as fh:
+            parts = fh.read().split()
+        load1 = float(parts[0])
+        running = int(parts[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0
+    cpus = os.cpu_count() or 1
+    return min(1.0, load1 / cpus), max(0, running - 1)
+
+
+def _cuda_devices(config: AgentConfig) -> list[DeviceState]:
+    """CUDA devices through torch (lazy import). Untested here: no GPU."""
+    try:
+        import torch
+    except ImportError:
+        return []
+    if not torch.cuda.is_available():
+        return []
+    out = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        free, total = torch.cuda.mem_get_info(i)
+        out.append(DeviceState(index=str(i), name=props.name, kind="cuda",
+                               tflops=_cuda_matmul_tflops(torch, i),
+                               memory_total_gb=total / 1e9, memory_free_gb=free / 1e9,
+                               price_per_hour=config.price_per_hour,
+                               power_watts=config.power_watts))
+    return out
+
+
+def _cuda_matmul_tflops(torch: Any, index: int, n: int = 4096, seconds: float = 0.5) -> float:
+    dev = torch.device("cuda", index)
+    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    a = torch.randn(n, n, device=dev, dtype=dtype)
+    b = torch.randn(n, n, device=dev, dtype=dtype)
+    torch.cuda.synchronize(dev)
+    iters, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        iters += 1
+        torch.cuda.synchronize(dev)
+    return 2 * n**3 * iters / (time.perf_counter() - t0) / 1e12
+
+
+def _nvml_update(devices: list[DeviceState]) -> list[DeviceState]:
+    """Utilisation, memory and foreign processes from NVML when pynvml exists. Untested here."""
+    try:
+        import pynvml
+    except ImportError:
+        return devices
+    try:
+        pynvml.nvmlInit()
+        out = []
+        me = os.getpid()
+        for d in devices:
+            h = pynvml.nvmlDeviceGetHandleByIndex(int(d.index))
+            util = pynvml.nvmlDeviceGetUtilizationRates(h).gpu / 100.0
+            mem = pynvml.nvmlDeviceGetMemoryInfo(h)
+            procs = [p for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h) if p.pid != me]
+            out.append(replace(d, utilization=util, memory_total_gb=mem.total / 1e9,
+                               memory_free_gb=mem.free / 1e9, colocated_processes=len(procs),
+                               colocated_load=util if procs else 0.0))
+        return out
+    except Exception:  # NVML missing or failing: keep what torch said
+        return devices
+    finally:
+        with contextlib.suppress(Exception):
+            pynvml.nvmlShutdown()
+
+
+def _cpu_device(config: AgentConfig) -> DeviceState:
+    total, free = _meminfo()
+    load, running = _cpu_load()
+    return DeviceState(index="0", name=f"cpu x{os.cpu_count() or 1}", kind="cpu",
+                       tflops=cpu_matmul_tflops(), memory_total_gb=total, memory_free_gb=free,
+                       utilization=load, colocated_processes=running, colocated_load=load,
+                       price_per_hour=config.price_per_hour, power_watts=config.power_watts)
+
+
+def discover(config: AgentConfig) -> list[DeviceState]:
+    """The host's devices with a first measurement (blocking: run in a thread)."""
+    if config.emulate:
+        out, i = [], 0
+        for e in config.emulate:
+            for _ in range(e.count):
+                out.append(DeviceState(index=str(i), name="emulated", kind="emulated",
+                                       tflops=e.tflops, memory_total_gb=e.memory_gb,
+                                       memory_free_gb=e.memory_gb,
+                                       price_per_hour=e.price_per_hour,
+                                       power_watts=e.power_watts))
+                i += 1
+        return out
+    cuda = _cuda_devices(config)
+    if cuda:
+        return _nvml_update(cuda)
+    return [_cpu_device(config)]
+
+
+def refresh(devices: list[DeviceState], config: AgentConfig, *,
+            reprobe: bool) -> list[DeviceState]:
+    """Cheap updates (memory, load) every report; the matmul probe when ``reprobe``."""
+    if not devices or devices[0].kind == "emulated":
+        return devices
+    if devices[0].kind == "cuda":
+        return discover(config) if reprobe else _nvml_update(devices)
+    total, free = _meminfo()
+    load, running = _cpu_load()
+    d = devices[0]
+    tflops = cpu_matmul_tflops() if reprobe else d.tflops
+    return [replace(d, tflops=tflops, memory_total_gb=total, memory_free_gb=free,
+                    utilization=load, colocated_processes=running, colocated_load=load)]

@@ -1,0 +1,336 @@
+"""Job-owner commands: ``hetpilot submit|jobs|job|watch|budget|cancel``.
+
+The daemon address comes from ``--daemon`` or $HETPILOT_ADDRESS, the owner's
+token from ``--token-file`` or $HETPILOT_TOKEN. Every call has a deadline
+(``--timeout``); idempotent calls are retried on UNAVAILABLE by the channel's
+service config, and ``watch`` resumes from the last version it printed.
+
+Exit codes: 0 ok; 1 other failure; 2 bad input (a bad job file or argument,
+or INVALID_ARGUMENT / RESOURCE_EXHAUSTED from the daemon); 3 no such job
+(NOT_FOUND: also another owner's job); 4 not authenticated; 5 daemon
+unreachable or too slow (UNAVAILABLE, DEADLINE_EXCEEDED); 6 the job's state
+forbids it (FAILED_PRECONDITION, e.g. a cancelled job's budget).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import tomllib
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
+
+from .channel import Endpoint, metadata, open_sync
+
+__all__ = ["EXIT", "add_arguments", "job_request_from_toml", "run"]
+
+EXIT = {
+    grpc.StatusCode.INVALID_ARGUMENT: 2, grpc.StatusCode.RESOURCE_EXHAUSTED: 2,
+    grpc.StatusCode.NOT_FOUND: 3, grpc.StatusCode.UNAUTHENTICATED: 4,
+    grpc.StatusCode.PERMISSION_DENIED: 4, grpc.StatusCode.UNAVAILABLE: 5,
+    grpc.StatusCode.DEADLINE_EXCEEDED: 5, grpc.StatusCode.FAILED_PRECONDITION: 6,
+}
+_STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
+          job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
+_JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
+             "schedule", "budgets", "V", "slot_s", "allowed_hosts"}
+
+
+class InputError(ValueError):
+    """Bad job file or argument (exit 2)."""
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--daemon", metavar="HOST:PORT", help="default: $HETPILOT_ADDRESS")
+    parser.add_argument("--token-file", help="file with your bearer token (default: $HETPILOT_TOKEN)")
+    parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
+    parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
+    parser.add_argument("--key-file", default="")
+    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    if name == "submit":
+        parser.add_argument("job_file", metavar="job.toml")
+    elif name == "jobs":
+        parser.add_argument("--all", action="store_true", help="include cancelled jobs")
+    elif name in ("job", "cancel"):
+        parser.add_argument("job_id")
+    elif name == "watch":
+        parser.add_argument("job_id")
+        parser.add_argument("--after", type=int, default=0, metavar="VERSION",
+                            help="start after this plan version")
+        parser.add_argument("--count", type=int, default=0,
+                            help="exit after this many versions (0: until the job ends)")
+    elif name == "budget":
+        parser.add_argument("job_id")
+        parser.add_argument("settings", nargs="+", metavar="KIND=VALUE",
+                            help="price_per_hour=20, power_watts=900, V=5")
+
+
+def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
+    path = Path(path)
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise InputError(f"{path}: {exc}") from None
+    unknown = set(data) - _JOB_KEYS
+    if unknown:
+        raise InputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    model_json = ""
+    if "model" in data:
+        model_path = (path.parent / str(data["model"])).resolve()
+        try:
+            model_json = model_path.read_text()
+        except OSError as exc:
+            raise InputError(f"{path}: model: cannot read {model_path}: {exc.strerror}") from None
+    elif not data.get("profile_on_attach", False):
+        raise InputError(f"{path}: set model = \"model.json\" or profile_on_attach = true")
+    try:
+        sched = data.get("schedule", [])
+        return job_pb2.SubmitJobRequest(
+            name=str(data.get("name", path.stem)), model_json=model_json,
+            profile_on_attach=bool(data.get("profile_on_attach", False)),
+            global_batch=int(data["global_batch"]), microbatch_size=int(data["microbatch_size"]),
+            schedules=[sched] if isinstance(sched, str) and sched != "any"
+            else [] if sched == "any" else list(sched),
+            budgets={str(k): float(v) for k, v in data.get("budgets", {}).items()},
+            v=float(data.get("V", 0.0)), slot_s=float(data.get("slot_s", 0.0)),
+            allowed_hosts=[str(h) for h in data.get("allowed_hosts", [])],
+            request_id=uuid.uuid4().hex)
+    except KeyError as exc:
+        raise InputError(f"{path}: {exc.args[0]} is required") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InputError(f"{path}: {exc}") from None
+
+
+def _settings(items: list[str]) -> tuple[dict[str, float], float | None]:
+    budgets: dict[str, float] = {}
+    v = None
+    for item in items:
+        key, sep, raw = item.partition("=")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise InputError(f"{item!r}: want KIND=NUMBER") from None
+        if not sep:
+            raise InputError(f"{item!r}: want KIND=NUMBER")
+        if key == "V":
+            v = value
+        else:
+            budgets[key] = value
+    return budgets, v
+
+
+def _job_dict(info: job_pb2.JobInfo) -> dict[str, Any]:
+    out = MessageToDict(info, preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True)
+    out["state"] = _STATE.get(info.state, str(info.state))
+    return _ints(out)
+
+
+def _ints(out: dict[str, Any]) -> dict[str, Any]:
+    """MessageToDict writes 64-bit integers as strings (proto3 JSON); scripts want numbers."""
+    for key in ("slot", "plan_version", "version", "created_unix_ms"):
+        if key in out:
+            out[key] = int(out[key])
+    return out
+
+
+def _plan_dict(pv: common_pb2.PlanVersion) -> dict[str, Any]:
+    out = MessageToDict(pv, preserving_proto_field_name=True,
+                        always_print_fields_with_no_presence=True)
+    out["plan"] = json.loads(out.pop("plan_json") or "null")
+    return _ints(out)
+
+
+def _fmt_costs(costs: Any, budgets: Any) -> str:
+    parts = []
+    for k in sorted(set(costs) | set(budgets)):
+        short = {"price_per_hour": "$/h", "power_watts": "W"}.get(k, k)
+        text = f"{costs.get(k, 0.0):.2f}"
+        if k in budgets:
+            text += f"/{budgets[k]:.2f}"
+        parts.append(f"{short} {text}")
+    return ", ".join(parts)
+
+
+def _print_jobs(jobs: list[job_pb2.JobInfo]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="hetpilot jobs")
+    table.add_column("id", no_wrap=True)
+    for col in ("name", "state", "model", "batch", "plan v", "iter s",
+                "avg cost / budget", "devices"):
+        table.add_column(col)
+    for j in jobs:
+        devices = str(len(j.devices))
+        if j.emulated_devices:
+            devices += f" ({len(j.emulated_devices)} emulated)"
+        table.add_row(j.job_id, j.name, _STATE.get(j.state, "?"), j.model_name or "-",
+                      f"{j.global_batch}/{j.microbatch_size}", str(j.plan_version),
+                      f"{j.iteration_s:.3f}" if j.plan_version else "-",
+                      _fmt_costs(j.average_costs, j.budgets), devices or "-")
+    Console().print(table)
+
+
+def _print_job(j: job_pb2.JobInfo) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"job {j.job_id}", show_header=False)
+    emu = set(j.emulated_devices)
+    rows = [("name", j.name), ("owner", j.owner), ("state", _STATE.get(j.state, "?")),
+            ("model", j.model_name or ("(profile on attach)" if j.profile_on_attach else "-")),
+            ("batch / microbatch", f"{j.global_batch} / {j.microbatch_size}"),
+            ("V", f"{j.v:g}"), ("slot", f"{j.slot} x {j.slot_s:g} s"),
+            ("plan version", str(j.plan_version)),
+            ("iteration", f"{j.iteration_s:.4f} s"),
+            ("cost now / budget", _fmt_costs(j.costs, j.budgets)),
+            ("average cost / budget", _fmt_costs(j.average_costs, j.budgets)),
+            ("queues", ", ".join(f"{k} {v:.2f}" for k, v in sorted(j.queues.items())) or "-"),
+            ("devices", ", ".join(d + (" (emulated)" if d in emu else "") for d in j.devices)
+             or "-"),
+            ("allowed hosts", ", ".join(j.allowed_hosts) or "all"),
+            ("warnings", "; ".join(j.warnings) or "-")]
+    for k, v in rows:
+        table.add_row(k, v)
+    Console().print(table)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"hetpilot: error: {message}", file=sys.stderr)
+    return code
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        token = Path(args.token_file).read_text().strip() if args.token_file else None
+        ep = Endpoint.from_env(args.daemon, token, ca_file=args.ca_file,
+                               cert_file=args.cert_file, key_file=args.key_file)
+        with open_sync(ep) as channel:
+            stub = job_pb2_grpc.JobServiceStub(channel)
+            return _COMMANDS[args.command](stub, metadata(ep.token), args)
+    except (InputError, ValueError, OSError) as exc:
+        return _fail(str(exc), 2)
+    except grpc.RpcError as exc:
+        code = exc.code()  # type: ignore[attr-defined]
+        return _fail(f"{code.name}: {exc.details()}",  # type: ignore[attr-defined]
+                     EXIT.get(code, 1))
+
+
+Md = tuple[tuple[str, str], ...]
+
+
+def _submit(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    info = stub.SubmitJob(job_request_from_toml(args.job_file), metadata=md, timeout=args.timeout)
+    print(json.dumps(_job_dict(info)) if args.json else info.job_id)
+    return 0
+
+
+def _jobs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    resp = stub.ListJobs(job_pb2.ListJobsRequest(include_cancelled=args.all), metadata=md,
+                         timeout=args.timeout)
+    if args.json:
+        print(json.dumps([_job_dict(j) for j in resp.jobs]))
+    else:
+        _print_jobs(list(resp.jobs))
+    return 0
+
+
+def _job(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
+                       timeout=args.timeout)
+    print(json.dumps(_job_dict(info))) if args.json else _print_job(info)
+    return 0
+
+
+def _cancel(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    info = stub.CancelJob(job_pb2.CancelJobRequest(job_id=args.job_id), metadata=md,
+                          timeout=args.timeout)
+    print(json.dumps(_job_dict(info)) if args.json else f"{info.job_id} cancelled")
+    return 0
+
+
+def _budget(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    budgets, v = _settings(args.settings)
+    req = job_pb2.UpdateBudgetsRequest(job_id=args.job_id, budgets=budgets)
+    if v is not None:
+        req.v = v
+    info = stub.UpdateBudgets(req, metadata=md, timeout=args.timeout)
+    if args.json:
+        print(json.dumps(_job_dict(info)))
+    else:
+        print(f"{info.job_id}: budgets {dict(info.budgets)}, V {info.v:g}")
+    return 0
+
+
+def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    """Plan versions as they come; reconnects (resuming after the last one) while
+    the daemon is away, for up to 10 deadlines in a row."""
+    last, seen, failures = args.after, 0, 0
+    info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
+                       timeout=args.timeout)
+    live = None
+    table_rows: list[tuple[str, ...]] = []
+    if not args.json:
+        from rich.live import Live
+
+        live = Live(auto_refresh=False)
+        live.start()
+    show: Callable[[common_pb2.PlanVersion], None]
+
+    def show(pv: common_pb2.PlanVersion) -> None:
+        if args.json:
+            print(json.dumps(_plan_dict(pv)), flush=True)
+            return
+        from rich.table import Table
+
+        plan = json.loads(pv.plan_json)
+        table_rows.append((str(pv.version), str(pv.slot), f"{pv.iteration_s:.4f}",
+                           _fmt_costs(pv.costs, info.budgets),
+                           str(sum(len(g["stages"]) for g in plan["groups"])),
+                           str(len(plan["groups"]))))
+        table = Table(title=f"job {args.job_id}: plan versions")
+        for col in ("version", "slot", "iter s", "cost / budget", "devices", "groups"):
+            table.add_column(col)
+        for row in table_rows[-20:]:
+            table.add_row(*row)
+        assert live is not None
+        live.update(table, refresh=True)
+
+    try:
+        while True:
+            try:
+                for pv in stub.WatchPlans(job_pb2.WatchPlansRequest(job_id=args.job_id,
+                                                                    after_version=last),
+                                          metadata=md):
+                    failures = 0
+                    last = pv.version
+                    show(pv)
+                    seen += 1
+                    if args.count and seen >= args.count:
+                        return 0
+                return 0  # the job ended
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.UNAVAILABLE,  # type: ignore[attr-defined]
+                                      grpc.StatusCode.DEADLINE_EXCEEDED) or failures >= 10:
+                    raise
+                failures += 1
+                time.sleep(min(0.2 * 2 ** failures, 5.0))
+    finally:
+        if live is not None:
+            live.stop()
+
+
+_COMMANDS: dict[str, Callable[[job_pb2_grpc.JobServiceStub, Md, argparse.Namespace], int]] = {
+    "submit": _submit, "jobs": _jobs, "job": _job, "watch": _watch, "budget": _budget,
+    "cancel": _cancel,
+}
