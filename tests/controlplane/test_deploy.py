@@ -1,0 +1,95 @@
+"""deploy/: the systemd units verify, the example configs load, and the daemon
+speaks sd_notify (READY, WATCHDOG, STOPPING) and stops cleanly on SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hetpilot.agents.config import load_agent_config, parse_emulate
+from hetpilot.agents.config import ConfigError as AgentConfigError
+from hetpilot.client.cli import job_request_from_toml
+from hetpilot.daemon.config import ConfigError, load_daemon_config
+
+pytestmark = pytest.mark.timeout(60)
+DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
+
+
+def test_example_configs_load() -> None:
+    d = load_daemon_config(DEPLOY / "daemon.toml")
+    assert d.listen == "0.0.0.0:7070" and d.auth.owner_tokens_file
+    a = load_agent_config(DEPLOY / "agent.toml")
+    assert a.daemon.endswith(":7070") and not a.emulate
+    req = job_request_from_toml(DEPLOY / "job.toml")
+    assert req.global_batch == 512 and req.budgets["price_per_hour"] == 20.0 and req.model_json
+
+
+def test_config_validation(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="heartbeat_timeout_s"):
+        load_daemon_config(None, heartbeat_timeout_s=-1)
+    bad = tmp_path / "d.toml"
+    bad.write_text("[daemon]\nlisten = '127.0.0.1:1'\nbogus = 1\n")
+    with pytest.raises(ConfigError, match="bogus"):
+        load_daemon_config(bad)
+    assert parse_emulate("tflops=5,memory_gb=2,count=3").count == 3
+    with pytest.raises(AgentConfigError):
+        parse_emulate("tflops=nan,memory_gb=2")
+
+
+def test_systemd_units_verify(tmp_path: Path) -> None:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        pytest.skip("systemd-analyze is not installed: units NOT verified")
+    exe = Path(sys.executable).with_name("hetpilot")
+    units = []
+    for unit in ("hetpilot-daemon.service", "hetpilot-agent.service"):
+        text = (DEPLOY / unit).read_text().replace("/opt/hetpilot/venv/bin/hetpilot", str(exe))
+        (tmp_path / unit).write_text(text)
+        units.append(str(tmp_path / unit))
+    out = subprocess.run([tool, "verify", *units], capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert "hetpilot" not in out.stderr, out.stderr
+
+
+def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
+    sock_path = str(tmp_path / "notify.sock")
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(sock_path)
+    sock.settimeout(20)
+    env = {**os.environ, "NOTIFY_SOCKET": sock_path, "WATCHDOG_USEC": "400000"}
+    env.pop("WATCHDOG_PID", None)
+    cfg = tmp_path / "d.toml"
+    cfg.write_text("[auth]\nallow_unauthenticated = true\n")
+    proc = subprocess.Popen([sys.executable, "-m", "hetpilot", "daemon", "--listen",
+                             "127.0.0.1:0", "--state-dir", str(tmp_path / "s"),
+                             "--metrics-listen", "", "--config", str(cfg)], env=env,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        messages: list[str] = []
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not any("WATCHDOG=1" in m for m in messages):
+            messages.append(sock.recv(4096).decode())
+        assert any("READY=1" in m and "STATUS=serving" in m for m in messages), messages
+        assert any("WATCHDOG=1" in m for m in messages), messages
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 0
+        rest = []
+        sock.settimeout(0.5)
+        try:
+            while True:
+                rest.append(sock.recv(4096).decode())
+        except TimeoutError:
+            pass
+        assert any("STOPPING=1" in m for m in rest), rest
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+        sock.close()
