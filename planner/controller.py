@@ -8,7 +8,11 @@ cluster as the controller observes it (devices that are down are absent) and
    prices of the last slot (reports arrive after the fact);
 2. asks the planner's tentative search for candidate plans (one per device
    subset and group structure) and adds the running plan, re-scored on the
-   observed cluster;
+   observed cluster. Under budgets it also searches the cluster without its
+   least cost-efficient devices (lowest TFLOP/s per unit of budgeted cost,
+   costs weighed by their budgets), dropping 1/16, 1/8, 1/4, 1/2 and 3/4 of
+   them: the planner drops the *slowest* devices, which are often the cheap
+   ones, so without this the cheap end of the trade-off would be missing;
 3. picks the candidate minimising ``V * T + sum_k Q_k * c_k`` (policy
    ``lyapunov``), where a candidate other than the running plan also pays the
    time it takes to switch to it (:mod:`hetpilot.planner.switching`) spread
@@ -65,6 +69,8 @@ class ControllerConfig:
     the running plan by this fraction of its ``V * T`` term."""
     iterations_per_slot: int | None = None
     """Iterations in one slot (epoch size / global batch), if known."""
+    cost_subsets: bool = True
+    """Also search without the least cost-efficient devices when budgets are set."""
     policy: str = "lyapunov"
     """One of :data:`POLICIES`: ``lyapunov`` minimises ``V*T + sum Q*c``;
     ``fastest`` ignores budgets; ``budget-greedy`` takes the fastest candidate
@@ -213,7 +219,7 @@ class Controller:
         """Decide the plan for the next slot on the ``observed`` cluster."""
         queues = self._settled_queues(observed)
         job = replace(self.job, budgets=dict(self._budgets), V=self._V)
-        found = list(self._search(observed, self.model, job))
+        found = self._candidates(observed, job)
         running, why_not = self._running_candidate(observed)
         pool = [c for c in found if running is None or c.plan != running.plan]
         if running is None and not pool:
@@ -333,6 +339,23 @@ class Controller:
             queues.update({k: v for k, v in redone.items() if k in queues})
         return {k: queues.get(k, 0.0) for k in self._budgets}
 
+    def _candidates(self, observed: Cluster, job: Job) -> list[Candidate]:
+        found: list[Candidate] = []
+        if not observed.devices:
+            return found
+        subsets: list[Cluster] = [observed]
+        if self.config.cost_subsets and self._budgets and self.config.policy != "fastest":
+            subsets.extend(_cost_subsets(observed, self._budgets))
+        for cluster in subsets:
+            try:
+                for cand in self._search(cluster, self.model, job):
+                    if cluster is not observed:
+                        cand = replace(cand, label=f"cost-{len(observed.devices) - len(cluster.devices)}/{cand.label}")
+                    found.append(cand)
+            except InfeasibleError:
+                continue
+        return found
+
     def _running_candidate(self, observed: Cluster) -> tuple[Candidate | None, str | None]:
         plan = self._plan
         if plan is None:
@@ -424,6 +447,24 @@ class Controller:
             n_f = max(self.config.slot_s / max(iteration_s, 1e-12), 1.0)
             return switch_s / n_f
         return switch_s / n
+
+
+def _cost_subsets(cluster: Cluster, budgets: Mapping[str, float]) -> list[Cluster]:
+    """The cluster without its least cost-efficient 1/16, 1/8, 1/4, 1/2, 3/4."""
+    n = len(cluster.devices)
+    if n < 2:
+        return []
+
+    def weighted_cost(d: Any) -> float:
+        return sum(d.cost(k) / b if b > 0 else d.cost(k) * 1e9 for k, b in budgets.items())
+
+    def efficiency(d: Any) -> float:
+        cost = weighted_cost(d)
+        return math.inf if cost <= 0 else d.tflops / cost
+
+    worst_first = sorted(cluster.devices, key=lambda d: (efficiency(d), d.id))
+    drops = sorted({max(1, round(n * f)) for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)} - {n})
+    return [cluster.without(frozenset(d.id for d in worst_first[:k])) for k in drops]
 
 
 def _mapping(obj: Mapping[str, Any], key: str, path: str = "state") -> Mapping[str, Any]:

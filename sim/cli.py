@@ -173,18 +173,38 @@ def _sweep(scenario: Scenario, timeline: Timeline, policy: str, values: Sequence
     return 0
 
 
+_SLOT_COLS = (("policy", "policy"), ("slot", "slot"), ("iteration_s", "T s"),
+              ("price_per_hour", "$/h"), ("power_watts", "W"), ("queues", "Q"),
+              ("switched", "switch"), ("switch_s", "switch s"), ("version", "v"))
+_SUMMARY_COLS = (("policy", "policy"), ("slots", "slots"), ("avg_iteration_s", "avg T s"),
+                 ("avg_effective_iteration_s", "avg T+switch s"), ("avg_price_per_hour", "avg $/h"),
+                 ("avg_power_watts", "avg W"), ("budgets", "budget"), ("max_queues", "max Q"),
+                 ("switches", "switches"), ("stalled_slots", "stalls"))
+_SWEEP_COLS = (("V", "V"), ("avg_iteration_s", "avg T s"),
+               ("avg_effective_iteration_s", "avg T+switch s"), ("avg_price_per_hour", "avg $/h"),
+               ("avg_power_watts", "avg W"), ("budgets", "budget"), ("avg_queues", "avg Q"),
+               ("max_queues", "max Q"), ("switches", "switches"))
+
+
 def _print_table(rows: Sequence[dict[str, Any]]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    skip = {"summary", "plan", "budgets", "tail_avg_budgets", "warnings"}
-    cols = list(dict.fromkeys(k for r in rows for k in r if k not in skip))
-    table = Table(show_lines=False)
-    for c in cols:
-        table.add_column(c, overflow="fold")
-    for r in rows:
-        table.add_row(*[_cell(r.get(c)) for c in cols], style="bold" if r.get("summary") else None)
-    Console().print(table)
+    console = Console()
+    groups = (
+        ("slots", _SLOT_COLS, [r for r in rows if "slot" in r]),
+        ("summary", _SUMMARY_COLS, [r for r in rows if r.get("summary")]),
+        ("trade-off over V", _SWEEP_COLS, [r for r in rows if "V" in r]),
+    )
+    for title, cols, chosen in groups:
+        if not chosen:
+            continue
+        table = Table(title=title)
+        for _, header in cols:
+            table.add_column(header, overflow="fold")
+        for r in chosen:
+            table.add_row(*[_cell(r.get(key)) for key, _ in cols])
+        console.print(table)
 
 
 def _cell(value: Any) -> str:
@@ -193,5 +213,6 @@ def _cell(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}"
     if isinstance(value, dict):
-        return " ".join(f"{k.split('_')[0]}={_cell(v)}" for k, v in value.items())
+        units = {"price_per_hour": "$/h", "power_watts": "W"}
+        return " ".join(f"{_cell(v)} {units.get(k, k)}" for k, v in value.items())
     return str(value)

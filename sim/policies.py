@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
 from types import MappingProxyType
 from typing import Protocol
 
@@ -55,26 +56,37 @@ class Policy(Protocol):
 
 
 class CachedSearch:
-    """Memoises the tentative search on (cluster object, job), so that several
-    policies run over one timeline search each distinct cluster once."""
+    """Memoises the tentative search, so that several policies run over one
+    timeline search each distinct cluster once.
 
-    def __init__(self, search: SearchFn, size: int = 16) -> None:
+    The key leaves out what cannot change a plan's iteration time: device
+    prices and power (the candidates' cost rates are recomputed for the
+    cluster asked about) and the job's budgets and V (the planner's search
+    reads neither; they are the controller's). Spot-price swings then cost
+    no search at all.
+    """
+
+    def __init__(self, search: SearchFn, size: int = 64) -> None:
         self._search = search
         self._size = size
         self._cache: OrderedDict[tuple[object, ...], tuple[Cluster, list[Candidate]]] = OrderedDict()
 
     def __call__(self, cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
-        key = (id(cluster), id(model), job.global_batch, job.microbatch_size, job.schedules,
-               tuple(sorted(job.budgets.items())), job.V)
+        bare = Cluster(devices=tuple(replace(d, price_per_hour=0.0, power_watts=0.0)
+                                     for d in cluster.devices), network=cluster.network)
+        key = (bare, id(model), job.global_batch, job.microbatch_size, job.schedules)
         hit = self._cache.get(key)
-        if hit is not None and hit[0] is cluster:
+        if hit is not None:
             self._cache.move_to_end(key)
-            return hit[1]
-        found = list(self._search(cluster, model, job))
-        self._cache[key] = (cluster, found)
-        if len(self._cache) > self._size:
-            self._cache.popitem(last=False)
-        return found
+            source, found = hit
+        else:
+            source, found = cluster, list(self._search(cluster, model, job))
+            self._cache[key] = (cluster, found)
+            if len(self._cache) > self._size:
+                self._cache.popitem(last=False)
+        if source is cluster or source == cluster:
+            return found
+        return [replace(c, costs=plan_costs(cluster, c.plan)) for c in found]
 
 
 class _Controlled:
