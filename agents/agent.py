@@ -13,6 +13,7 @@ import contextlib
 import logging
 import random
 import time
+from typing import Any
 
 import grpc
 from hetpilot.client.channel import Endpoint, metadata, open_aio
@@ -26,6 +27,7 @@ __all__ = ["Agent"]
 
 log = logging.getLogger("hetpilot.agent")
 
+_EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks grpc.aio.EOF
 _KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
          "emulated": common_pb2.DEVICE_KIND_EMULATED}
 
@@ -96,7 +98,7 @@ class Agent:
         while not stop.is_set():
             channel = open_aio(self._endpoint)
             try:
-                stub = agent_pb2_grpc.AgentServiceStub(channel)
+                stub: Any = agent_pb2_grpc.AgentServiceStub(channel)
                 resp = await stub.Register(self.register_request(), metadata=self._md,
                                            timeout=self.config.call_timeout_s)
                 self._set_peers(resp.peers)
@@ -116,14 +118,16 @@ class Agent:
                 await asyncio.wait_for(stop.wait(), backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, self.config.max_backoff_s)
 
-    async def _stream(self, stub: agent_pb2_grpc.AgentServiceStub, interval: float,
-                      stop: asyncio.Event) -> None:
-        call = stub.Report(metadata=self._md)
+    async def _stream(self, stub: Any, interval: float, stop: asyncio.Event) -> None:
+        """One Report stream: write a report, wait for its ack, sleep; until it breaks.
+
+        ``stub`` is an aio AgentServiceStub (grpc-stubs types only the sync one)."""
+        call: Any = stub.Report(metadata=self._md)
         try:
             while not stop.is_set():
                 await asyncio.wait_for(call.write(self.report()), self.config.call_timeout_s)
                 ack = await asyncio.wait_for(call.read(), self.config.call_timeout_s)
-                if ack is grpc.aio.EOF:
+                if ack is _EOF:
                     await call  # raises the stream's status
                     return
                 self.reports_acked += 1

@@ -285,8 +285,6 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
 
         live = Live(auto_refresh=False)
         live.start()
-    show: Callable[[common_pb2.PlanVersion], None]
-
     def show(pv: common_pb2.PlanVersion) -> None:
         if args.json:
             print(json.dumps(_plan_dict(pv)), flush=True)

@@ -148,7 +148,7 @@ class ControlPlane:
         rec = self._own(owner, job_id)
         return rec, self.store.job_status(job_id)[0]
 
-    def list(self, owner: str, include_cancelled: bool = False) -> list[tuple[JobRecord, JobStatus]]:
+    def list_jobs(self, owner: str, include_cancelled: bool = False) -> list[tuple[JobRecord, JobStatus]]:
         return [(r, self.store.job_status(r.job_id)[0]) for r in self.store.list_jobs(owner)
                 if include_cancelled or r.state != JOB_CANCELLED]
 

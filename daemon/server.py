@@ -95,7 +95,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(plane), server)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane), server)
-    health_servicer = health.aio.HealthServicer()
+    health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
         (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,

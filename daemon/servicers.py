@@ -97,7 +97,7 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     @_unary
     async def ListJobs(self, request: job_pb2.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> job_pb2.ListJobsResponse:
-        jobs = self.plane.list(self._owner(context), request.include_cancelled)
+        jobs = self.plane.list_jobs(self._owner(context), request.include_cancelled)
         return job_pb2.ListJobsResponse(jobs=[self._info(p) for p in jobs])
 
     @_unary

@@ -13,9 +13,8 @@ import time
 from pathlib import Path
 
 import pytest
-
-from hetpilot.agents.config import load_agent_config, parse_emulate
 from hetpilot.agents.config import ConfigError as AgentConfigError
+from hetpilot.agents.config import load_agent_config, parse_emulate
 from hetpilot.client.cli import job_request_from_toml
 from hetpilot.daemon.config import ConfigError, load_daemon_config
 
