@@ -43,20 +43,28 @@ class AssignmentLP:
         self.a = cp.Parameter(k, nonneg=True, name="fill_s")
         self.b = cp.Parameter(k, nonneg=True, name="cycle_s")
         self.cap = cp.Parameter(k, nonneg=True, name="max_microbatches")
+        self.count = cp.Parameter(k, nonneg=True, name="groups_in_class")
         self.total = cp.Parameter(nonneg=True, name="microbatches")
         self.m = cp.Variable(k, name="M")
         self.t = cp.Variable(name="t")
         constraints = [
             self.a + cp.multiply(self.b, self.m) <= self.t,
-            cp.sum(self.m) == self.total,
+            cp.sum(cp.multiply(self.count, self.m)) == self.total,
             self.m >= 0,
             self.m <= self.cap,
         ]
         self.problem = cp.Problem(cp.Minimize(self.t), constraints)
 
     def solve(
-        self, fill: Sequence[float], cycle: Sequence[float], cap: Sequence[float], total: int
+        self,
+        fill: Sequence[float],
+        cycle: Sequence[float],
+        cap: Sequence[float],
+        total: int,
+        count: Sequence[int] | None = None,
     ) -> np.ndarray:
+        """Microbatches per group of each class (``count[c]`` identical groups in class c)."""
+        self.count.value = np.ones(self.k) if count is None else np.asarray(count, dtype=float)
         self.a.value = np.asarray(fill, dtype=float)
         self.b.value = np.asarray(cycle, dtype=float)
         self.cap.value = np.asarray(cap, dtype=float)
@@ -85,11 +93,14 @@ def assign_microbatches(
     cycle: Sequence[float],
     cap: Sequence[int],
     total: int,
+    classes: Sequence[int] | None = None,
 ) -> list[int] | None:
     """Integer microbatches per group (each >= 1), or None if ``total`` cannot fit.
 
     ``makespan(g, M)`` is the exact makespan of group g with M microbatches
-    (``inf`` when it does not fit in memory).
+    (``inf`` when it does not fit in memory). ``classes[g]`` names groups that
+    are identical (same devices, links and cut): the LP then has one variable
+    per class, so a 1024-group plan of 4 device kinds solves a 4-variable LP.
     """
     k = len(fill)
     caps = [max(0, int(c)) for c in cap]
@@ -98,8 +109,21 @@ def assign_microbatches(
     if k == 1:
         counts = [total]
     else:
-        relaxed = lp_problem(k).solve(fill, cycle, caps, total)
-        counts = [min(caps[g], max(1, math.floor(relaxed[g] + 1e-9))) for g in range(k)]
+        cls = list(range(k)) if classes is None else list(classes)
+        first: dict[int, int] = {}
+        for g, c in enumerate(cls):
+            first.setdefault(c, g)
+        reps = list(first.values())
+        index = {c: i for i, c in enumerate(first)}
+        size = [0] * len(reps)
+        for c in cls:
+            size[index[c]] += 1
+        relaxed = lp_problem(len(reps)).solve(
+            [fill[g] for g in reps], [cycle[g] for g in reps], [caps[g] for g in reps],
+            total, size,
+        ) if len(reps) > 1 else np.full(1, total / k)
+        counts = [min(caps[g], max(1, math.floor(relaxed[index[cls[g]]] + 1e-9)))
+                  for g in range(k)]
         while sum(counts) > total:  # the >= 1 floor can overshoot for tiny groups
             g = max(range(k), key=lambda i: (counts[i] > 1, makespan(i, counts[i])))
             counts[g] -= 1

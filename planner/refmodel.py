@@ -247,11 +247,11 @@ def ideal_time(cluster: Cluster, model: Model, global_batch: int) -> float:
 
 # -- validation and evaluation ------------------------------------------------
 
-def _stage_orders(plan: Plan, gi: int, microbatches: int) -> list[tuple[Op, ...]]:
+def _stage_orders(plan: Plan, gi: int, microbatches: int) -> list[tuple[Op, ...]] | None:
+    """Parsed custom orders of a group; None for the built-in schedules."""
     group = plan.groups[gi]
-    n = len(group.stages)
     if plan.schedule != "custom":
-        return [order(plan.schedule, n, j, microbatches) for j in range(n)]
+        return None
     orders = []
     for j, stage in enumerate(group.stages):
         field = f"plan.groups[{gi}].stages[{j}].order"
@@ -261,10 +261,21 @@ def _stage_orders(plan: Plan, gi: int, microbatches: int) -> list[tuple[Op, ...]
     return orders
 
 
+def _in_flight(schedule: str, n: int, j: int, m: int,
+               orders: list[tuple[Op, ...]] | None) -> int:
+    """Spec 5.4: M for gpipe, min(S - j, M) for 1f1b, the order's peak for custom."""
+    if schedule == "gpipe":
+        return m
+    if schedule == "1f1b":
+        return min(n - j, m)
+    assert orders is not None
+    return inflight(orders[j])
+
+
 def validate_plan(
     cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
-) -> list[list[tuple[Op, ...]]]:
-    """Check every rule of spec section 4; return each group's stage orders.
+) -> list[list[tuple[Op, ...]] | None]:
+    """Check every rule of spec section 4; return each group's custom orders.
 
     Raises InvalidPlanError naming the first field that breaks a rule.
     Deadlocks of custom orders are found by :func:`evaluate`.
@@ -314,13 +325,14 @@ def validate_plan(
         orders = _stage_orders(plan, gi, m)
         n = len(group.stages)
         for si, stage in enumerate(group.stages):
-            need = stage_memory_mb(model, stage, micro, inflight(orders[si]))
+            flight = _in_flight(plan.schedule, n, si, m, orders)
+            need = stage_memory_mb(model, stage, micro, flight)
             have = 1000.0 * cluster.by_id[stage.device].memory_gb
             if need > have:
                 raise InvalidPlanError(
                     f"{gp}.stages[{si}]",
                     f"needs {need:.1f} MB on {stage.device!r}, which has {have:.1f} MB"
-                    f" (stage {si} of {n}, {inflight(orders[si])} microbatches in flight)",
+                    f" (stage {si} of {n}, {flight} microbatches in flight)",
                 )
         all_orders.append(orders)
     total = plan.global_batch
@@ -343,7 +355,7 @@ def evaluate(
             times = group_op_times(cluster, model, group, micro)
             m = group.samples // micro
             try:
-                if plan.schedule == "custom":
+                if orders is not None:
                     makespans.append(group_makespan(times, plan.schedule, m, orders))
                 else:
                     makespans.append(group_makespan(times, plan.schedule, m))

@@ -30,9 +30,9 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from .candidates import Candidate, plan_costs
-from .errors import InfeasibleError
-from .partition import GroupCut, ModelArrays, evaluate_cut, partition_group
-from .refmodel import evaluate
+from .errors import InfeasibleError, InvalidPlanError
+from .partition import GroupCut, ModelArrays, evaluate_cut, fast_makespan, partition_group
+from .refmodel import evaluate, group_makespan, group_op_times, sync_time, validate_plan
 from .schedules import format_order, warmup_order
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -107,13 +107,14 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
 
     add("dp", [[d] for d in chain])
     add("host", by_host.values())
-    add("chain", [chain])
+    if len(chain) <= 16:  # deeper single pipelines come from chunks and host pairs
+        add("chain", [chain])
     add("split-host", [half for g in by_host.values()
                        for half in (g[: (len(g) + 1) // 2], g[(len(g) + 1) // 2:])])
     hosts = list(by_host.values())
     add("host-pairs", [hosts[i] + (hosts[i + 1] if i + 1 < len(hosts) else [])
                        for i in range(0, len(hosts), 2)])
-    for size in (2, 4, 8):
+    for size in (2, 4, 8, 16):
         if size < len(chain):
             add(f"chunk-{size}", _chunks(chain, size))
     tiers: dict[tuple[str, int], list[Device]] = {}
@@ -121,9 +122,10 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         tiers.setdefault((d.host, round(math.log(d.tflops, 1.5))), []).append(d)
     add("speed-class", tiers.values())
     fit = [d for d in chain if _fits_alone(arr, d, micro)]
+    fit_ids = {d.id for d in fit}
     rest: dict[str, list[Device]] = {}
     for d in chain:
-        if d not in fit:
+        if d.id not in fit_ids:
             rest.setdefault(d.host, []).append(d)
     add("fit-dp", [[d] for d in fit] + list(rest.values()))
     unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
@@ -219,17 +221,32 @@ class Planner:
         from .assign import assign_microbatches
 
         total = self.total
+        classes: list[int] = []
+        reps: list[int] = []
+        class_ids: dict[tuple[object, ...], int] = {}
+        for i, (g, c) in enumerate(cuts):
+            key = (self._signature(g), c.bounds)
+            if key not in class_ids:
+                class_ids[key] = len(reps)
+                reps.append(i)
+            classes.append(class_ids[key])
+        memo: dict[tuple[int, int], float] = {}
 
         def makespan(i: int, m: int) -> float:
             if m < 1:
                 return 0.0
-            g, c = cuts[i]
-            found = self.at(g, c.bounds, m, schedule)
-            return math.inf if found is None else found.makespan
+            key = (classes[i], m)
+            if key not in memo:
+                g, c = cuts[reps[classes[i]]]
+                found = self.at(g, c.bounds, m, schedule)
+                memo[key] = math.inf if found is None else found.makespan
+            return memo[key]
 
         fill, cycle, caps = [], [], []
         share = max(1, total // len(cuts))
-        for i, (g, c) in enumerate(cuts):
+        for c in range(len(reps)):
+            i = reps[c]
+            g, cut = cuts[i]
             m1 = min(total, share)
             m2 = m1 + max(2, len(g))
             p1, p2 = makespan(i, m1), makespan(i, m2)
@@ -238,12 +255,21 @@ class Planner:
             slope = (p2 - p1) / (m2 - m1) if math.isfinite(p2) else p1
             cycle.append(max(slope, 1e-12))
             fill.append(max(p1 - slope * m1, 0.0))
-            caps.append(self._cap(g, c.bounds, schedule))
-        return assign_microbatches(makespan, fill, cycle, caps, total)
+            caps.append(self._cap(g, cut.bounds, schedule))
+        expand = [classes[i] for i in range(len(cuts))]
+        return assign_microbatches(
+            makespan,
+            [fill[c] for c in expand],
+            [cycle[c] for c in expand],
+            [caps[c] for c in expand],
+            total,
+            classes,
+        )
 
     def _candidate(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
                    counts: list[int], schedule: str) -> Candidate | None:
         groups = []
+        makespans = []
         for (g, cut), m in zip(cuts, counts, strict=True):
             c = self.at(g, cut.bounds, m, schedule)
             if c is None:
@@ -253,16 +279,44 @@ class Planner:
                 for j, d in enumerate(g)
             )
             groups.append(Group(samples=m * self.micro, stages=stages))
+            makespans.append(c.makespan)
         plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
-        return self.score(plan, label)
+        return self.score(plan, label, makespans)
 
-    def score(self, plan: Plan, label: str) -> Candidate | None:
-        result = evaluate(self.cluster, self.model, plan, self.job.global_batch)
+    def score(self, plan: Plan, label: str,
+              makespans: Sequence[float] | None = None) -> Candidate | None:
+        """Check validity and score: group makespans (given or simulated) plus sync.
+
+        Built-in schedules use :func:`fast_makespan`, exact up to a few times S
+        microbatches per group and extrapolated from the periodic regime beyond;
+        :func:`make_plan` re-scores its pick with the exact reference model.
+        """
+        try:
+            all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
+            if makespans is None:
+                makespans = []
+                for g, orders in zip(plan.groups, all_orders, strict=True):
+                    times = group_op_times(self.cluster, self.model, g, self.micro)
+                    m = g.samples // self.micro
+                    if orders is not None:
+                        makespans.append(group_makespan(times, "custom", m, orders))
+                    else:
+                        makespans.append(fast_makespan(times, plan.schedule, m))
+        except InvalidPlanError:
+            return None
+        iteration = max(makespans) + sync_time(self.cluster, self.model, plan.groups)
+        plan = Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule,
+                    groups=plan.groups, predicted_iteration_s=iteration)
+        return Candidate(plan, iteration, plan_costs(self.cluster, plan), label)
+
+    def exact(self, cand: Candidate) -> Candidate | None:
+        """Re-score with the exact reference model (spec section 5)."""
+        result = evaluate(self.cluster, self.model, cand.plan, self.job.global_batch)
         if not result.valid or result.iteration_s is None:
             return None
-        plan = Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule,
-                    groups=plan.groups, predicted_iteration_s=result.iteration_s)
-        return Candidate(plan, result.iteration_s, plan_costs(self.cluster, plan), label)
+        plan = Plan(microbatch_size=cand.plan.microbatch_size, schedule=cand.plan.schedule,
+                    groups=cand.plan.groups, predicted_iteration_s=result.iteration_s)
+        return Candidate(plan, result.iteration_s, cand.costs, cand.label)
 
     def eager_variants(self, best: Candidate) -> list[Candidate]:
         """Custom orders with more warm-up forwards than 1f1b (memory permitting)."""
@@ -299,8 +353,13 @@ def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
             for combo in itertools.combinations(devices, k):
                 out.append((f"subset{k}", list(combo)))
         return out
-    slow_first = sorted(devices, key=lambda d: (d.tflops, d.id))
     out = [("all", list(devices))]
+    if n > 64:  # big clusters: drop whole speed tiers, slowest first
+        tiers = sorted({d.tflops for d in devices})
+        for t in tiers[:-1]:
+            out.append((f"above{t:g}", [d for d in devices if d.tflops > t]))
+        return out
+    slow_first = sorted(devices, key=lambda d: (d.tflops, d.id))
     k = 1
     while k < n:
         dropped = {d.id for d in slow_first[:k]}
@@ -350,7 +409,9 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
         if policy not in BASELINES:
             raise ValueError(f"unknown policy {policy!r}")
         plan = BASELINES[policy](cluster, model, job)
-        scored = Planner(cluster, model, job).score(plan, policy)
+        planner = Planner(cluster, model, job)
+        scored = planner.score(plan, policy)
+        scored = None if scored is None else planner.exact(scored)
         if scored is None:
             raise InfeasibleError(f"{policy}: its plan does not fit in memory")
         return scored.plan
@@ -360,4 +421,9 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
             "no plan fits in memory: no device or pipeline of devices can hold the model "
             f"with microbatch size {job.microbatch_size}, even with recompute"
         )
-    return min(found, key=lambda c: (c.iteration_s, len(c.plan.devices))).plan
+    planner = Planner(cluster, model, job)
+    ranked = sorted(found, key=lambda c: (c.iteration_s, len(c.plan.devices)))
+    exact = [e for e in (planner.exact(c) for c in ranked[:3]) if e is not None]
+    if not exact:  # pragma: no cover - candidates are valid by construction
+        raise InfeasibleError("no candidate plan passed the reference model")
+    return min(exact, key=lambda c: (c.iteration_s, len(c.plan.devices))).plan
