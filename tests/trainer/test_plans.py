@@ -5,7 +5,6 @@ from __future__ import annotations
 import random
 
 import pytest
-
 from hetpilot.planner.errors import InvalidPlanError
 from hetpilot.planner.serde import plan_from_dict
 from hetpilot.trainer.plans import FilePlanSource, StaticPlanSource, check_plan, random_plan
@@ -73,9 +72,9 @@ def test_deadlocking_custom_order_is_refused() -> None:
 def test_random_plans_are_valid(schedule: str) -> None:
     rng = random.Random(7)
     for _ in range(50):
-        plan = random_plan(rng, DEVICES + ["local:3"], 6, 16, 2, schedule,
+        plan = random_plan(rng, [*DEVICES, "local:3"], 6, 16, 2, schedule,
                            leave_idle=rng.random() < 0.5)
-        check_plan(plan, DEVICES + ["local:3"], 6, 16)
+        check_plan(plan, [*DEVICES, "local:3"], 6, 16)
         assert plan.schedule == schedule
 
 

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
 from hetpilot.planner.serde import model_from_dict
 from hetpilot.trainer.profile import profile_model
+from torch import nn
 
 
 def test_profile_counts_flops_and_bytes() -> None:

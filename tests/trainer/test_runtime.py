@@ -8,13 +8,12 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
-
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.trainer.check import _adam, _dataset, _reference, make_layers
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.plans import StaticPlanSource
 from hetpilot.trainer.runtime import JsonlReporter, Trainer
+from torch import nn
 
 CFG: dict[str, Any] = {"num_layers": 6, "batch": 16, "iterations": 2, "seed": 3}
 

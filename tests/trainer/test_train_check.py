@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from hetpilot.trainer.check import run_check
 
 
