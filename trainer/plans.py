@@ -22,6 +22,7 @@ from typing import Any, Protocol
 
 from hetpilot.planner.errors import DeadlockError, InvalidPlanError, ValidationError
 from hetpilot.planner.refmodel import pipeline_makespan, validate_plan
+from hetpilot.planner.schedules import custom_order, order
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import (
     Cluster,
@@ -129,9 +130,18 @@ def check_plan(
             for i in range(num_layers)
         ),
     )
-    orders = validate_plan(cluster, model, plan, global_batch)
-    for gi, group_orders in enumerate(orders):
-        n = len(group_orders)
+    validate_plan(cluster, model, plan, global_batch)
+    orders: list[list[tuple[tuple[bool, int], ...]]] = []
+    for gi, group in enumerate(plan.groups):
+        n = len(group.stages)
+        micro = group.samples // plan.microbatch_size
+        group_orders = [
+            custom_order(stage.order, micro, f"plan.groups[{gi}].stages[{j}].order")
+            if plan.schedule == "custom" and stage.order is not None
+            else order(plan.schedule, n, j, micro)
+            for j, stage in enumerate(group.stages)
+        ]
+        orders.append(group_orders)
         try:
             pipeline_makespan([1.0] * n, [1.0] * n, [0.0] * max(n - 1, 0), group_orders)
         except DeadlockError as exc:
