@@ -94,8 +94,9 @@ def transformer(name: str, *, hidden: int, blocks: int, seq: int, heads: int,
 
 def vgg16() -> Model:
     """VGG16 on 224x224 images, fp16 activations, per layer (conv blocks + FC)."""
-    cfg = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M"]
-    layers = []
+    cfg: list[int | str] = [64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M",
+                            512, 512, 512, "M"]
+    layers: list[Layer] = []
     c_in, size = 3, 224
     i = 0
     for v in cfg:
@@ -106,7 +107,7 @@ def vgg16() -> Model:
                                bwd_gflop=prev.bwd_gflop, out_mb=2 * c_in * size * size / 1e6,
                                act_mb=prev.act_mb, param_mb=prev.param_mb)
             continue
-        c_out = int(v)
+        c_out = int(v)  # an int: "M" entries were handled above
         flops = 2 * 9 * c_in * c_out * size * size / 1e9
         out = 2 * c_out * size * size / 1e6
         layers.append(Layer(name=f"conv{i}", fwd_gflop=flops, bwd_gflop=2 * flops, out_mb=out,

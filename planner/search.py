@@ -55,7 +55,7 @@ def _host_chain(cluster: Cluster, devices: Sequence[Device]) -> list[str]:
     hosts = list(dict.fromkeys(d.host for d in devices))
     if len(hosts) <= 2:
         return hosts
-    rep = {}
+    rep: dict[str, str] = {}
     for d in devices:
         rep.setdefault(d.host, d.id)
     if len(hosts) > 64:  # uniform big clusters: keep the given order (O(n^2) otherwise)
@@ -201,6 +201,7 @@ class Planner:
         if len(cuts) > total:  # more groups than microbatches: keep the fastest
             cuts.sort(key=lambda gc: gc[1].makespan)
             cuts = cuts[:total]
+        counts: list[int] | None = None
         for _ in range(2):
             counts = self._assign(cuts, schedule)
             if counts is None:
@@ -214,6 +215,7 @@ class Planner:
                     cuts[i] = (g, fresh)
             if not changed:
                 break
+        assert counts is not None
         return self._candidate(structure.label, cuts, counts, schedule)
 
     def _assign(self, cuts: list[tuple[tuple[Device, ...], GroupCut]],
@@ -244,8 +246,8 @@ class Planner:
 
         fill, cycle, caps = [], [], []
         share = max(1, total // len(cuts))
-        for c in range(len(reps)):
-            i = reps[c]
+        for rep in reps:
+            i = rep
             g, cut = cuts[i]
             m1 = min(total, share)
             m2 = m1 + max(2, len(g))

@@ -1,0 +1,175 @@
+"""The planner: validity, optimality on tiny cases, baselines, the LP, infeasibility."""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+
+import pytest
+from hetpilot.planner import catalog
+from hetpilot.planner.assign import AssignmentLP, assign_microbatches
+from hetpilot.planner.baselines import BASELINES, balanced_cuts, uniform_cuts
+from hetpilot.planner.bruteforce import brute_force
+from hetpilot.planner.errors import InfeasibleError
+from hetpilot.planner.partition import ModelArrays, evaluate_cut, fast_makespan, partition_group
+from hetpilot.planner.refmodel import GroupTimes, evaluate, group_makespan
+from hetpilot.planner.search import candidate_plans, make_plan
+from hetpilot.planner.types import Job
+
+from .helpers import flat_cluster, random_model, spec_cluster, spec_model, uniform_model
+
+
+def _tiny_case(seed: int):  # type: ignore[no-untyped-def]
+    r = random.Random(seed)
+    kinds = [r.choice(list(catalog.DEVICES)) for _ in range(3)]
+    cluster = catalog.make_cluster([(kinds[0], 2), (kinds[1], 1), (kinds[2], 1)],
+                                   inter_host_gbps=r.choice([10.0, 25.0, 100.0]))
+    model = random_model(r.choice([4, 5]), seed)
+    return cluster, model, Job(global_batch=24, microbatch_size=4, schedules=("1f1b", "gpipe"))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_within_two_percent_of_brute_force(seed: int) -> None:
+    cluster, model, job = _tiny_case(seed)
+    best, _ = brute_force(cluster, model, job)
+    plan = make_plan(cluster, model, job)
+    result = evaluate(cluster, model, plan, job.global_batch)
+    assert result.valid, result.error
+    assert result.iteration_s is not None
+    assert result.iteration_s <= best * 1.02
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_plans_are_valid_and_beat_every_baseline(seed: int) -> None:
+    r = random.Random(100 + seed)
+    hosts = [(r.choice(list(catalog.DEVICES)), r.choice([1, 2, 4])) for _ in range(r.randint(2, 4))]
+    cluster = catalog.make_cluster(hosts, inter_host_gbps=r.choice([25.0, 100.0]))
+    model = catalog.MODELS[r.choice(["gpt2-small", "bert-large", "vgg16"])]()
+    job = Job(global_batch=64, microbatch_size=r.choice([1, 2, 4]),
+              schedules=("1f1b", "gpipe", "custom"))
+    plan = make_plan(cluster, model, job)
+    ours = evaluate(cluster, model, plan, job.global_batch)
+    assert ours.valid, ours.error
+    assert ours.iteration_s is not None and ours.iteration_s == pytest.approx(plan.predicted_iteration_s, rel=1e-6)
+    for name in BASELINES:
+        try:
+            base = make_plan(cluster, model, job, policy=name)
+        except InfeasibleError:
+            continue
+        other = evaluate(cluster, model, base, job.global_batch)
+        assert other.valid, (name, other.error)
+        assert ours.iteration_s <= other.iteration_s * (1 + 1e-9), name
+
+
+def test_spec_example_beats_the_example_plan() -> None:
+    cluster, model = spec_cluster(), spec_model()
+    plan = make_plan(cluster, model, Job(global_batch=144, microbatch_size=8))
+    result = evaluate(cluster, model, plan, 144)
+    assert result.valid and result.iteration_s is not None
+    assert result.iteration_s < 0.4465905318095238
+
+
+def test_straggler_is_left_out() -> None:
+    # one device 100x slower than the rest: any share it gets costs more than it brings
+    cluster = flat_cluster([100.0, 100.0, 1.0], inter=1000.0)
+    plan = make_plan(cluster, uniform_model(4), Job(global_batch=32, microbatch_size=4))
+    assert "d2" not in plan.devices
+
+
+def test_uneven_assignment_follows_speed() -> None:
+    cluster = flat_cluster([30.0, 10.0], inter=10_000.0)
+    model = uniform_model(4, param_mb=0.001)  # sync is free: pure data parallelism wins
+    plan = make_plan(cluster, model, Job(global_batch=64, microbatch_size=1, schedules=("1f1b",)))
+    samples = {g.stages[0].device: g.samples for g in plan.groups if len(g.stages) == 1}
+    assert samples.get("d0", 0) == 48 and samples.get("d1", 0) == 16
+
+
+def test_recompute_only_when_needed() -> None:
+    # 4 layers of 10 MB params (x4 with optimizer state) and 100 MB activations. On two
+    # devices of 350 MB the only fit is cut 2|2 with recompute on stage 0, which keeps
+    # two microbatches in flight under 1f1b: 80 + 2 * 200 = 480 MB plain, 80 + 2 * 1 + 200
+    # = 282 MB with recompute.
+    model = uniform_model(4, param_mb=10.0, opt=3.0, act_mb=100.0, out_mb=1.0)
+    job = Job(global_batch=2, microbatch_size=1, schedules=("1f1b",))
+    tight = make_plan(flat_cluster([10.0, 10.0], memory_gb=0.35), model, job)
+    roomy = make_plan(flat_cluster([10.0, 10.0], memory_gb=10.0), model, job)
+    assert [s.recompute for g in tight.groups for s in g.stages] == [True, False]
+    assert not any(s.recompute for g in roomy.groups for s in g.stages)
+
+
+def test_nothing_fits_raises() -> None:
+    model = uniform_model(2, param_mb=1000.0)
+    with pytest.raises(InfeasibleError, match="no plan fits in memory"):
+        make_plan(flat_cluster([10.0, 10.0], memory_gb=1.0), model,
+                  Job(global_batch=4, microbatch_size=1))
+
+
+def test_candidates_are_valid_and_diverse_in_cost() -> None:
+    cluster, model = spec_cluster(), spec_model()
+    job = Job(global_batch=144, microbatch_size=8)
+    found = candidate_plans(cluster, model, job)
+    assert len(found) > 5
+    for cand in found[:40]:
+        result = evaluate(cluster, model, cand.plan, 144)
+        assert result.valid, (cand.label, result.error)
+        assert cand.costs["price_per_hour"] == pytest.approx(result.price_per_hour)
+    assert len({round(c.costs["price_per_hour"], 6) for c in found}) >= 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_partition_matches_exhaustive_cuts(seed: int) -> None:
+    r = random.Random(seed)
+    model = random_model(6, seed)
+    cluster = flat_cluster([r.uniform(20, 200) for _ in range(3)], memory_gb=1000.0,
+                           inter=r.choice([10.0, 100.0]), latency_us=10.0)
+    arr = ModelArrays(model)
+    devs = list(cluster.devices)
+    links = [cluster.link(devs[i].id, devs[i + 1].id) for i in range(2)]
+    for schedule in ("1f1b", "gpipe"):
+        found = partition_group(arr, devs, links, 2, 6, schedule)
+        assert found is not None
+        best = min(
+            c.makespan for a in range(1, 5) for b in range(a + 1, 6)
+            if (c := evaluate_cut(arr, devs, links, (0, a, b, 6), 2, 6, schedule)) is not None
+        )
+        assert found.makespan <= best * 1.02
+
+
+def test_assignment_lp_is_dpp_and_rounding_is_tight() -> None:
+    lp = AssignmentLP(3)
+    assert lp.problem.is_dcp(dpp=True)
+    fill, cycle = [0.5, 1.0, 0.2], [0.1, 0.3, 0.2]
+    relaxed = lp.solve(fill, cycle, [100, 100, 100], 40)
+    bound = max(f + c * m for f, c, m in zip(fill, cycle, relaxed, strict=True))
+
+    def span(i: int, m: int) -> float:
+        return fill[i] + cycle[i] * m
+
+    counts = assign_microbatches(span, fill, cycle, [100, 100, 100], 40)
+    assert counts is not None and sum(counts) == 40
+    worst = max(span(i, m) for i, m in enumerate(counts))
+    assert worst <= bound + max(cycle) + 1e-9  # within one microbatch of the LP bound
+
+
+def test_fast_makespan_extrapolation_is_close() -> None:
+    r = random.Random(7)
+    for _ in range(30):
+        n = r.randint(1, 6)
+        f = tuple(r.uniform(0.5, 1.5) for _ in range(n))
+        times = GroupTimes(f, tuple(2 * x for x in f), tuple(r.uniform(0, 0.5) for _ in range(n - 1)))
+        for schedule in ("1f1b", "gpipe"):
+            exact = group_makespan(times, schedule, 90)
+            assert fast_makespan(times, schedule, 90) == pytest.approx(exact, rel=0.02)
+
+
+def test_baseline_cuts() -> None:
+    assert uniform_cuts(10, 3) == [0, 4, 7, 10]
+    assert balanced_cuts([1, 1, 1, 1, 4], 2) == [0, 4, 5]
+
+
+def test_planner_does_not_import_torch_or_grpc() -> None:
+    code = ("import sys, hetpilot.planner.search, hetpilot.planner.cli; "
+            "bad = [m for m in ('torch', 'grpc') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
