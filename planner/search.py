@@ -149,18 +149,26 @@ class Planner:
         self.total = job.microbatches
         self._cuts: dict[tuple[object, ...], GroupCut | None] = {}
         self._evals: dict[tuple[object, ...], GroupCut | None] = {}
+        self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
         return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
 
     def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
-        return (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+        """What a group's cut and makespan depend on: speeds, memory, links in order."""
+        ids = tuple(d.id for d in devs)
+        found = self._signatures.get(ids)
+        if found is None:
+            found = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+            self._signatures[ids] = found
+        return found
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         key = (self._signature(devs), microbatches, schedule)
         if key not in self._cuts:
+            links = self._signature(devs)[1]
             self._cuts[key] = partition_group(
-                self.arr, devs, self.links(devs), self.micro, microbatches, schedule
+                self.arr, devs, links, self.micro, microbatches, schedule  # type: ignore[arg-type]
             )
         return self._cuts[key]
 
@@ -168,8 +176,9 @@ class Planner:
            schedule: str) -> GroupCut | None:
         key = (self._signature(devs), bounds, microbatches, schedule)
         if key not in self._evals:
+            links = self._signature(devs)[1]
             self._evals[key] = evaluate_cut(
-                self.arr, devs, self.links(devs), bounds, self.micro, microbatches, schedule
+                self.arr, devs, links, bounds, self.micro, microbatches, schedule  # type: ignore[arg-type]
             )
         return self._evals[key]
 
