@@ -16,6 +16,7 @@ they raise InfeasibleError.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import lru_cache
 
 from .errors import InfeasibleError
 from .partition import ModelArrays
@@ -28,6 +29,8 @@ __all__ = ["BASELINES", "balanced_cuts", "even_split", "uniform_cuts"]
 
 def even_split(total: int, parts: int) -> list[int]:
     """``total`` items over ``parts`` as evenly as possible (first parts get more)."""
+    if parts < 1:
+        raise InfeasibleError("no devices to plan on")
     base, extra = divmod(total, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
@@ -42,6 +45,11 @@ def uniform_cuts(num_layers: int, stages: int) -> list[int]:
 
 def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
     """Contiguous split of ``weights`` into ``stages`` parts minimising the largest part."""
+    return list(_balanced_cuts(tuple(weights), stages))
+
+
+@lru_cache(maxsize=256)
+def _balanced_cuts(weights: tuple[float, ...], stages: int) -> tuple[int, ...]:
     n = len(weights)
     prefix = [0.0]
     for w in weights:
@@ -59,7 +67,7 @@ def balanced_cuts(weights: Sequence[float], stages: int) -> list[int]:
     cuts = [n]
     for j in range(stages, 0, -1):
         cuts.append(back[j][cuts[-1]])
-    return list(reversed(cuts))
+    return tuple(reversed(cuts))
 
 
 def _schedule(job: Job) -> str:

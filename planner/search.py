@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterable, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError, InvalidPlanError
@@ -114,7 +116,8 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     hosts = list(by_host.values())
     add("host-pairs", [hosts[i] + (hosts[i + 1] if i + 1 < len(hosts) else [])
                        for i in range(0, len(hosts), 2)])
-    for size in (2, 4, 8, 16):
+    big = len(chain) > 64  # big clusters: fewer, coarser structures
+    for size in (2, 4) if big else (2, 4, 8, 16):
         if size < len(chain):
             add(f"chunk-{size}", _chunks(chain, size))
     tiers: dict[tuple[str, int], list[Device]] = {}
@@ -137,18 +140,58 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
 
 # -- planning one structure -------------------------------------------------------
 
+@lru_cache(maxsize=16)
+def _model_arrays(model: Model) -> ModelArrays:
+    return ModelArrays(model)
+
+
+_MODEL_TOKENS: dict[Model, int] = {}
+
+
+def _model_token(model: Model) -> int:
+    """A small int per distinct model: hashing the model itself in every memo key is slow."""
+    return _MODEL_TOKENS.setdefault(model, len(_MODEL_TOKENS))
+
+
+class _Memo:
+    """A bounded memo shared by every Planner of the process.
+
+    Keys hold every number a cut depends on (the model, the microbatch size,
+    device speeds and memory, links, M, schedule), so entries stay valid across
+    calls: a controller re-planning each slot on a cluster where a few devices
+    changed re-cuts only the groups whose signature changed.
+    """
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.data: OrderedDict[tuple[object, ...], GroupCut | None] = OrderedDict()
+
+    def get(self, key: tuple[object, ...], make: Callable[[], GroupCut | None]) -> GroupCut | None:
+        try:
+            self.data.move_to_end(key)
+            return self.data[key]
+        except KeyError:
+            value = self.data[key] = make()
+            if len(self.data) > self.size:
+                self.data.popitem(last=False)
+            return value
+
+
+_CUTS = _Memo(20_000)
+_EVALS = _Memo(100_000)
+
+
 class Planner:
-    """Plans one (cluster, model, job); caches cuts by group signature."""
+    """Plans one (cluster, model, job); cuts are memoised by group signature."""
 
     def __init__(self, cluster: Cluster, model: Model, job: Job) -> None:
         self.cluster = cluster
         self.model = model
         self.job = job
-        self.arr = ModelArrays(model)
+        self.arr = _model_arrays(model)
         self.micro = job.microbatch_size
         self.total = job.microbatches
-        self._cuts: dict[tuple[object, ...], GroupCut | None] = {}
-        self._evals: dict[tuple[object, ...], GroupCut | None] = {}
+        self._key = (_model_token(model), self.micro)
         self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
@@ -164,23 +207,21 @@ class Planner:
         return found
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
-        key = (self._signature(devs), microbatches, schedule)
-        if key not in self._cuts:
-            links = self._signature(devs)[1]
-            self._cuts[key] = partition_group(
-                self.arr, devs, links, self.micro, microbatches, schedule  # type: ignore[arg-type]
-            )
-        return self._cuts[key]
+        sig = self._signature(devs)
+        return _CUTS.get(
+            (self._key, sig, microbatches, schedule),
+            lambda: partition_group(self.arr, devs, sig[1], self.micro,  # type: ignore[arg-type]
+                                    microbatches, schedule),
+        )
 
     def at(self, devs: Sequence[Device], bounds: tuple[int, ...], microbatches: int,
            schedule: str) -> GroupCut | None:
-        key = (self._signature(devs), bounds, microbatches, schedule)
-        if key not in self._evals:
-            links = self._signature(devs)[1]
-            self._evals[key] = evaluate_cut(
-                self.arr, devs, links, bounds, self.micro, microbatches, schedule  # type: ignore[arg-type]
-            )
-        return self._evals[key]
+        sig = self._signature(devs)
+        return _EVALS.get(
+            (self._key, sig, bounds, microbatches, schedule),
+            lambda: evaluate_cut(self.arr, devs, sig[1], bounds, self.micro,  # type: ignore[arg-type]
+                                 microbatches, schedule),
+        )
 
     def _cap(self, devs: Sequence[Device], bounds: tuple[int, ...], schedule: str) -> int:
         """Most microbatches the cut holds in memory (gpipe keeps all in flight)."""
