@@ -33,16 +33,37 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--name", default=None)
         parser.add_argument("--out", metavar="M.json", help="write here instead of stdout")
         return
-    parser.add_argument("--plan", required=True, metavar="P.json",
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--plan", metavar="P.json",
                         help="plan file; rewrite it with a higher \"version\" to switch live")
+    source.add_argument("--daemon", metavar="HOST:PORT",
+                        help="take plans from the daemon (TrainerService) and report to it")
+    parser.add_argument("--job", default="", metavar="ID", help="the daemon's job id (--daemon)")
+    parser.add_argument("--token-file", help="file with the cluster token (default "
+                        "$HETPILOT_CLUSTER_TOKEN, else $HETPILOT_TOKEN)")
+    parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
+    parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
+    parser.add_argument("--key-file", default="")
+    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+                        help="deadline per daemon call")
+    parser.add_argument("--plan-wait", type=float, default=300.0, metavar="S",
+                        help="how long to wait for the daemon's first plan")
+    parser.add_argument("--no-profile", action="store_true",
+                        help="do not send the model profile on Attach (--daemon)")
     parser.add_argument("--epochs", type=int, required=True)
     parser.add_argument("--device-id", default=None,
-                        help="this rank's device id (default $HETPILOT_DEVICE_ID or host:local_rank)")
+                        help="this rank's device id (default $HETPILOT_DEVICE_ID or "
+                             "host:local_rank); {rank} and {local_rank} are replaced")
     parser.add_argument("--checkpoint", metavar="DIR", help="save here after every epoch")
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint if present")
     parser.add_argument("--report", metavar="FILE.jsonl", help="append per-epoch measurements")
     parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="F",
                         help="EMULATION: make this rank F times slower (sleeps); off by default")
+    parser.add_argument("--emulate-tflops", default=None, metavar="T[,T...]",
+                        help="EMULATION (target-time): each op lasts its FLOPs at T TFLOP/s, "
+                             "one value for all ranks or one per rank; off by default")
+    parser.add_argument("--emulate-model", default=None, metavar="M.json",
+                        help="layer FLOPs for --emulate-tflops (default: profile job()['sample'])")
 
 
 def _fail(message: str, code: int = 2) -> int:
@@ -87,9 +108,61 @@ def run(args: argparse.Namespace) -> int:
     return _train(args, spec)
 
 
-def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
+def _emulated_tflops(text: str | None, rank: int, world: int) -> float | None:
+    """This rank's EMULATED speed from ``--emulate-tflops`` (one value, or one per rank)."""
+    if text is None:
+        return None
+    try:
+        values = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise ValidationError("--emulate-tflops", f"must be numbers, got {text!r}") from None
+    if len(values) not in (1, world):
+        raise ValidationError("--emulate-tflops",
+                              f"give 1 value or one per rank ({world}), got {len(values)}")
+    if not all(v > 0 for v in values):
+        raise ValidationError("--emulate-tflops", f"must be > 0, got {text!r}")
+    return values[0] if len(values) == 1 else values[rank]
+
+
+def _device_id(args: argparse.Namespace, rank: int, local: int) -> str:
     import socket
 
+    template = args.device_id or os.environ.get("HETPILOT_DEVICE_ID") \
+        or f"{socket.gethostname()}:{{local_rank}}"
+    return template.replace("{local_rank}", str(local)).replace("{rank}", str(rank))
+
+
+def _endpoint(args: argparse.Namespace) -> Any:
+    from hetpilot.client.channel import Endpoint
+
+    if args.token_file:
+        token = Path(args.token_file).read_text().strip()
+    else:
+        token = os.environ.get("HETPILOT_CLUSTER_TOKEN", os.environ.get("HETPILOT_TOKEN", ""))
+    return Endpoint.from_env(args.daemon, token, ca_file=args.ca_file,
+                             cert_file=args.cert_file, key_file=args.key_file)
+
+
+def _connect(args: argparse.Namespace, device_ids: list[str],
+             model_json: str) -> tuple[Any, Any]:
+    """Rank 0: attach every rank and wait for the daemon's first plan."""
+    from .daemon_link import DaemonLink, GrpcPlanSource
+
+    link = DaemonLink(_endpoint(args), args.job, timeout_s=args.timeout)
+    source = GrpcPlanSource(link, device_ids, model_json=model_json)
+    try:
+        source.start(args.plan_wait)
+        first = source.wait_first(args.plan_wait)
+    except BaseException:
+        source.close()
+        link.close()
+        raise
+    print(f"hetpilot: job {args.job}: plan version {first.version} from {args.daemon}",
+          file=sys.stderr)
+    return link, source
+
+
+def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
@@ -99,18 +172,46 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    device_id = args.device_id or os.environ.get("HETPILOT_DEVICE_ID") \
-        or f"{socket.gethostname()}:{local}"
-    source = FilePlanSource(args.plan)
-    if rank == 0:
-        # refuse a wrong plan before any rank computes: the device check runs in Trainer
-        try:
-            first = source.poll(0)
-            assert first is not None
-            check_plan(first.plan, [s.device for g in first.plan.groups for s in g.stages],
-                       len(spec["layers"]), spec["global_batch"])
-        except ValidationError as exc:
-            return _fail(str(exc))
+    device_id = _device_id(args, rank, local)
+    daemon = args.daemon is not None
+    if daemon and not args.job:
+        return _fail("--job: a job id is needed with --daemon")
+    try:
+        tflops = _emulated_tflops(args.emulate_tflops, rank, world)
+    except ValidationError as exc:
+        return _fail(str(exc))
+    if tflops is not None and args.emulate_slowdown != 1.0:
+        return _fail("--emulate-tflops: choose one of --emulate-tflops and --emulate-slowdown")
+    source: Any = None
+    if not daemon:
+        source = FilePlanSource(args.plan)
+        if rank == 0:
+            # refuse a wrong plan before any rank computes: the device check runs in Trainer
+            try:
+                first = source.poll(0)
+                assert first is not None
+                check_plan(first.plan, [s.device for g in first.plan.groups for s in g.stages],
+                           len(spec["layers"]), spec["global_batch"])
+            except ValidationError as exc:
+                return _fail(str(exc))
+    profile: dict[str, Any] | None = None
+    try:
+        if tflops is not None and args.emulate_model:
+            profile = json.loads(Path(args.emulate_model).read_text())
+        elif (tflops is not None or (daemon and rank == 0 and not args.no_profile)) \
+                and "sample" in spec:
+            from .profile import profile_model
+
+            profile = profile_model(spec["layers"], spec["sample"],
+                                    name=args.model.rpartition(":")[2])
+    except (OSError, ValueError) as exc:
+        return _fail(f"--emulate-model: {exc}")
+    layer_gflop = None
+    if tflops is not None:
+        if profile is None:
+            return _fail("--emulate-tflops: needs --emulate-model or a 'sample' in the job spec")
+        layer_gflop = [(float(la["fwd_gflop"]), float(la.get("bwd_gflop", 2 * la["fwd_gflop"])))
+                       for la in profile["layers"]]
     cuda = torch.cuda.is_available()  # NCCL path: untested here (no GPU where this was built)
     if cuda:
         torch.cuda.set_device(local)
@@ -122,19 +223,55 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     if args.emulate_slowdown != 1.0:
         print(f"rank {rank}: EMULATED heterogeneity: {args.emulate_slowdown:g}x slower (sleeps)",
               file=sys.stderr)
+    if tflops is not None:
+        print(f"rank {rank}: EMULATED device speed: {tflops:g} TFLOP/s (ops sleep until "
+              "their FLOPs at that speed have elapsed)", file=sys.stderr)
+    link = grpc_reporter = None
     try:
+        reporters: list[Any] = [JsonlReporter(args.report)] if args.report else []
+        if daemon:
+            from .daemon_link import DaemonError, GrpcReporter
+
+            ids: list[Any] = [None] * world
+            dist.all_gather_object(ids, device_id)
+            failure: list[Any] = [None]
+            if rank == 0:
+                try:
+                    link, source = _connect(args, [str(i) for i in ids],
+                                            json.dumps(profile) if profile else "")
+                except DaemonError as exc:
+                    from hetpilot.client.cli import EXIT
+
+                    failure = [(EXIT.get(exc.code, 5) if exc.code else 5, str(exc))]
+                except (OSError, ValueError) as exc:
+                    failure = [(2, str(exc))]
+            dist.broadcast_object_list(failure, src=0)
+            if failure[0] is not None:
+                return _fail(failure[0][1], failure[0][0])
+            if link is not None:
+                grpc_reporter = GrpcReporter(link)
+                reporters.append(grpc_reporter)
+
+        def report(record: dict[str, Any]) -> None:
+            for r in reporters:
+                r(record)
+
         trainer = Trainer(
             spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
             global_batch=spec["global_batch"], device_id=device_id, plan_source=source,
             device=torch.device("cuda", local) if cuda else "cpu",
-            slowdown=args.emulate_slowdown,
-            reporter=JsonlReporter(args.report) if args.report else None,
+            slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
+            reporter=report if reporters else None,
+            report_from_rank0=daemon, keep_plan_on_refusal=daemon,
         )
         if args.resume and args.checkpoint and (Path(args.checkpoint) / "meta.json").exists():
             trainer.load_checkpoint(args.checkpoint)
         while trainer.epoch < args.epochs:
             if trainer.iteration == 0 or trainer.plan is None:
                 trainer.poll_plan()
+            if trainer.plan is None:
+                why = trainer.refused[-1][1] if trainer.refused else "no plan"
+                return _fail(f"the daemon's plan was refused: {why}", 1)
             record = trainer.train_epoch()
             if rank == 0:
                 print(json.dumps(record))
@@ -143,8 +280,13 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     except ValidationError as exc:
         return _fail(str(exc))
     finally:
+        if grpc_reporter is not None:
+            grpc_reporter.close()
+        if source is not None and hasattr(source, "close"):
+            source.close()
+        if link is not None:
+            link.close()
         dist.destroy_process_group()
-    del world
     return 0
 
 

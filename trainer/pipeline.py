@@ -77,6 +77,8 @@ class StageRunner:
         dtype: torch.dtype,
         device: torch.device,
         slowdown: float = 1.0,
+        fwd_target_s: float = 0.0,
+        bwd_target_s: float = 0.0,
     ) -> None:
         self.layers = list(layers)
         self.prev_rank = prev_rank
@@ -87,19 +89,28 @@ class StageRunner:
         self.dtype = dtype
         self.device = device
         self.slowdown = slowdown
+        self.fwd_target_s = fwd_target_s
+        """EMULATION (target-time mode): a forward of one microbatch lasts at least this long."""
+        self.bwd_target_s = bwd_target_s
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
             x = checkpoint(layer, x, use_reentrant=False) if self.recompute else layer(x)
         return x
 
-    def _slow(self, started: float, stats: StageStats) -> float:
+    def _slow(self, started: float, stats: StageStats, target_s: float) -> float:
+        """EMULATION: sleep-ratio mode stretches the op by ``slowdown``; target-time mode
+        sleeps until ``target_s`` has passed since the op started (never shortens it)."""
         took = time.perf_counter() - started
-        if self.slowdown > 1.0:
+        extra = 0.0
+        if target_s > 0.0:
+            extra = max(0.0, target_s - took)
+        elif self.slowdown > 1.0:
             extra = (self.slowdown - 1.0) * took
+        if extra > 0.0:
             time.sleep(extra)
             stats.emulated_s += extra
-            took += extra
+            took = time.perf_counter() - started
         return took
 
     def _recv(
@@ -143,7 +154,7 @@ class StageRunner:
                 if last:
                     y = self.loss_fn(y, targets(k).to(self.device)) * self.loss_scale
                     loss_sum += float(y.detach())
-                stats.fwd_s += self._slow(started, stats)
+                stats.fwd_s += self._slow(started, stats, self.fwd_target_s)
                 saved[k] = (x_in, y)
                 if not last:
                     assert self.next_rank is not None
@@ -164,7 +175,7 @@ class StageRunner:
                     grad = self._recv(y.shape, self.next_rank, _tag(k, True), stats)
                 started = time.perf_counter()
                 torch.autograd.backward(y, grad)
-                stats.bwd_s += self._slow(started, stats)
+                stats.bwd_s += self._slow(started, stats, self.bwd_target_s)
                 if x_in is not None:
                     assert self.prev_rank is not None and x_in.grad is not None
                     g = x_in.grad.contiguous()

@@ -66,6 +66,7 @@ def profile_model(
             with FlopCounterMode(display=False) as bwd_count:
                 y.backward(torch.ones_like(y))
             bwd_flops = bwd_count.get_total_flops()
+        layer.zero_grad(set_to_none=True)  # a module the trainer will use must start clean
         param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
         param_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
         out_layers.append({

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -44,6 +45,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import Plan
 from torch import nn
@@ -56,6 +58,8 @@ __all__ = ["JsonlReporter", "Trainer", "layer_seed"]
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
 Reporter = Callable[[dict[str, Any]], None]
+
+log = logging.getLogger("hetpilot.trainer")
 
 
 def layer_seed(seed: int, layer: int) -> int:
@@ -91,12 +95,35 @@ class Trainer:
         dtype: torch.dtype | None = None,
         device: torch.device | str = "cpu",
         slowdown: float = 1.0,
+        emulate_tflops: float | None = None,
+        layer_gflop: Sequence[tuple[float, float]] | None = None,
         reporter: Reporter | None = None,
+        report_from_rank0: bool = False,
+        keep_plan_on_refusal: bool = False,
     ) -> None:
+        """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
+        sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
+        lasts at least ``m * GFLOP / (1000 * emulate_tflops)`` s, spec 5.1, with the
+        per-sample ``(fwd_gflop, bwd_gflop)`` of each layer in ``layer_gflop``, e.g. from
+        :func:`hetpilot.trainer.profile.profile_model`).
+
+        ``report_from_rank0``: gather every rank's epoch record to rank 0, which calls the
+        reporter once per rank (a reporter that talks to the daemon lives on rank 0 only).
+        ``keep_plan_on_refusal``: a polled plan that :func:`check_plan` refuses is logged and
+        skipped, identically on every rank, and the running plan goes on (daemon sources).
+        """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be >= 1 (an emulated slower device), got {slowdown}")
+        if emulate_tflops is not None:
+            if not emulate_tflops > 0:
+                raise ValueError(f"emulate_tflops must be > 0, got {emulate_tflops}")
+            if slowdown != 1.0:
+                raise ValueError("choose one emulation mode: slowdown or emulate_tflops")
+            if layer_gflop is None or len(layer_gflop) != len(layers):
+                raise ValueError("emulate_tflops needs layer_gflop: (fwd, bwd) GFLOP per sample "
+                                 "for every layer")
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self._specs: list[LayerSpec] = list(layers)
@@ -113,7 +140,14 @@ class Trainer:
         self.dtype = dtype or torch.get_default_dtype()
         self.device = torch.device(device)
         self.slowdown = slowdown
+        self.emulate_tflops = emulate_tflops
+        self._layer_gflop = [tuple(map(float, g)) for g in layer_gflop] if layer_gflop else []
         self.reporter = reporter
+        self.report_from_rank0 = report_from_rank0
+        self.keep_plan_on_refusal = keep_plan_on_refusal
+        self.refused: list[tuple[int, str]] = []
+        """(version, error) of plans skipped under ``keep_plan_on_refusal``."""
+        self._refused_version = 0
         self.source = plan_source
         self.device_id = device_id
         ids: list[Any] = [None] * self.world
@@ -218,14 +252,25 @@ class Trainer:
             if hasattr(self.source, "epoch"):
                 self.source.epoch = self.epoch
             # before the first plan (or after a resume) any version is taken
-            found = self.source.poll(self.version if self.plan is not None else 0)
+            after = self.version if self.plan is not None else 0
+            found = self.source.poll(max(after, self._refused_version))
             if found is not None:
                 payload = [(found.version, plan_to_dict(found.plan))]
         dist.broadcast_object_list(payload, src=0)
         if payload[0] is None:
             return False
         version, data = payload[0]
-        self.switch(plan_from_dict(data), version)
+        try:
+            self.switch(plan_from_dict(data), version)
+        except ValidationError as exc:  # raised before anything moved, the same on every rank
+            if not self.keep_plan_on_refusal:
+                raise
+            self._refused_version = max(self._refused_version, version)
+            self.refused.append((version, str(exc)))
+            if self.rank == 0:
+                log.warning("plan version %d refused, keeping version %d: %s",
+                            version, self.version, exc)
+            return False
         return True
 
     def switch(self, plan: Plan, version: int | None = None) -> dict[str, Any]:
@@ -296,6 +341,7 @@ class Trainer:
                 self._role = (gi, si)
                 self._ops = orders[gi][si]
                 n = len(group.stages)
+                fwd_t, bwd_t = self._targets(plan.microbatch_size, stage.layers, stage.recompute)
                 self._runner = StageRunner(
                     [self._held[layer] for layer in range(*stage.layers)],
                     prev_rank=self.rank_of[group.stages[si - 1].device] if si > 0 else None,
@@ -306,7 +352,19 @@ class Trainer:
                     dtype=self.dtype,
                     device=self.device,
                     slowdown=self.slowdown,
+                    fwd_target_s=fwd_t,
+                    bwd_target_s=bwd_t,
                 )
+
+    def _targets(self, m: int, layers: tuple[int, int], recompute: bool) -> tuple[float, float]:
+        """EMULATION (target-time): spec 5.1's F_j and B_j on a device of ``emulate_tflops``."""
+        if self.emulate_tflops is None:
+            return 0.0, 0.0
+        a, b = layers
+        scale = m / (1000.0 * self.emulate_tflops)
+        fwd = scale * sum(g[0] for g in self._layer_gflop[a:b])
+        bwd = scale * sum(g[1] for g in self._layer_gflop[a:b])
+        return fwd, bwd + (fwd if recompute else 0.0)
 
     # -- iterations -------------------------------------------------------------
 
@@ -389,7 +447,13 @@ class Trainer:
         if self.iteration >= self.iterations_per_epoch:
             self.epoch += 1
             self.iteration = 0
-        if self.reporter is not None:
+        if self.report_from_rank0:
+            records: list[Any] = [None] * self.world
+            dist.all_gather_object(records, record)
+            if self.rank == 0 and self.reporter is not None:
+                for rec in records:
+                    self.reporter(rec)
+        elif self.reporter is not None:
             self.reporter(record)
         return record
 
@@ -403,6 +467,8 @@ class Trainer:
             "iterations": steps,
             "step": self.step,
             "group": None if self._role is None else self._role[0],
+            "group_samples": None if self._role is None or self.plan is None
+            else self.plan.groups[self._role[0]].samples,
             "stage": None if self._role is None else self._role[1],
             "fwd_s": total.fwd_s / per_mb,
             "bwd_s": total.bwd_s / per_mb,
@@ -413,6 +479,8 @@ class Trainer:
         }
         if self.slowdown != 1.0:
             record["emulated_slowdown"] = self.slowdown
+        if self.emulate_tflops is not None:
+            record["emulated_tflops"] = self.emulate_tflops
         return record
 
     def fit(self, epochs: int) -> list[dict[str, Any]]:
