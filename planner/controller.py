@@ -20,6 +20,19 @@ cluster as the controller observes it (devices that are down are absent) and
    plan by ``hysteresis * V * T_running`` (so plans do not flap on noise);
 4. updates the virtual queues ``Q_k(t+1) = max(Q_k + c_k - budget_k, 0)``.
 
+Two optional hooks (keyword arguments of :class:`Controller`, both off by
+default, so the contract is unchanged without them):
+
+- ``predict``: maps the observed cluster to the cluster *predicted* for the
+  next slot (e.g. device speeds from the random-forest slowdown estimator of
+  :mod:`hetpilot.adapt`); the controller then plans with predicted rather
+  than last-seen speeds. Cost rates still come from the observation.
+- ``gate``: a :class:`Gate` that sees every (predicted) observation and must
+  admit a switch away from a running plan that still works, e.g.
+  :class:`hetpilot.adapt.gate.ReplanGate` (no re-cut for a transient spike;
+  the gain over the slot must beat the switching cost). Its state travels in
+  :meth:`Controller.to_state` under ``"gate"``.
+
 The same object runs the simulator's comparison policies (``fastest``,
 ``budget-greedy``, ``static``), chosen by :attr:`ControllerConfig.policy`, so
 every policy shares the running-plan bookkeeping, switching cost and handling
@@ -38,7 +51,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Protocol
 
 from . import serde
 from .candidates import Candidate, plan_costs
@@ -47,7 +60,8 @@ from .refmodel import evaluate
 from .switching import SwitchCost, switch_cost
 from .types import COST_KINDS, Cluster, Job, Model, Plan
 
-__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "SearchFn"]
+__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "PredictFn",
+           "SearchFn"]
 
 #: Policies one controller can run (``lyapunov`` is the product; the rest are
 #: the simulator's comparison points).
@@ -55,6 +69,31 @@ POLICIES = ("lyapunov", "fastest", "budget-greedy", "static")
 
 #: The tentative search: cluster, model, job -> scored candidate plans.
 SearchFn = Callable[[Cluster, Model, Job], Sequence[Candidate]]
+
+#: Observed cluster -> the cluster predicted for the next slot.
+PredictFn = Callable[[Cluster], Cluster]
+
+
+class Gate(Protocol):
+    """Decides whether a switch away from a working plan may happen."""
+
+    held: list[str]
+
+    def observe(self, cluster: Cluster) -> None:
+        """See this slot's (predicted) cluster; called once per step."""
+        ...
+
+    def admit(self, *, running_s: float, candidate_s: float, switch_s: float,
+              iterations_left: float) -> bool:
+        """``running_s``/``candidate_s``: objective per iteration in seconds
+        (``score / V``); ``switch_s``: switching time; ``iterations_left``:
+        iterations in the slot."""
+        ...
+
+    def to_state(self) -> dict[str, Any]: ...
+
+    def load_state(self, state: Mapping[str, Any]) -> None: ...
+
 
 _STATE_FORMAT = 1
 
@@ -114,6 +153,8 @@ class Decision:
     """The running plan could not continue (a device down, or no plan yet)."""
     candidates: int = 0
     """How many candidates the slot compared (the running plan included)."""
+    held: tuple[str, ...] = field(default_factory=tuple)
+    """Why the gate kept the running plan against a better candidate (empty: it did not)."""
 
 
 @dataclass(frozen=True)
@@ -162,11 +203,15 @@ class Controller:
         config: ControllerConfig | None = None,
         *,
         search: SearchFn | None = None,
+        predict: PredictFn | None = None,
+        gate: Gate | None = None,
     ) -> None:
         self.model = model
         self.job = job
         self.config = config or ControllerConfig()
         self._search = search or _default_search
+        self._predict = predict
+        self._gate = gate
         self._budgets = _check_budgets(job.budgets, "job.budgets")
         self._V = _check_v(job.V, "job.V")
         self._queues: dict[str, float] = {k: 0.0 for k in self._budgets}
@@ -218,6 +263,11 @@ class Controller:
     def step(self, observed: Cluster) -> Decision:
         """Decide the plan for the next slot on the ``observed`` cluster."""
         queues = self._settled_queues(observed)
+        if self._predict is not None:
+            observed = self._predict(observed)
+        if self._gate is not None:
+            self._gate.observe(observed)
+            self._gate.held.clear()
         job = replace(self.job, budgets=dict(self._budgets), V=self._V)
         found = self._candidates(observed, job)
         running, why_not = self._running_candidate(observed)
@@ -252,6 +302,7 @@ class Controller:
             label="running" if chosen is running else chosen.label,
             forced=running is None,
             candidates=len(pool) + (running is not None),
+            held=tuple(self._gate.held) if self._gate is not None else (),
         )
         self._slot += 1
         return decision
@@ -277,6 +328,7 @@ class Controller:
             "V": self._V,
             "pending": pending,
             "short": sorted(self._short),
+            **({"gate": self._gate.to_state()} if self._gate is not None else {}),
         }
 
     @classmethod
@@ -288,13 +340,17 @@ class Controller:
         config: ControllerConfig | None = None,
         *,
         search: SearchFn | None = None,
+        predict: PredictFn | None = None,
+        gate: Gate | None = None,
     ) -> Controller:
-        """Rebuild a controller from :meth:`to_state`; ValidationError names the field."""
+        """Rebuild a controller from :meth:`to_state`; ValidationError names the field.
+
+        A state without ``"gate"`` (written without one) leaves ``gate`` fresh."""
         if not isinstance(state, Mapping):
             raise ValidationError("state", "must be an object")
         if state.get("format") != _STATE_FORMAT:
             raise ValidationError("state.format", f"must be {_STATE_FORMAT}, got {state.get('format')!r}")
-        ctl = cls(model, job, config, search=search)
+        ctl = cls(model, job, config, search=search, predict=predict, gate=gate)
         ctl._budgets = _check_budgets(_mapping(state, "budgets"), "state.budgets")
         ctl._V = _check_v(state.get("V"), "state.V")
         queues = _check_budgets(_mapping(state, "queues"), "state.queues")
@@ -319,6 +375,11 @@ class Controller:
         if not isinstance(short, list) or any(k not in COST_KINDS for k in short):
             raise ValidationError("state.short", f"must be a list of cost kinds, got {short!r}")
         ctl._short = set(short)
+        raw_gate = state.get("gate")
+        if gate is not None and raw_gate is not None:
+            if not isinstance(raw_gate, Mapping):
+                raise ValidationError("state.gate", "must be an object")
+            gate.load_state(raw_gate)
         return ctl
 
     # -- internals -----------------------------------------------------------
@@ -434,9 +495,20 @@ class Controller:
             assert best is not None
             return best, best_switch
         keep = score(running)
-        if best is not None and best_eff < keep - self.config.hysteresis * V * running.iteration_s:
+        better = best is not None and best_eff < keep - self.config.hysteresis * V * running.iteration_s
+        if better and best is not None and (self._gate is None or self._gate.admit(
+            running_s=keep / V, candidate_s=score(best) / V, switch_s=best_switch.seconds,
+            iterations_left=self._iterations(best.iteration_s),
+        )):
             return best, best_switch
         return running, no_switch
+
+    def _iterations(self, iteration_s: float) -> float:
+        """Iterations one slot holds (config, else slot_s / iteration time)."""
+        n = self.config.iterations_per_slot
+        if n is None:
+            return max(self.config.slot_s / max(iteration_s, 1e-12), 1.0)
+        return float(n)
 
     def _per_iteration(self, switch_s: float, iteration_s: float) -> float:
         """Switching time spread over the slot's iterations (seconds per iteration)."""
