@@ -9,14 +9,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
+from hetpilot.adapt.online import Adapter
 from hetpilot.planner.controller import Controller
 from hetpilot.planner.errors import ValidationError
-from hetpilot.planner.serde import job_from_dict, model_from_dict
+from hetpilot.planner.serde import job_from_dict, model_from_dict, plan_from_dict
 from hetpilot.planner.types import Cluster, Device, Job, Link, Model, Network
 
 from .config import DaemonConfig
@@ -65,8 +67,13 @@ class ControlPlane:
     """Jobs, agents and trainers. Methods run on the event loop thread."""
 
     def __init__(self, store: Store, config: DaemonConfig, metrics: Metrics | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 adapter: Adapter | None = None) -> None:
         self.store = store
+        # Random-forest slowdown estimator (hetpilot.adapt): fed by reports and
+        # stage timings, read by observed_cluster; fits in its own thread.
+        self.adapter = adapter if adapter is not None else Adapter()
+        self._models: dict[str, Model] = {}
         self.config = config
         self.metrics = metrics or Metrics()
         self.clock = clock
@@ -230,6 +237,7 @@ class ControlPlane:
                 raise ValidationError("devices.index", f"device {d.index!r} was not registered")
         self.store.put_report(report)
         self._reports[report.agent_id] = report
+        self.adapter.note_report(report.agent_id, report.links)
         self._seen(report.agent_id)
         self.metrics.reports.inc()
         return self.peers(report.agent_id)
@@ -298,7 +306,14 @@ class ControlPlane:
             for d in agent.devices:
                 m = measured.get(d.index)
                 tflops = m.tflops if m is not None and m.tflops > 0 else d.tflops
-                if m is not None and 0 < m.colocated_load < 1 and not d.emulated:
+                predicted = None
+                if m is not None and not d.emulated:  # plan with predicted speeds
+                    predicted = self.adapter.predict_tflops(
+                        f"{host}:{d.index}", self.adapter.interference(host, m, d.tflops),
+                        d.tflops)
+                if predicted is not None:
+                    tflops = predicted
+                elif m is not None and 0 < m.colocated_load < 1 and not d.emulated:
                     tflops *= 1.0 - m.colocated_load
                 if tflops <= 0 or d.memory_gb <= 0:
                     continue
@@ -339,5 +354,37 @@ class ControlPlane:
         return plans[-1] if plans else None
 
     def stage_timings(self, timings: TimingsRecord) -> None:
-        self._own(None, timings.job_id)
+        rec = self._own(None, timings.job_id)
         self.store.put_timings(timings)
+        try:
+            self._learn(rec, timings)
+        except Exception:  # learning must never fail the trainer's report
+            logging.getLogger("hetpilot.daemon").exception("estimator: timings not learnt")
+
+    def _learn(self, rec: JobRecord, timings: TimingsRecord) -> None:
+        """Stage timings -> slowdown samples for the estimator (hetpilot.adapt.online)."""
+        if not rec.model_json:
+            return
+        model = self._models.get(rec.job_id)
+        if model is None:
+            model = self._models[rec.job_id] = parse_model(rec.model_json)
+        found = [p for p in self.store.plans(rec.job_id, max(0, timings.plan_version - 1))
+                 if p.version == timings.plan_version]
+        if not found:
+            return
+        plan = plan_from_dict(found[0].plan)
+        where = {s.device: (g, s) for g in plan.groups for s in g.stages}
+        for st in timings.stages:
+            host, _, index = st.device_id.rpartition(":")
+            agent, report = self._agents.get(host), self._reports.get(host)
+            if agent is None or report is None or st.device_id not in where:
+                continue
+            info = next((d for d in agent.devices if d.index == index), None)
+            dev = next((d for d in report.devices if d.index == index), None)
+            if info is None or dev is None or info.emulated:
+                continue
+            group, stage = where[st.device_id]
+            a, b = stage.layers
+            self.adapter.learn(st.device_id, self.adapter.interference(host, dev, info.tflops),
+                               model.layers[a:b], plan.microbatch_size, group.samples,
+                               st.fwd_s + st.bwd_s, info.tflops)

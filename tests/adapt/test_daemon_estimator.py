@@ -1,0 +1,93 @@
+"""The daemon plans with the estimator's predicted speeds and learns from stage timings."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+from hetpilot.adapt.estimator import Recorded, SlowdownEstimator
+from hetpilot.adapt.features import FEATURES, Workload
+from hetpilot.adapt.online import Adapter
+from hetpilot.daemon.config import DaemonConfig
+from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.records import (
+    AgentRecord,
+    AgentReport,
+    DeviceInfo,
+    DeviceReport,
+    JobRecord,
+    LinkReport,
+    PlanRecord,
+    StageTiming,
+    TimingsRecord,
+)
+from hetpilot.daemon.store import MemoryStore
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _synthetic() -> Recorded:
+    """Slowdown = 1 + 3 * colocated_load (a rule the forest can learn)."""
+    rng = np.random.default_rng(0)
+    n = 200
+    X = rng.uniform(0, 1, (n, len(FEATURES)))
+    s = 1.0 + 3.0 * X[:, FEATURES.index("colocated_load")]
+    return Recorded(X, s, np.ones(n), s, ("x",) * n, np.arange(n, dtype=float))
+
+
+def _plane() -> ControlPlane:
+    est = SlowdownEstimator(_synthetic(), n_estimators=20, refit_every=4, background=False)
+    adapter = Adapter(est, default_workload=Workload(gflop=1.0, param_mb=1.0, act_mb=1.0,
+                                                     out_mb=1.0))
+    assert adapter.wait_ready(60)
+    plane = ControlPlane(MemoryStore(), DaemonConfig(state_dir="/tmp"), adapter=adapter)
+    for host in ("h0", "h1"):
+        plane.register(AgentRecord(host=host, probe_address="", devices=(
+            DeviceInfo(index="0", name="cpu", kind="cpu", tflops=10.0, memory_gb=16.0),)))
+    return plane
+
+
+def _report(host: str, load: float, seq: int = 1) -> AgentReport:
+    return AgentReport(agent_id=host, seq=seq, unix_ms=0, devices=(
+        DeviceReport(index="0", tflops=10.0, memory_total_gb=16.0, memory_free_gb=8.0,
+                     utilization=load, colocated_load=load, colocated_processes=1),),
+        links=(LinkReport(peer_host="h1" if host == "h0" else "h0", gbps=10.0,
+                          rtt_us=100.0 + seq),))
+
+
+def test_observed_cluster_uses_predicted_speeds() -> None:
+    plane = _plane()
+    plane.report(_report("h0", 0.9))
+    plane.report(_report("h1", 0.0))
+    by = plane.observed_cluster().by_id
+    # the forest predicts slowdown ~ 1 + 3 * 0.9 on h0, ~1 on h1
+    assert by["h0:0"].tflops < 4.0
+    assert by["h1:0"].tflops > 7.0
+
+
+def test_stage_timings_feed_the_estimator() -> None:
+    plane = _plane()
+    plane.report(_report("h0", 0.5))
+    plane.report(_report("h1", 0.0))
+    model_json = (ROOT / "examples" / "model.json").read_text()
+    n_layers = len(json.loads(model_json)["layers"])
+    rec = plane.store.create_job(JobRecord(
+        job_id="j1", owner="o", name="t", state="running", global_batch=8, microbatch_size=4,
+        schedules=("1f1b",), budgets={}, V=10.0, slot_s=1.0, model_json=model_json))
+    plan = {"microbatch_size": 4, "schedule": "1f1b", "groups": [{"samples": 8, "stages": [
+        {"device": "h0:0", "layers": [0, 5]}, {"device": "h1:0", "layers": [5, n_layers]}]}]}
+    from hetpilot.daemon.records import JobStatus
+
+    plane.store.record_slot(rec.job_id, status=JobStatus(slot=1, plan_version=1),
+                            controller_state={}, plan=PlanRecord(
+                                job_id="j1", version=1, slot=0, plan=plan, iteration_s=1.0,
+                                costs={}, queues={}))
+    for it in range(4):
+        plane.stage_timings(TimingsRecord(job_id="j1", rank=0, plan_version=1, iteration=it,
+                                          stages=(StageTiming(stage_index=0, device_id="h0:0",
+                                                              fwd_s=0.2, bwd_s=0.4, comm_s=0.0,
+                                                              samples_per_s=10.0),)))
+    assert plane.adapter.learned == 4
+    err = plane.adapter.status()
+    assert err["samples"] == 4 and err["fits"] >= 2  # refit every 4 samples (in this thread)
