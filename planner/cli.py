@@ -52,10 +52,17 @@ def run(args: argparse.Namespace) -> int:
         cluster = serde.cluster_from_dict(serde.load_json(args.cluster, "--cluster"))
         model = serde.model_from_dict(serde.load_json(args.model, "--model"))
         if args.command == "plan":
+            if args.batch < 1:
+                raise ValidationError("--batch", f"must be >= 1, got {args.batch}")
+            if args.microbatch < 1:
+                raise ValidationError("--microbatch", f"must be >= 1, got {args.microbatch}")
+            if args.batch % args.microbatch:
+                raise ValidationError(
+                    "--batch", f"must be a multiple of --microbatch {args.microbatch}, got {args.batch}"
+                )
             job = serde.job_from_dict(
                 {"global_batch": args.batch, "microbatch_size": args.microbatch,
                  "schedule": args.schedule},
-                path="--batch/--microbatch/--schedule",
             )
             return _plan(cluster, model, job, args)
         plan = serde.plan_from_dict(serde.load_json(args.plan, "--plan"))

@@ -474,8 +474,18 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
             f"with microbatch size {job.microbatch_size}, even with recompute"
         )
     planner = Planner(cluster, model, job)
-    ranked = sorted(found, key=lambda c: (c.iteration_s, len(c.plan.devices)))
+    ranked = sorted(found, key=_preference)
     exact = [e for e in (planner.exact(c) for c in ranked[:3]) if e is not None]
     if not exact:  # pragma: no cover - candidates are valid by construction
         raise InfeasibleError("no candidate plan passed the reference model")
-    return min(exact, key=lambda c: (c.iteration_s, len(c.plan.devices))).plan
+    return min(exact, key=_preference).plan
+
+
+_SCHEDULE_RANK = {"1f1b": 0, "gpipe": 1, "custom": 2}
+
+
+def _preference(cand: Candidate) -> tuple[float, int, int]:
+    """Fastest first; on a tie (to 10 digits) fewer devices, then the simpler schedule
+    (1f1b keeps fewer microbatches in flight than gpipe; built-ins before custom)."""
+    return (float(f"{cand.iteration_s:.10g}"), len(cand.plan.devices),
+            _SCHEDULE_RANK[cand.plan.schedule])
