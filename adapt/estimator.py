@@ -121,7 +121,7 @@ class SlowdownEstimator:
         bootstrap: Recorded | None = None,
         *,
         n_estimators: int = 60,
-        min_samples_leaf: int = 2,
+        min_samples_leaf: int = 5,
         refit_every: int = 32,
         window: int = 2000,
         error_window: int = 200,
