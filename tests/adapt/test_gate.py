@@ -114,3 +114,15 @@ def test_predict_hook_plans_on_predicted_speeds() -> None:
     assert predicted.iteration_s > plain.iteration_s
     with pytest.raises(ValidationError, match=r"gate\.confirm_slots"):
         GateConfig(confirm_slots=0)
+
+
+def test_staleness_model_fit_and_choice() -> None:
+    from hetpilot.adapt.staleness import choose, fit
+
+    m = fit([0, 0.5, 1.5], [100, 110, 130])
+    assert abs(m.I0 - 100) < 1e-6 and abs(m.alpha - 0.2) < 1e-6
+    # 4 stages async is 1.6x faster per iteration, but staleness 1.5 costs 1.3x: it wins;
+    # with a steep alpha staleness costs more than it saves:
+    assert choose(m, [(4, 1 / 1.6, True), (2, 1 / 1.2, True), (4, 1.0, False)]) == 0
+    steep = fit([0, 1], [100, 200])
+    assert choose(steep, [(4, 1 / 1.6, True), (2, 1 / 1.2, True), (4, 1.0, False)]) == 2  # sync wins
