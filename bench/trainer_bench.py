@@ -1,22 +1,32 @@
 """Trainer benchmark: hetpilot plan vs torch.distributed.pipelining (even split) vs even DP.
 
 EMULATED heterogeneity: 4 CPU ranks (gloo, one thread each) with relative
-speeds 1, 1, 0.5, 0.25; a rank of speed s sleeps (1/s - 1) times each op's
-compute time. All three run side by side in one invocation on one model.
+speeds 1, 1, 0.5, 0.25, in one of two modes:
+
+* ``--mode target`` (default): rank r is a device of ``base_tflops * speed_r``
+  TFLOP/s; each op sleeps until its FLOPs (``torch.utils.flop_counter``, the
+  profile) at that speed have elapsed since it started. As long as the real
+  compute is shorter than the target, measured times follow the emulated
+  devices, not the contention of 4 ranks on 2 shared cores;
+* ``--mode ratio`` (the first benchmark): a rank of speed s sleeps (1/s - 1)
+  times each op's measured compute time.
+
+All three methods run side by side in one invocation on one model.
 
 Steps:
-1. measure per-layer forward/backward seconds (one thread, one microbatch) and
-   the model profile; measure p2p latency/bandwidth and all-reduce time over
-   gloo between the ranks;
-2. turn the measurements into a spec cluster (tflops = relative speed) and
-   model (GFLOP such that a 1 TFLOP/s device takes the measured time), and
-   ask the planner (``hetpilot.planner.search.make_plan``) for the plan;
+1. measure the model profile (and, in ratio mode, per-layer forward/backward
+   seconds); measure p2p latency/bandwidth and all-reduce time over gloo
+   between the ranks;
+2. turn the measurements into a spec cluster and model (target mode: the
+   emulated tflops and the profiled GFLOP; ratio mode: tflops = relative speed
+   and GFLOP such that a 1 TFLOP/s device takes the measured time), and ask
+   the planner (``hetpilot.planner.search.make_plan``) for the plan;
 3. run even DP, the hetpilot plan (live switches between them, cost recorded)
    with hetpilot's runtime, and an even 4-stage split with
    torch.distributed.pipelining's Schedule1F1B; report samples/s and the
    reference model's prediction for the runtime's plans.
 
-Run: .venv/bin/python bench/trainer_bench.py [--iterations 4]
+Run: .venv/bin/python bench/trainer_bench.py [--mode target --base-tflops 0.008] [--iterations 4]
 """
 
 from __future__ import annotations
@@ -65,7 +75,7 @@ class _Start(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         box = ctx.box
         took = time.perf_counter() - box["t"]
-        time.sleep((box["f"] - 1.0) * took)
+        time.sleep(max(0.0, box["bwd_t"] - took) if box["bwd_t"] else (box["f"] - 1.0) * took)
         return grad, None, None
 
 
@@ -82,20 +92,24 @@ class _End(torch.autograd.Function):
 
 
 class Slowed(nn.Module):
-    """EMULATION for the torch.distributed.pipelining baseline: sleep (f-1) x compute."""
+    """EMULATION for the torch.distributed.pipelining baseline: sleep (f-1) x compute
+    (ratio mode), or until ``fwd_t`` / ``bwd_t`` seconds per microbatch (target mode)."""
 
-    def __init__(self, inner: nn.Module, factor: float) -> None:
+    def __init__(self, inner: nn.Module, factor: float, fwd_t: float = 0.0,
+                 bwd_t: float = 0.0) -> None:
         super().__init__()
         self.inner = inner
-        self.box = {"f": factor, "t": 0.0}
+        self.box = {"f": factor, "t": 0.0, "fwd_t": fwd_t, "bwd_t": bwd_t}
         self.anchor = nn.Parameter(torch.zeros(()), requires_grad=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.box["f"] == 1.0:
+        if self.box["f"] == 1.0 and not self.box["fwd_t"]:
             return self.inner(x)
         started = time.perf_counter()
         y = self.inner(_Start.apply(x, self.anchor, self.box))
-        time.sleep((self.box["f"] - 1.0) * (time.perf_counter() - started))
+        took = time.perf_counter() - started
+        time.sleep(max(0.0, self.box["fwd_t"] - took) if self.box["fwd_t"]
+                   else (self.box["f"] - 1.0) * took)
         return _End.apply(y, self.box)
 
 
@@ -152,13 +166,17 @@ def _time_steps(step: Any, iterations: int) -> float:
 def _bench_worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
     torch.set_num_threads(1)
     width, layers_n, batch, its = cfg["width"], cfg["layers"], cfg["batch"], cfg["iterations"]
-    factor = 1.0 / SPEEDS[rank]
+    target = cfg["mode"] == "target"
+    factor = 1.0 if target else 1.0 / SPEEDS[rank]
+    tflops = cfg["base_tflops"] * SPEEDS[rank] if target else None
+    gflop = cfg["layer_gflop"]
     results: dict[str, Any] = {}
     trainer = Trainer(
         make_layers(layers_n, width), nn.functional.mse_loss,
         lambda p: torch.optim.SGD(p, lr=1e-4),
         dataset(batch * (4 * its + 8), width), global_batch=batch,
         device_id=f"emu:{rank}", slowdown=factor,
+        emulate_tflops=tflops, layer_gflop=gflop if target else None,
     )
     for name in ("even-dp", "hetpilot", "even-dp-again"):
         plan = plan_from_dict(cfg["plans"][name.replace("-again", "")])
@@ -177,8 +195,13 @@ def _bench_worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B
 
     per = layers_n // world
+    fwd_t = bwd_t = 0.0
+    if tflops is not None:
+        scale = cfg["micro"] / (1000.0 * tflops)
+        fwd_t = scale * sum(g[0] for g in gflop[rank * per : (rank + 1) * per])
+        bwd_t = scale * sum(g[1] for g in gflop[rank * per : (rank + 1) * per])
     mod = Slowed(nn.Sequential(*make_layers(layers_n, width)[rank * per : (rank + 1) * per]),
-                 factor)
+                 factor, fwd_t, bwd_t)
     stage = PipelineStage(mod, rank, world, torch.device("cpu"))
     sched = Schedule1F1B(stage, n_microbatches=batch // cfg["micro"],
                          loss_fn=nn.functional.mse_loss)
@@ -264,26 +287,46 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--micro", type=int, default=16)
     ap.add_argument("--batch", type=int, default=176)
+    ap.add_argument("--mode", choices=("target", "ratio"), default="target",
+                    help="EMULATION: target-time (FLOPs at an emulated speed) or sleep-ratio")
+    ap.add_argument("--base-tflops", type=float, default=0.008,
+                    help="target mode: emulated TFLOP/s of a speed-1 rank")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    print("EMULATED heterogeneity: 4 CPU ranks, relative speeds "
-          f"{', '.join(f'{s:g}' for s in SPEEDS)} (slower ranks sleep)")
+    target = args.mode == "target"
+    speeds = ", ".join(f"{s:g}" for s in SPEEDS)
+    if target:
+        print(f"EMULATED heterogeneity (target-time): 4 CPU ranks of "
+              f"{', '.join(f'{args.base_tflops * s:g}' for s in SPEEDS)} TFLOP/s "
+              f"(relative {speeds}); each op sleeps until FLOPs / speed has elapsed")
+    else:
+        print(f"EMULATED heterogeneity (sleep-ratio): 4 CPU ranks, relative speeds {speeds} "
+              "(slower ranks sleep)")
     layers = make_layers(args.layers, args.width)
     sample = torch.randn(args.micro, args.width)
     prof = profile_model(layers, sample, name="bench-mlp")
+    layer_gflop = [(la["fwd_gflop"], la["bwd_gflop"]) for la in prof["layers"]]
     times = layer_times(layers, sample, repeats=7)
     with tempfile.TemporaryDirectory() as tmp:
         spawn(_net_worker, 4, (tmp, args.width, args.micro), 120)
         net = json.loads(Path(tmp, "net.json").read_text())
-        # spec model: a 1 TFLOP/s device takes the measured time
-        for layer, (f, b) in zip(prof["layers"], times, strict=True):
-            layer["fwd_gflop"] = f / args.micro * 1000.0
-            layer["bwd_gflop"] = b / args.micro * 1000.0
+        real = sum(f + b for f, b in times)
+        if target:  # the profiled FLOPs; the emulated speeds are the cluster's tflops
+            slowest = args.micro * sum(f + b for f, b in layer_gflop) / (
+                1000.0 * args.base_tflops * max(SPEEDS))
+            print(f"real compute of one microbatch through all layers (alone): {real:.4f} s; "
+                  f"emulated on the fastest rank: {slowest:.4f} s "
+                  f"({slowest / real:.1f}x headroom)")
+        else:  # spec model: a 1 TFLOP/s device takes the measured time
+            for layer, (f, b) in zip(prof["layers"], times, strict=True):
+                layer["fwd_gflop"] = f / args.micro * 1000.0
+                layer["bwd_gflop"] = b / args.micro * 1000.0
         model = model_from_dict(prof)
         p2p_gbps = net["p2p_large_bytes"] * 8 / 1e9 / net["p2p_large_s"]
         ar_gbps = 2 * 3 / 4 * net["allreduce_bytes"] * 8 / 1e9 / net["allreduce_s"]
         cluster = cluster_from_dict({
-            "devices": [{"id": f"emu:{r}", "host": "local", "tflops": s, "memory_gb": 100.0}
+            "devices": [{"id": f"emu:{r}", "host": "local", "memory_gb": 100.0,
+                         "tflops": s * args.base_tflops if target else s}
                         for r, s in enumerate(SPEEDS)],
             "network": {"intra_host_gbps": ar_gbps, "inter_host_gbps": ar_gbps,
                         "latency_us": net["p2p_s"] * 1e6},
@@ -298,7 +341,8 @@ def main() -> int:
                            for r in range(4)]}
         plans = {"hetpilot": plan_to_dict(het), "even-dp": even}
         cfg = {"width": args.width, "layers": args.layers, "batch": args.batch,
-               "micro": args.micro, "iterations": args.iterations, "plans": plans}
+               "micro": args.micro, "iterations": args.iterations, "plans": plans,
+               "mode": args.mode, "base_tflops": args.base_tflops, "layer_gflop": layer_gflop}
         started = time.monotonic()
         spawn(_bench_worker, 4, (tmp, cfg), 580)
         wall = time.monotonic() - started
@@ -317,13 +361,23 @@ def main() -> int:
             inrun = _inrun_prediction(cluster, model, plan, ranks, name)
         rows.append((name, it_s, args.batch / it_s, pred, inrun))
     print(f"{'method':24s} {'iteration_s':>12s} {'samples/s':>10s} "
-          f"{'pred(profile)':>14s} {'error':>8s} {'pred(in-run)':>13s} {'error':>8s}")
+          f"{'pred(emulated)' if target else 'pred(profile)':>14s} {'error':>8s} {'pred(in-run)':>13s} {'error':>8s}")
     for name, it_s, sps, pred, inrun in rows:
         cells = []
         for p in (pred, inrun):
             cells.append((f"{p:.4f}", f"{(it_s / p - 1) * 100:+.1f}%") if p else ("-", "-"))
         print(f"{name:24s} {it_s:12.4f} {sps:10.1f} {cells[0][0]:>14s} {cells[0][1]:>8s} "
               f"{cells[1][0]:>13s} {cells[1][1]:>8s}")
+    from hetpilot.planner.refmodel import sync_time
+
+    for name in ("hetpilot", "even-dp"):
+        plan = plan_from_dict(plans[name])
+        it_s = max(r[name]["iteration_s"] for r in ranks)
+        stage = [r[name]["stage"][0] for r in ranks if r[name]["stage"]]
+        sync = max(st[3] for st in stage)
+        busy = max(st[0] + st[1] + st[2] + st[3] for st in stage)
+        print(f"{name}: gradient sync measured {sync:.3f} s (model {sync_time(cluster, model, plan.groups):.3f} s); "
+              f"outside fwd/bwd/recv/sync (optimizer step, data, barrier) {it_s - busy:+.3f} s")
     best_base = max(rows[1][2], rows[2][2])
     print(f"speed-up of hetpilot over the better baseline: {rows[0][2] / best_base:.2f}x")
     for name in ("hetpilot", "even-dp-again"):

@@ -253,7 +253,7 @@ class GrpcReporter:
 
     def __init__(self, link: DaemonLink, *, max_queue: int = 256) -> None:
         self.link = link
-        self._queue: queue.Queue[dict[str, Any] | None] = queue.Queue(max_queue)
+        self._queue: queue.Queue[trainer_pb2.StageTimingsReport | None] = queue.Queue(max_queue)
         self.sent = 0
         self.dropped = 0
         self.last_error = ""
@@ -281,7 +281,7 @@ class GrpcReporter:
         if req is None:
             return
         try:
-            self._queue.put_nowait(req)  # type: ignore[arg-type]
+            self._queue.put_nowait(req)
         except queue.Full:
             self.dropped += 1
 
