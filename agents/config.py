@@ -4,16 +4,15 @@ from __future__ import annotations
 
 import math
 import socket
-import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from hetpilot.tomlconfig import ConfigError, read_tables
+
 __all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "load_agent_config", "parse_emulate"]
 
 
-class ConfigError(ValueError):
-    """A config value that is missing, of the wrong type or out of range."""
 
 
 def _check(name: str, value: Any, *, positive: bool = True) -> None:
@@ -79,6 +78,10 @@ class AgentConfig:
     """Reconnect backoff cap (starts at 0.2 s, doubles, with jitter)."""
     emulate: tuple[EmulatedDevice, ...] = ()
     """Declared fake devices; when set, no hardware is probed."""
+    emulate_file: str = ""
+    """EMULATED conditions file (:mod:`hetpilot.emulation`), re-read before every report:
+    its TFLOP/s replace the emulated devices' and its host links replace measured ones.
+    Off when empty (the default)."""
 
     def __post_init__(self) -> None:
         if self.daemon and ":" not in self.daemon:
@@ -122,16 +125,7 @@ def parse_emulate(text: str) -> EmulatedDevice:
 
 def load_agent_config(path: str | Path | None = None, **overrides: Any) -> AgentConfig:
     """Read ``[agent]`` and ``[[emulate]]`` from a TOML file; overrides win."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-    unknown = set(data) - {"agent", "emulate"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
+    data = read_tables(path, {"agent", "emulate"})
     top = dict(data.get("agent", {}))
     try:
         emulate = tuple(EmulatedDevice(**e) for e in data.get("emulate", []))

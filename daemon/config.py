@@ -13,11 +13,11 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hetpilot.tomlconfig import ConfigError, read_tables
+
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
 
 
-class ConfigError(ValueError):
-    """A config value that is missing, of the wrong type or out of range."""
 
 
 def _positive(name: str, value: float) -> None:
@@ -135,16 +135,7 @@ def _build(cls: type, data: dict[str, Any], path: str) -> Any:
 
 def load_daemon_config(path: str | Path | None = None, **overrides: Any) -> DaemonConfig:
     """Read ``[daemon]``, ``[auth]`` and ``[tls]`` from a TOML file; overrides win."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            with open(path, "rb") as fh:
-                data = tomllib.load(fh)
-        except (OSError, tomllib.TOMLDecodeError) as exc:
-            raise ConfigError(f"{path}: {exc}") from None
-    unknown = set(data) - {"daemon", "auth", "tls"}
-    if unknown:
-        raise ConfigError(f"{path}: unknown table(s) {', '.join(sorted(unknown))}")
+    data = read_tables(path, {"daemon", "auth", "tls"})
     top = dict(data.get("daemon", {}))
     top.update({k: v for k, v in overrides.items() if v is not None})
     top["auth"] = _build(AuthConfig, dict(data.get("auth", {})), "auth")
