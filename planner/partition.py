@@ -292,8 +292,11 @@ def partition_group(
     tau = _dp_bottleneck(bottle, n_layers)
     if not np.isfinite(tau):
         return None
-    # small M: rank cuts by the exact simulation; large M: by the closed-form proxy
-    proxy = microbatches >= _base(n_stages) + _WINDOW
+    # Few microbatches: rank cuts by the exact simulation (fill and drain dominate, and
+    # small cases are where the planner is held to the brute-force optimum). Steady
+    # state (M >= 2S + 4): rank by the closed-form proxy, then keep whichever of the
+    # DP's cut and the refined cut simulates faster.
+    proxy = microbatches >= 2 * n_stages + 4
     best: GroupCut | None = None
     seen: set[tuple[int, ...]] = set()
     for factor in _THRESHOLDS:
@@ -308,10 +311,12 @@ def partition_group(
         return None
     if refine_steps is None:
         refine_steps = 4 * n_stages if (proxy or n_stages <= 16) else 0
-    best = _refine(arr, devices, links, best, micro, microbatches, schedule, refine_steps, proxy)
-    if proxy:
-        return evaluate_cut(arr, devices, links, best.bounds, micro, microbatches, schedule)
-    return best
+    refined = _refine(arr, devices, links, best, micro, microbatches, schedule, refine_steps, proxy)
+    if not proxy:
+        return refined
+    exact = [evaluate_cut(arr, devices, links, c.bounds, micro, microbatches, schedule)
+             for c in {best.bounds: best, refined.bounds: refined}.values()]
+    return min((c for c in exact if c is not None), key=lambda c: c.makespan, default=None)
 
 
 def _refine(

@@ -18,7 +18,6 @@ distinct group once.
 
 from __future__ import annotations
 
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import lru_cache
@@ -108,52 +107,69 @@ def pipeline_makespan(
     comm: Sequence[float],
     orders: Sequence[Sequence[Op]],
 ) -> float:
-    """Event simulation of one group; raises DeadlockError if it cannot finish."""
+    """Event simulation of one group; raises DeadlockError if it cannot finish.
+
+    Each stage advances through its order as far as its dependencies allow;
+    a stage that produced a transfer wakes its neighbour. Times are >= 0, so
+    -1.0 marks "not yet known". Every op is visited once: O(S * M).
+    """
     n = len(fwd)
     m = len(orders[0]) // 2
-    f_end: list[list[float | None]] = [[None] * m for _ in range(n)]
-    f_arrive: list[list[float | None]] = [[None] * m for _ in range(n)]
-    b_arrive: list[list[float | None]] = [[None] * m for _ in range(n)]
+    unknown = -1.0
+    f_end = [[unknown] * m for _ in range(n)]
+    f_arrive = [[unknown] * m for _ in range(n)]
+    b_arrive = [[unknown] * m for _ in range(n)]
     fwd_chan = [0.0] * n  # channel j -> j+1 free at
     bwd_chan = [0.0] * n  # channel j+1 -> j free at (indexed by j)
     clock = [0.0] * n
     pos = [0] * n
     queued = [True] * n
-    work = deque(range(n))
+    work = list(range(n - 1, -1, -1))
+    last = n - 1
     while work:
-        j = work.popleft()
+        j = work.pop()
         queued[j] = False
         ops = orders[j]
-        last = j == n - 1
-        while pos[j] < len(ops):
-            is_bwd, k = ops[pos[j]]
+        n_ops = len(ops)
+        p = pos[j]
+        t = clock[j]
+        f_dur, b_dur = fwd[j], bwd[j]
+        my_f_end, my_f_arrive, my_b_arrive = f_end[j], f_arrive[j], b_arrive[j]
+        woke_up = woke_down = False
+        while p < n_ops:
+            is_bwd, k = ops[p]
             if not is_bwd:
-                ready = 0.0 if j == 0 else f_arrive[j][k]
-            elif last:
-                ready = f_end[j][k]
-            else:
-                ready = b_arrive[j][k]
-            if ready is None:
-                break
-            end = (ready if ready > clock[j] else clock[j]) + (bwd[j] if is_bwd else fwd[j])
-            clock[j] = end
-            pos[j] += 1
-            if not is_bwd:
-                f_end[j][k] = end
-                if not last:
-                    arrive = (end if end > fwd_chan[j] else fwd_chan[j]) + comm[j]
+                ready = 0.0 if j == 0 else my_f_arrive[k]
+                if ready < 0.0:
+                    break
+                t = (ready if ready > t else t) + f_dur
+                my_f_end[k] = t
+                if j != last:
+                    chan = fwd_chan[j]
+                    arrive = (t if t > chan else chan) + comm[j]
                     fwd_chan[j] = arrive
                     f_arrive[j + 1][k] = arrive
-                    if not queued[j + 1]:
-                        queued[j + 1] = True
-                        work.append(j + 1)
-            elif j > 0:
-                arrive = (end if end > bwd_chan[j - 1] else bwd_chan[j - 1]) + comm[j - 1]
-                bwd_chan[j - 1] = arrive
-                b_arrive[j - 1][k] = arrive
-                if not queued[j - 1]:
-                    queued[j - 1] = True
-                    work.append(j - 1)
+                    woke_down = True
+            else:
+                ready = my_f_end[k] if j == last else my_b_arrive[k]
+                if ready < 0.0:
+                    break
+                t = (ready if ready > t else t) + b_dur
+                if j:
+                    chan = bwd_chan[j - 1]
+                    arrive = (t if t > chan else chan) + comm[j - 1]
+                    bwd_chan[j - 1] = arrive
+                    b_arrive[j - 1][k] = arrive
+                    woke_up = True
+            p += 1
+        pos[j] = p
+        clock[j] = t
+        if woke_down and not queued[j + 1]:
+            queued[j + 1] = True
+            work.append(j + 1)
+        if woke_up and not queued[j - 1]:
+            queued[j - 1] = True
+            work.append(j - 1)
     stuck = [j for j in range(n) if pos[j] < len(orders[j])]
     if stuck:
         j = stuck[0]
