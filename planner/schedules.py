@@ -68,6 +68,7 @@ def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[O
     return tuple(parsed)
 
 
+@lru_cache(maxsize=4096)
 def format_order(ops: tuple[Op, ...]) -> tuple[str, ...]:
     return tuple(f"{'B' if b else 'F'}{k}" for b, k in ops)
 
