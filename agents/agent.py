@@ -19,6 +19,8 @@ import grpc
 from hetpilot.client.channel import Endpoint, metadata, open_aio
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
+from hetpilot.emulation import EmulationFile
+
 from .config import AgentConfig
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
@@ -43,6 +45,8 @@ class Agent:
         self.connections = 0
         self._seq = 0
         self._md = metadata(config.cluster_token())
+        # EMULATED conditions (off unless configured): see hetpilot.emulation
+        self._emufile = EmulationFile(config.emulate_file) if config.emulate_file else None
         self._endpoint = Endpoint(address=config.daemon, ca_file=config.ca_file,
                                   cert_file=config.cert_file, key_file=config.key_file)
 
@@ -58,15 +62,27 @@ class Agent:
 
     def report(self) -> agent_pb2.AgentReport:
         self._seq += 1
+        tflops = {d.index: d.tflops for d in self.devices}
+        links = {h: v for h, v in self.links.items() if h in self.peers}
+        if self._emufile is not None:  # EMULATED: the file's speeds and links win
+            emu = self._emufile.state()
+            for d in self.devices:
+                t = emu.devices.get(f"{self.config.host}:{d.index}")
+                if d.emulated and t is not None:
+                    tflops[d.index] = t
+            for h in self.peers:
+                link = emu.link(self.config.host, h)
+                if link is not None:
+                    links[h] = (link[0], 2 * link[1])  # rtt = 2 x one-way latency
         return agent_pb2.AgentReport(
             agent_id=self.config.host, seq=self._seq, unix_ms=int(time.time() * 1000),
             devices=[agent_pb2.DeviceReport(
-                index=d.index, tflops=d.tflops, memory_total_gb=d.memory_total_gb,
+                index=d.index, tflops=tflops[d.index], memory_total_gb=d.memory_total_gb,
                 memory_free_gb=d.memory_free_gb, utilization=d.utilization,
                 colocated_processes=d.colocated_processes, colocated_load=d.colocated_load,
                 emulated=d.emulated) for d in self.devices],
             links=[agent_pb2.LinkReport(peer_host=h, gbps=g, rtt_us=r)
-                   for h, (g, r) in sorted(self.links.items()) if h in self.peers])
+                   for h, (g, r) in sorted(links.items())])
 
     # -- loops ---------------------------------------------------------------
 

@@ -28,6 +28,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate", action="append", default=[], metavar="SPEC",
                         help="declare fake devices for CPU-only test clusters: "
                              "tflops=50,memory_gb=24[,price_per_hour=1,power_watts=300,count=2]")
+    parser.add_argument("--emulate-file", metavar="FILE",
+                        help="EMULATED conditions (JSON, re-read before every report): device "
+                             "TFLOP/s and host links to report instead of measured ones")
     parser.add_argument("--link-probe-interval", type=float, metavar="S")
     parser.add_argument("--log-level", default="INFO")
 
@@ -40,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         config = load_agent_config(
             args.config, daemon=args.daemon, host=args.host, probe_listen=args.probe_listen,
             token_file=args.token_file, emulate=emulate,
-            link_probe_interval_s=args.link_probe_interval)
+            link_probe_interval_s=args.link_probe_interval,
+            emulate_file=args.emulate_file)
         if not config.daemon:
             env = os.environ.get("HETPILOT_ADDRESS", "")
             if not env:
@@ -48,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
             config = load_agent_config(args.config, daemon=env, host=args.host,
                                        probe_listen=args.probe_listen,
                                        token_file=args.token_file, emulate=emulate,
-                                       link_probe_interval_s=args.link_probe_interval)
+                                       link_probe_interval_s=args.link_probe_interval,
+                                       emulate_file=args.emulate_file)
         config.cluster_token()
     except (ConfigError, OSError) as exc:
         print(f"hetpilot agent: error: {exc}", file=sys.stderr)

@@ -32,6 +32,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "budget": ("hetpilot.client.cli", "change a job's budgets or V (price_per_hour=20 V=5)"),
     "cancel": ("hetpilot.client.cli", "cancel a job"),
     "sim": ("hetpilot.sim.cli", "drive policies through a scenario and score every slot"),
+    "demo": ("hetpilot.demo.cli",
+             "run daemon, agents and a 4-rank trainer on this machine (EMULATED devices); "
+             "write a report"),
 }
 
 

@@ -6,7 +6,7 @@ cd "$(dirname "$0")/.."
 root=.build/typecheck
 rm -rf "$root" && mkdir -p "$root/hetpilot"
 for f in hetpilot/*.py hetpilot/py.typed; do ln -s "$PWD/$f" "$root/hetpilot/"; done
-for pair in planner:planner sim:sim daemon:daemon agents:agents trainer:trainer client:client adapt:adapt; do
+for pair in planner:planner sim:sim daemon:daemon agents:agents trainer:trainer client:client adapt:adapt demo:demo; do
   src=${pair%%:*}; dst=${pair##*:}
   [ -d "$src" ] && ln -s "$PWD/$src" "$root/hetpilot/$dst"
 done

@@ -62,6 +62,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-tflops", default=None, metavar="T[,T...]",
                         help="EMULATION (target-time): each op lasts its FLOPs at T TFLOP/s, "
                              "one value for all ranks or one per rank; off by default")
+    parser.add_argument("--emulate-file", default=None, metavar="FILE",
+                        help="EMULATION (target-time): JSON re-read every iteration; this "
+                             "rank's device speed and the host links there (gradient sync) "
+                             "follow it; see hetpilot.emulation; off by default")
     parser.add_argument("--emulate-model", default=None, metavar="M.json",
                         help="layer FLOPs for --emulate-tflops (default: profile job()['sample'])")
 
@@ -180,6 +184,13 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         tflops = _emulated_tflops(args.emulate_tflops, rank, world)
     except ValidationError as exc:
         return _fail(str(exc))
+    if args.emulate_file and tflops is None:
+        from hetpilot.emulation import EmulationFile
+
+        tflops = EmulationFile(args.emulate_file).state().devices.get(device_id)
+        if tflops is None:
+            return _fail(f"--emulate-file: {args.emulate_file} names no speed for device "
+                         f"{device_id!r} (give --emulate-tflops too)")
     if tflops is not None and args.emulate_slowdown != 1.0:
         return _fail("--emulate-tflops: choose one of --emulate-tflops and --emulate-slowdown")
     source: Any = None
@@ -226,6 +237,9 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     if tflops is not None:
         print(f"rank {rank}: EMULATED device speed: {tflops:g} TFLOP/s (ops sleep until "
               "their FLOPs at that speed have elapsed)", file=sys.stderr)
+    if args.emulate_file:
+        print(f"rank {rank}: EMULATED conditions from {args.emulate_file} (device speed and "
+              "gradient-sync links follow the file)", file=sys.stderr)
     link = grpc_reporter = None
     try:
         reporters: list[Any] = [JsonlReporter(args.report)] if args.report else []
@@ -263,6 +277,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
             reporter=report if reporters else None,
             report_from_rank0=daemon, keep_plan_on_refusal=daemon,
+            emulate_file=args.emulate_file,
         )
         if args.resume and args.checkpoint and (Path(args.checkpoint) / "meta.json").exists():
             trainer.load_checkpoint(args.checkpoint)

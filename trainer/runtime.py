@@ -50,6 +50,8 @@ from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import Plan
 from torch import nn
 
+from hetpilot.emulation import EmulationFile, allreduce_s
+
 from .pipeline import StageRunner, StageStats
 from .plans import PlanSource, check_plan
 
@@ -100,6 +102,7 @@ class Trainer:
         reporter: Reporter | None = None,
         report_from_rank0: bool = False,
         keep_plan_on_refusal: bool = False,
+        emulate_file: str | Path | None = None,
     ) -> None:
         """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
         sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
@@ -111,11 +114,21 @@ class Trainer:
         reporter once per rank (a reporter that talks to the daemon lives on rank 0 only).
         ``keep_plan_on_refusal``: a polled plan that :func:`check_plan` refuses is logged and
         skipped, identically on every rank, and the running plan goes on (daemon sources).
+        ``emulate_file``: EMULATED conditions (:mod:`hetpilot.emulation`, off by default),
+        re-read before every iteration: this rank's device speed there replaces
+        ``emulate_tflops`` (target-time mode, needs ``layer_gflop``), and each gradient
+        all-reduce lasts at least spec 5.3's time over the file's host links.
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
         if slowdown < 1.0:
             raise ValueError(f"slowdown must be >= 1 (an emulated slower device), got {slowdown}")
+        self._emu = EmulationFile(emulate_file) if emulate_file is not None else None
+        if self._emu is not None and emulate_tflops is None:
+            emulate_tflops = self._emu.state().devices.get(device_id)
+            if emulate_tflops is None:
+                raise ValueError(f"emulate_file: names no speed for device {device_id!r}; "
+                                 "give emulate_tflops too")
         if emulate_tflops is not None:
             if not emulate_tflops > 0:
                 raise ValueError(f"emulate_tflops must be > 0, got {emulate_tflops}")
@@ -388,6 +401,7 @@ class Trainer:
         """One iteration of the current plan; returns this rank's stage stats and wall time."""
         if self.plan is None:
             raise RuntimeError("no plan yet: call switch() or poll_plan() first")
+        self._apply_emulation()
         started = time.perf_counter()
         stats = None
         if self._runner is not None and self._role is not None:
@@ -413,11 +427,26 @@ class Trainer:
         self.step += 1
         return stats, time.perf_counter() - started
 
+    def _apply_emulation(self) -> None:
+        """EMULATED: take this rank's device speed from the emulation file, if it changed."""
+        if self._emu is None:
+            return
+        tflops = self._emu.state().devices.get(self.device_id)
+        if tflops is None or tflops == self.emulate_tflops:
+            return
+        self.emulate_tflops = tflops
+        if self._runner is not None and self._role is not None and self.plan is not None:
+            gi, si = self._role
+            stage = self.plan.groups[gi].stages[si]
+            self._runner.fwd_target_s, self._runner.bwd_target_s = self._targets(
+                self.plan.microbatch_size, stage.layers, stage.recompute)
+
     def _sync_grads(self) -> None:
         for first, end, pg in self._buckets:
             params = [p for layer in range(first, end) for p in self._held[layer].parameters()]
             if not params:
                 continue
+            started = time.perf_counter()
             for p in params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
@@ -429,6 +458,13 @@ class Trainer:
                 n = p.numel()
                 p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
                 pos += n
+            if self._emu is not None:  # EMULATED links: spec 5.3's all-reduce time
+                hosts = [self.device_ids[r].rpartition(":")[0] for r in self._owners[first]]
+                target = allreduce_s(flat.numel() * flat.element_size(), hosts,
+                                     self._emu.state())
+                left = (target or 0.0) - (time.perf_counter() - started)
+                if left > 0:
+                    time.sleep(left)
 
     def train_epoch(self, max_iterations: int | None = None) -> dict[str, Any]:
         """Run the rest of the current epoch (or ``max_iterations`` of it); report; advance."""
