@@ -121,6 +121,6 @@ def run(args: argparse.Namespace) -> int:
     headline = write_report(out, result)
     print()
     print(headline)
-    print(f"\nwrote {out / 'report.md'} and its plots ({', '.join(sorted(p.name for p in out.glob('*.png')))}); "
+    print(f"\nwrote {out / 'report.md'} and its plots (accuracy.png, cost.png, iteration_time.png, plans.png); "
           f"logs and state in {out / 'run'}")
     return 0

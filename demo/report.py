@@ -121,7 +121,7 @@ def _plots(out: Path, result: RunResult) -> list[str]:
     names.append("iteration_time.png")
     plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
+    fig, ax = plt.subplots(figsize=(8, 3.6))
     devices = [d for d, _ in scenario.DEVICES]
     bottom = [0.0] * len(h)
     for d in devices:
@@ -134,7 +134,7 @@ def _plots(out: Path, result: RunResult) -> list[str]:
     mark(ax)
     ax.set(xlabel="epoch", ylabel="samples per iteration",
            title="hetpilot's plans: samples per device (static: 16 each)")
-    ax.legend(fontsize=8, loc="upper right")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out / "plans.png", dpi=110)
     names.append("plans.png")
@@ -269,12 +269,15 @@ def write_report(out: Path, result: RunResult) -> str:
     for pv in result.plans:
         lines.append(f"| {pv['version']} | {pv['slot']} | {1000 * pv['iteration_s']:.0f} | "
                      f"{pv['costs'].get('price_per_hour', 0):g} | {_describe(pv['plan'])} |")
-    avg = result.job.get("average_costs", {})
+    def fmt(d: dict[str, Any]) -> str:
+        return ", ".join(f"{k} {float(v):.2f}" for k, v in sorted(d.items())) or "-"
+
     lines += [
         "",
         f"Daemon at the end: plan version {sm['daemon_versions']}, slot "
-        f"{result.job.get('slot', '?')}, average cost {avg} against budgets "
-        f"{result.job.get('budgets', {})}, queues {result.job.get('queues', {})}.",
+        f"{result.job.get('slot', '?')}; average cost over its slots: "
+        f"{fmt(result.job.get('average_costs', {}))}; budgets: "
+        f"{fmt(result.job.get('budgets', {}))}; queues: {fmt(result.job.get('queues', {}))}.",
         "",
         "## Epochs: static even DP",
         "",
