@@ -42,9 +42,10 @@ def _table(demo: Any) -> Any:
 
     table = Table(title="hetpilot demo (every device, link and event is EMULATED)",
                   expand=False)
-    for col in ("phase", "epoch", "plan", "iteration", "accuracy", "cost/h vs budget",
-                "devices (samples)"):
-        table.add_column(col)
+    devices = [d for d, _ in scenario.DEVICES]
+    for col in ("phase", "epoch", "plan", "iteration", "accuracy", "$/h (budget)",
+                "samples " + "/".join(d.replace("host", "") for d in devices)):
+        table.add_column(col, no_wrap=True)
     budget = scenario.BUDGET["price_per_hour"]
     for phase in demo.phases:
         if not phase.rows:
@@ -52,11 +53,11 @@ def _table(demo: Any) -> Any:
             continue
         r = phase.rows[-1]
         acc = next((x.accuracy for x in reversed(phase.rows) if x.accuracy is not None), None)
-        plan = "static even" if phase.name == "static" else f"v{r.plan_version}"
+        plan = "even" if phase.name == "static" else f"v{r.plan_version}"
         table.add_row(phase.name, f"{r.epoch + 1}/{demo.epochs}", plan,
                       f"{r.iteration_s * 1000:.0f} ms", "-" if acc is None else f"{acc:.1%}",
-                      f"${r.cost_per_hour:g} / ${budget:g}",
-                      " ".join(f"{d}({r.samples.get(d, '-')})" for d in r.devices))
+                      f"{r.cost_per_hour:g} ({budget:g})",
+                      "/".join(str(r.samples.get(d, 0)) for d in devices))
     lines = Text("\n".join(demo.log[-6:]))
     return Group(table, lines)
 
