@@ -420,18 +420,41 @@ def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
     return out
 
 
-def candidate_plans(cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
+                    focus: int | None = None) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Every candidate is valid under the reference model. The list is what the
     Lyapunov controller chooses from; :func:`make_plan` takes the fastest.
+
+    ``focus=k`` (used by :func:`make_plan` on clusters of more than 64 devices,
+    where only the fastest plan matters): rank the structures on all devices
+    with the first schedule, then try the other schedules and the device
+    subsets only for the k best structures. The controller leaves it off: it
+    needs the slower, cheaper candidates too.
     """
     planner = Planner(cluster, model, job)
     schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
     found: list[Candidate] = []
-    for label, subset in _subsets(list(cluster.devices)):
+    subsets = _subsets(list(cluster.devices))
+    keep: set[str] | None = None
+    if focus is not None and len(cluster.devices) > 64:
+        label, subset = subsets[0]
+        ranked = []
         for structure in structures(cluster, subset, planner.arr, planner.micro):
+            cand = planner.plan_structure(
+                Structure(f"{label}/{structure.label}", structure.groups), schedules[0])
+            if cand is not None:
+                found.append(cand)
+                ranked.append((cand.iteration_s, structure.label))
+        keep = {name for _, name in sorted(ranked)[:focus]}
+    for index, (label, subset) in enumerate(subsets):
+        for structure in structures(cluster, subset, planner.arr, planner.micro):
+            if keep is not None and structure.label not in keep:
+                continue
             for schedule in schedules:
+                if keep is not None and index == 0 and schedule == schedules[0]:
+                    continue  # done while ranking
                 cand = planner.plan_structure(
                     Structure(f"{label}/{structure.label}", structure.groups), schedule
                 )
@@ -467,7 +490,7 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
         if scored is None:
             raise InfeasibleError(f"{policy}: its plan does not fit in memory")
         return scored.plan
-    found = candidate_plans(cluster, model, job)
+    found = candidate_plans(cluster, model, job, focus=3)
     if not found:
         raise InfeasibleError(
             "no plan fits in memory: no device or pipeline of devices can hold the model "
