@@ -94,8 +94,20 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
 
 
 def _reference(cfg: dict[str, Any], epochs: int) -> list[list[dict[str, torch.Tensor]]]:
-    """Full-batch training in one process; per epoch, each layer's state."""
+    """Full-batch training in one process; per epoch, each layer's state.
+
+    Runs in the caller's process (train-check, tests): the float64 default dtype
+    it needs is restored afterwards so nothing else in the process inherits it.
+    """
+    previous = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
+    try:
+        return _reference_float64(cfg, epochs)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+def _reference_float64(cfg: dict[str, Any], epochs: int) -> list[list[dict[str, torch.Tensor]]]:
     layers = []
     for i, build in enumerate(make_layers(cfg["num_layers"])):
         with torch.random.fork_rng(devices=[]):
