@@ -14,11 +14,11 @@ LAYERS = 8
 def digits_mlp() -> list[nn.Module]:
     torch.manual_seed(0)
     dims = [64] + [128] * (LAYERS - 1)
-    out: list[nn.Module] = [nn.Sequential(nn.Linear(a, b), nn.ReLU())
-                            for a, b in itertools.pairwise(dims)]
-    for seq in out:  # He init: a plain 8-layer ReLU MLP barely trains with torch's default
-        nn.init.kaiming_normal_(seq[0].weight, nonlinearity="relu")
-        nn.init.zeros_(seq[0].bias)
+    linears = [nn.Linear(a, b) for a, b in itertools.pairwise(dims)]
+    for lin in linears:  # He init: a plain 8-layer ReLU MLP barely trains with torch's default
+        nn.init.kaiming_normal_(lin.weight, nonlinearity="relu")
+        nn.init.zeros_(lin.bias)
+    out: list[nn.Module] = [nn.Sequential(lin, nn.ReLU()) for lin in linears]
     return [*out, nn.Linear(128, 10)]
 
 
