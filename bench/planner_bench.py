@@ -12,6 +12,7 @@ nothing here runs on a GPU.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import random
 import statistics
@@ -116,14 +117,14 @@ def latency(quick: bool) -> list[str]:
     sizes = [16, 64, 256, 1024] if quick else [16, 64, 256, 1024, 4096]
     tmp = ROOT / ".tmp"
     tmp.mkdir(exist_ok=True)
-    (tmp / "model.json").write_text(serde.json.dumps(serde.model_to_dict(model)))
+    (tmp / "model.json").write_text(json.dumps(serde.model_to_dict(model)))
     for n in sizes:
         cluster = catalog.make_cluster([(kinds[i % 4], 8) for i in range(n // 8)])
         job = Job(global_batch=max(512, n * 2), microbatch_size=1, schedules=("1f1b", "gpipe", "custom"))
         t0 = time.perf_counter()
         make_plan(cluster, model, job)
         inproc = time.perf_counter() - t0
-        (tmp / "cluster.json").write_text(serde.json.dumps(serde.cluster_to_dict(cluster)))
+        (tmp / "cluster.json").write_text(json.dumps(serde.cluster_to_dict(cluster)))
         t0 = time.perf_counter()
         subprocess.run([sys.executable, "-m", "hetpilot", "plan", "--cluster", str(tmp / "cluster.json"),
                         "--model", str(tmp / "model.json"), "--batch", str(job.global_batch),

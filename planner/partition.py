@@ -81,8 +81,8 @@ def _stage_cost_matrices(
     link: tuple[float, float] | None,
     micro: int,
     in_flight: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """Per segment [a, b): bottleneck cost, fill sum, compute, recompute flag."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot fit)."""
     fwd, bwd, act, param, inp = arr.segment
     rate = 1000.0 * dev.tflops
     cap = 1000.0 * dev.memory_gb
@@ -91,7 +91,6 @@ def _stage_cost_matrices(
     rc_fits = base + in_flight * micro * inp + micro * act <= cap
     comp = np.where(plain_fits, micro * (fwd + bwd) / rate,
                     np.where(rc_fits, micro * (2.0 * fwd + bwd) / rate, _INF))
-    recompute = ~plain_fits & rc_fits
     if link is None:
         comm = np.zeros_like(comp)
     else:
@@ -104,7 +103,7 @@ def _stage_cost_matrices(
     invalid = np.tril(np.ones((n, n), dtype=bool))  # need a < b
     bottleneck = np.where(invalid, _INF, bottleneck)
     fill = np.where(invalid, _INF, fill)
-    return bottleneck, fill, comp, recompute
+    return bottleneck, fill
 
 
 def _dp_bottleneck(costs: list[np.ndarray], n_layers: int) -> float:
@@ -286,7 +285,7 @@ def partition_group(
     bottle, fill = [], []
     for j, dev in enumerate(devices):
         link = links[j] if j + 1 < n_stages else None
-        b, f, _, _ = _stage_cost_matrices(arr, dev, link, micro, flights[j])
+        b, f = _stage_cost_matrices(arr, dev, link, micro, flights[j])
         bottle.append(b)
         fill.append(f)
     tau = _dp_bottleneck(bottle, n_layers)

@@ -319,16 +319,6 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
     )
 
 
-def job_to_dict(job: Job) -> dict[str, Any]:
-    return {
-        "global_batch": job.global_batch,
-        "microbatch_size": job.microbatch_size,
-        "schedule": list(job.schedules),
-        "budgets": dict(job.budgets),
-        "V": job.V,
-    }
-
-
 # -- plan --------------------------------------------------------------------
 
 def plan_from_dict(data: Any, path: str = "plan") -> Plan:
