@@ -26,7 +26,7 @@ from .refmodel import GroupTimes, group_makespan
 from .schedules import inflight, order
 from .types import Device, Model
 
-__all__ = ["GroupCut", "ModelArrays", "partition_group"]
+__all__ = ["GroupCut", "ModelArrays", "cut_fits", "partition_group"]
 
 _THRESHOLDS = (1.0, 1.03, 1.08, 1.15, 1.3, 1.6)
 _INF = float("inf")
@@ -264,6 +264,20 @@ def evaluate_cut(
     times, rec = found
     score = proxy_makespan if proxy else fast_makespan
     return GroupCut(tuple(bounds), rec, score(times, schedule, microbatches), times)
+
+
+def cut_fits(
+    arr: ModelArrays,
+    devices: Sequence[Device],
+    links: Sequence[tuple[float, float]],
+    bounds: Sequence[int],
+    micro: int,
+    microbatches: int,
+    schedule: str,
+) -> bool:
+    """Whether every stage of the cut fits in memory (recompute allowed); no simulation."""
+    flights = _in_flights(schedule, len(devices), microbatches)
+    return _times_for(arr, devices, links, bounds, micro, flights) is not None
 
 
 def partition_group(

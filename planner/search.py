@@ -33,7 +33,14 @@ from functools import lru_cache
 
 from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError, InvalidPlanError
-from .partition import GroupCut, ModelArrays, evaluate_cut, fast_makespan, partition_group
+from .partition import (
+    GroupCut,
+    ModelArrays,
+    cut_fits,
+    evaluate_cut,
+    fast_makespan,
+    partition_group,
+)
 from .refmodel import evaluate, group_makespan, group_op_times, sync_time, validate_plan
 from .schedules import format_order, warmup_order
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
@@ -227,10 +234,11 @@ class Planner:
         """Most microbatches the cut holds in memory (gpipe keeps all in flight)."""
         if schedule != "gpipe":
             return self.total
+        sig = self._signature(devs)
         lo, hi = 0, self.total
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            if self.at(devs, bounds, mid, schedule) is not None:
+            if cut_fits(self.arr, devs, sig[1], bounds, self.micro, mid, schedule):  # type: ignore[arg-type]
                 lo = mid
             else:
                 hi = mid - 1
@@ -428,33 +436,33 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     Lyapunov controller chooses from; :func:`make_plan` takes the fastest.
 
     ``focus=k`` (used by :func:`make_plan` on clusters of more than 64 devices,
-    where only the fastest plan matters): rank the structures on all devices
-    with the first schedule, then try the other schedules and the device
-    subsets only for the k best structures. The controller leaves it off: it
+    where only the fastest plan matters): rank every (structure, schedule)
+    pair on all devices, then try the device subsets only for the k best
+    pairs. The controller leaves it off: it
     needs the slower, cheaper candidates too.
     """
     planner = Planner(cluster, model, job)
     schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
     found: list[Candidate] = []
     subsets = _subsets(list(cluster.devices))
-    keep: set[str] | None = None
+    keep: set[tuple[str, str]] | None = None
     if focus is not None and len(cluster.devices) > 64:
         label, subset = subsets[0]
         ranked = []
         for structure in structures(cluster, subset, planner.arr, planner.micro):
-            cand = planner.plan_structure(
-                Structure(f"{label}/{structure.label}", structure.groups), schedules[0])
-            if cand is not None:
-                found.append(cand)
-                ranked.append((cand.iteration_s, structure.label))
-        keep = {name for _, name in sorted(ranked)[:focus]}
-    for index, (label, subset) in enumerate(subsets):
-        for structure in structures(cluster, subset, planner.arr, planner.micro):
-            if keep is not None and structure.label not in keep:
-                continue
             for schedule in schedules:
-                if keep is not None and index == 0 and schedule == schedules[0]:
-                    continue  # done while ranking
+                cand = planner.plan_structure(
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule)
+                if cand is not None:
+                    found.append(cand)
+                    ranked.append((cand.iteration_s, structure.label, schedule))
+        keep = {(name, schedule) for _, name, schedule in sorted(ranked)[:focus]}
+        subsets = subsets[1:]
+    for label, subset in subsets:
+        for structure in structures(cluster, subset, planner.arr, planner.micro):
+            for schedule in schedules:
+                if keep is not None and (structure.label, schedule) not in keep:
+                    continue
                 cand = planner.plan_structure(
                     Structure(f"{label}/{structure.label}", structure.groups), schedule
                 )
