@@ -55,6 +55,7 @@ from typing import Any, Protocol
 
 from . import serde
 from .candidates import Candidate, plan_costs
+from .elastic import surviving_plan
 from .errors import InfeasibleError, ValidationError
 from .refmodel import evaluate
 from .switching import SwitchCost, switch_cost
@@ -65,7 +66,7 @@ __all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "Pr
 
 #: Policies one controller can run (``lyapunov`` is the product; the rest are
 #: the simulator's comparison points).
-POLICIES = ("lyapunov", "fastest", "budget-greedy", "static")
+POLICIES = ("lyapunov", "fastest", "budget-greedy", "static", "static-replan")
 
 #: The tentative search: cluster, model, job -> scored candidate plans.
 SearchFn = Callable[[Cluster, Model, Job], Sequence[Candidate]]
@@ -114,7 +115,13 @@ class ControllerConfig:
     """One of :data:`POLICIES`: ``lyapunov`` minimises ``V*T + sum Q*c``;
     ``fastest`` ignores budgets; ``budget-greedy`` takes the fastest candidate
     whose cost rates fit the budgets this slot; ``static`` plans once like
-    budget-greedy and keeps that plan until one of its devices goes down."""
+    budget-greedy and keeps that plan: while devices of it are down, the
+    groups that lost one stop and the others take their samples
+    (:mod:`hetpilot.planner.elastic`), and they rejoin when the devices return;
+    only when no group survives does it re-plan (and keep that plan).
+    ``static-replan`` is the kinder reading: it re-plans from scratch on the
+    devices that are up as soon as one of its plan's devices goes down, and
+    keeps the new plan after the device returns."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.slot_s) and self.slot_s > 0):
@@ -167,9 +174,13 @@ class _Pending:
 
 
 def _default_search(cluster: Cluster, model: Model, job: Job) -> Sequence[Candidate]:
-    from .search import candidate_plans  # the planner's tentative search
+    """The planner's tentative search. On clusters of more than 64 devices the
+    speed-tier subsets are searched for the 3 best (structure, schedule)
+    pairs only (``focus``); every structure is still tried on all devices,
+    and the cost-aware subsets supply the cheaper candidates."""
+    from .search import candidate_plans
 
-    return candidate_plans(cluster, model, job)
+    return candidate_plans(cluster, model, job, focus=3)
 
 
 def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
@@ -216,6 +227,7 @@ class Controller:
         self._V = _check_v(job.V, "job.V")
         self._queues: dict[str, float] = {k: 0.0 for k in self._budgets}
         self._plan: Plan | None = None
+        self._origin: Plan | None = None  # policy static: the plan chosen once
         self._version = 0
         self._slot = 0
         self._pending: _Pending | None = None
@@ -269,14 +281,19 @@ class Controller:
             self._gate.observe(observed)
             self._gate.held.clear()
         job = replace(self.job, budgets=dict(self._budgets), V=self._V)
-        found = self._candidates(observed, job)
         running, why_not = self._running_candidate(observed)
+        keeps = self.config.policy in ("static", "static-replan") and running is not None
+        found = [] if keeps else self._candidates(observed, job)  # nothing to choose
         pool = [c for c in found if running is None or c.plan != running.plan]
         if running is None and not pool:
             raise InfeasibleError("no plan fits the observed cluster's memory")
         warnings = self._budget_warnings(pool + ([running] if running else []))
         chosen, switch = self._choose(observed, running, pool, queues)
-        switched = running is None or chosen is not running
+        switched = running is None or chosen is not running or chosen.plan != self._plan
+        if switched and running is not None and chosen is running:  # static: groups left or rejoined
+            switch = switch_cost(observed, self.model, self._plan, chosen.plan)
+        if self.config.policy == "static" and (self._origin is None or running is None):
+            self._origin = chosen.plan
         if switched:
             self._version += 1
         if why_not:
@@ -323,6 +340,7 @@ class Controller:
             "slot": self._slot,
             "version": self._version,
             "plan": None if self._plan is None else serde.plan_to_dict(self._plan),
+            "origin": None if self._origin is None else serde.plan_to_dict(self._origin),
             "queues": dict(self._queues),
             "budgets": dict(self._budgets),
             "V": self._V,
@@ -359,6 +377,8 @@ class Controller:
         ctl._version = _count(state, "version")
         raw_plan = state.get("plan")
         ctl._plan = None if raw_plan is None else serde.plan_from_dict(raw_plan, "state.plan")
+        raw_origin = state.get("origin")
+        ctl._origin = None if raw_origin is None else serde.plan_from_dict(raw_origin, "state.origin")
         raw_pending = state.get("pending")
         if raw_pending is not None:
             if not isinstance(raw_pending, Mapping):
@@ -421,6 +441,8 @@ class Controller:
         plan = self._plan
         if plan is None:
             return None, None
+        if self.config.policy == "static" and self._origin is not None:
+            return self._static_candidate(observed)
         missing = [d for d in plan.devices if d not in observed.by_id]
         if missing:
             return None, f"plan v{self._version} uses devices no longer present ({', '.join(missing[:4])}); re-planned"
@@ -428,6 +450,25 @@ class Controller:
         if not ev.valid or ev.iteration_s is None:
             return None, f"plan v{self._version} is no longer valid ({ev.error}); re-planned"
         return Candidate(plan, ev.iteration_s, plan_costs(observed, plan), "running"), None
+
+    def _static_candidate(self, observed: Cluster) -> tuple[Candidate | None, str | None]:
+        """The plan chosen once, less the groups that lost a device (see :mod:`.elastic`)."""
+        assert self._origin is not None
+        plan = surviving_plan(self._origin, observed, self.model, self.job.global_batch)
+        if plan is None:
+            return None, (f"static: no group of the plan chosen once can run on the devices "
+                          f"that are up; re-planned (plan v{self._version + 1} is kept from now on)")
+        ev = evaluate(observed, self.model, plan, self.job.global_batch)
+        if not ev.valid or ev.iteration_s is None:
+            return None, f"static: the plan chosen once is no longer valid ({ev.error}); re-planned"
+        why = None
+        if plan != self._plan:
+            kept = len(plan.groups)
+            why = (f"static: {len(self._origin.groups) - kept} group(s) of the plan chosen once "
+                   f"wait for down devices; the other {kept} take their samples"
+                   if plan is not self._origin else
+                   "static: every device of the plan chosen once is up; its groups rejoin")
+        return Candidate(plan, ev.iteration_s, plan_costs(observed, plan), "running"), why
 
     def _fits(self, cand: Candidate) -> bool:
         return all(cand.costs.get(k, 0.0) <= b * (1 + 1e-9) for k, b in self._budgets.items())
@@ -457,9 +498,9 @@ class Controller:
     ) -> tuple[Candidate, SwitchCost]:
         policy = self.config.policy
         no_switch = SwitchCost(0.0, 0.0)
-        if policy == "static" and running is not None:
+        if policy in ("static", "static-replan") and running is not None:
             return running, no_switch
-        if policy in ("budget-greedy", "static") and self._budgets:
+        if policy in ("budget-greedy", "static", "static-replan") and self._budgets:
             everyone = pool + ([running] if running else [])
             fitting = [c for c in everyone if self._fits(c)]
             if not fitting:  # nothing fits: the least over budget, relative to each budget

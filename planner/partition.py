@@ -289,8 +289,14 @@ def partition_group(
     schedule: str,
     *,
     refine_steps: int | None = None,
+    always_proxy: bool = False,
 ) -> GroupCut | None:
-    """Best cut found for ``devices`` (stage order), or None if nothing fits."""
+    """Best cut found for ``devices`` (stage order), or None if nothing fits.
+
+    ``always_proxy`` ranks cuts by the closed-form proxy whatever M is (the
+    planner sets it on big clusters, where thousands of groups are cut per
+    search and an exact simulation per hill-climbing step is too slow); the
+    DP's cut and the refined cut are still compared exactly."""
     n_stages = len(devices)
     n_layers = arr.num_layers
     if n_stages > n_layers:
@@ -309,7 +315,7 @@ def partition_group(
     # small cases are where the planner is held to the brute-force optimum). Steady
     # state (M >= 2S + 4): rank by the closed-form proxy, then keep whichever of the
     # DP's cut and the refined cut simulates faster.
-    proxy = microbatches >= 2 * n_stages + 4
+    proxy = always_proxy or microbatches >= 2 * n_stages + 4
     best: GroupCut | None = None
     seen: set[tuple[int, ...]] = set()
     for factor in _THRESHOLDS:

@@ -45,6 +45,23 @@ def warmup_order(warmup: int, microbatches: int) -> tuple[Op, ...]:
 
 def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[Op, ...]:
     """Parse and check a custom order: each Fk and Bk once, k < M, Fk before Bk."""
+    found = _valid_order(ops, microbatches)
+    if found is not None:
+        return found
+    return _check_order(ops, microbatches, field)  # raises, naming the field
+
+
+@lru_cache(maxsize=16384)
+def _valid_order(ops: tuple[str, ...], microbatches: int) -> tuple[Op, ...] | None:
+    """The parsed order if it is valid, else None (memoised: the planner scores the
+    same orders on many groups and candidates)."""
+    try:
+        return _check_order(ops, microbatches, "")
+    except (InvalidPlanError, ValueError, IndexError):
+        return None
+
+
+def _check_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[Op, ...]:
     parsed: list[Op] = []
     seen: set[Op] = set()
     for i, text in enumerate(ops):
@@ -73,6 +90,7 @@ def format_order(ops: tuple[Op, ...]) -> tuple[str, ...]:
     return tuple(f"{'B' if b else 'F'}{k}" for b, k in ops)
 
 
+@lru_cache(maxsize=16384)
 def inflight(ops: tuple[Op, ...]) -> int:
     """Most forwards run on a stage without their backward (spec 5.4)."""
     live = peak = 0

@@ -48,6 +48,7 @@ from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 __all__ = ["Structure", "candidate_plans", "make_plan", "structures"]
 
 _EXHAUSTIVE_DEVICES = 6
+_BIG = 64  # above this many devices the search narrows (see candidate_plans, Planner.cut)
 _BUILTIN = ("1f1b", "gpipe")
 
 
@@ -199,26 +200,32 @@ class Planner:
         self.micro = job.microbatch_size
         self.total = job.microbatches
         self._key = (_model_token(model), self.micro)
+        self._big = len(cluster.devices) > _BIG  # rank cuts by the proxy only
         self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
+        self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...]]] = {}
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
         return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
 
     def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
         """What a group's cut and makespan depend on: speeds, memory, links in order."""
+        held = self._by_object.get(id(devs))
+        if held is not None and held[0] is devs:  # the same group object: the common case
+            return held[1]
         ids = tuple(d.id for d in devs)
         found = self._signatures.get(ids)
         if found is None:
             found = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
             self._signatures[ids] = found
+        self._by_object[id(devs)] = (devs, found)  # holding devs keeps its id unique
         return found
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)
         return _CUTS.get(
-            (self._key, sig, microbatches, schedule),
+            (self._key, sig, microbatches, schedule, self._big),
             lambda: partition_group(self.arr, devs, sig[1], self.micro,  # type: ignore[arg-type]
-                                    microbatches, schedule),
+                                    microbatches, schedule, always_proxy=self._big),
         )
 
     def at(self, devs: Sequence[Device], bounds: tuple[int, ...], microbatches: int,

@@ -9,11 +9,14 @@
   ``make_plan(policy=NAME)``, ignoring budgets, like a user who picks a
   layout and keeps it.
 
-Every static policy (``static`` and the baselines) keeps its plan until a
-device of that plan goes down; then it re-plans on the devices that are up
-(a down device never appears in a plan) and keeps the new plan, even after
-the device returns. That is the kindest reading of "plan once": without the
-fallback it could not run at all.
+Every static policy (``static`` and the baselines) keeps its plan as a job
+with torchelastic-style recovery would (:mod:`hetpilot.planner.elastic`):
+while devices of it are down, the groups that lost one stop and the others
+take their samples; the groups rejoin when the devices return. Only when no
+group survives does it re-plan on the devices that are up (a down device
+never appears in a plan) and keep that plan. ``static-replan`` is the
+kindest reading of "plan once": it re-plans from scratch on the devices that
+are up as soon as one of its devices goes down and keeps the new plan.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from typing import Protocol
 
 from hetpilot.planner.candidates import Candidate, plan_costs
 from hetpilot.planner.controller import Controller, ControllerConfig, Decision, SearchFn
+from hetpilot.planner.elastic import surviving_plan
 from hetpilot.planner.errors import InfeasibleError
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.switching import switch_cost
@@ -40,7 +44,7 @@ __all__ = [
     "make_policy",
 ]
 
-CONTROLLED = ("lyapunov", "static", "fastest", "budget-greedy")
+CONTROLLED = ("lyapunov", "static", "static-replan", "fastest", "budget-greedy")
 BASELINES = ("even-dp", "uniform-pp", "megatron", "balanced-homogeneous")
 POLICY_NAMES = CONTROLLED + BASELINES
 
@@ -103,7 +107,7 @@ class _Controlled:
 
 
 class _Baseline:
-    """A planner baseline planned once, re-planned only when a device is down."""
+    """A planner baseline planned once, kept through failures like ``static``."""
 
     def __init__(self, name: str, model: Model, job: Job, make_plan: MakePlanFn) -> None:
         self.name = name
@@ -111,21 +115,29 @@ class _Baseline:
         self.job = job
         self._make_plan = make_plan
         self._plan: Plan | None = None
+        self._origin: Plan | None = None
         self._version = 0
         self._slot = 0
 
     def decide(self, observed: Cluster, budgets: Mapping[str, float], V: float) -> Decision:
         old = self._plan
-        plan = old
+        plan = None
         warnings: tuple[str, ...] = ()
-        if plan is None or any(d not in observed.by_id for d in plan.devices):
+        if self._origin is not None:
+            plan = surviving_plan(self._origin, observed, self.model, self.job.global_batch)
+            if plan is not None and plan != old:
+                warnings = (f"{self.name}: groups with down devices wait; the others take "
+                            "their samples" if plan is not self._origin else
+                            f"{self.name}: every device is back; the groups rejoin",)
+        if plan is None:
             plan = self._make_plan(observed, self.model, self.job, policy=self.name)
-            if old is not None:
-                warnings = (f"{self.name}: a device of plan v{self._version} is down; re-planned",)
+            if self._origin is not None:
+                warnings = (f"{self.name}: no group of its plan can run; re-planned",)
+            self._origin = plan
         ev = evaluate(observed, self.model, plan, self.job.global_batch)
         if not ev.valid or ev.iteration_s is None:
             raise InfeasibleError(f"{self.name} plan is invalid: {ev.error}")
-        switched = plan is not old
+        switched = plan != old
         sw = switch_cost(observed, self.model, old, plan) if switched else None
         if switched:
             self._version += 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 import itertools
 import json
 from collections.abc import Sequence
+from dataclasses import replace
 
 import pytest
 from hetpilot.planner.candidates import Candidate, plan_costs
@@ -304,6 +305,40 @@ def test_static_keeps_its_plan_until_a_device_goes_down() -> None:
     gone = d0.plan.devices[0]
     d = ctl.step(_cluster().without({gone}))
     assert d.switched and gone not in d.plan.devices
+
+
+def _fast_links(**tflops: float) -> Cluster:
+    """Links so fast that the plan over all three devices is the fastest."""
+    return replace(_cluster(**tflops), network=Network(intra_host_gbps=1e4, inter_host_gbps=1e4,
+                                                       latency_us=0.0))
+
+
+def test_static_drops_the_groups_of_a_down_device_and_takes_them_back() -> None:
+    ctl = _ctl(policy="static")  # no budget: it picks the fastest plan, all three devices
+    d0 = ctl.step(_fast_links())
+    assert len(d0.plan.groups) == 3
+    d1 = ctl.step(_fast_links().without({"b:0"}))
+    assert d1.switched and d1.version == 2
+    kept = [g.stages for g in d0.plan.groups if g.stages[0].device != "b:0"]
+    assert [g.stages for g in d1.plan.groups] == kept  # nothing re-cut, nothing moved
+    assert d1.plan.global_batch == BATCH and d1.switch_cost_s == 0.0
+    assert any("wait for down devices" in w for w in d1.warnings)
+    assert ctl.step(_fast_links().without({"b:0"})).plan == d1.plan and ctl.version == 2
+    state = json.loads(json.dumps(ctl.to_state()))
+    resumed = Controller.from_state(MODEL, _job(), state, ControllerConfig(policy="static"),
+                                    search=subsets_search)
+    back = resumed.step(_fast_links())  # b returns: the plan chosen once, whole again
+    assert back.switched and back.plan == d0.plan and back.version == 3
+    assert back.switch_cost_s > 0.0  # b receives its layers again
+
+
+def test_static_replan_keeps_the_plan_it_re_planned() -> None:
+    ctl = _ctl(policy="static-replan")
+    d0 = ctl.step(_fast_links())
+    d1 = ctl.step(_fast_links().without({"b:0"}))
+    assert d1.switched and "b:0" not in d1.plan.devices
+    d2 = ctl.step(_fast_links())
+    assert not d2.switched and d2.plan == d1.plan != d0.plan
 
 
 def test_config_is_validated() -> None:
