@@ -15,7 +15,9 @@ speed at microbatch ``--at``.
   speeds once the gate admits it: the change is first seen one iteration
   after it starts and confirmed one iteration later (confirm_slots = 2);
 - hetpilot async: PipeDream 1F1B with weight stashing, no flush; the number
-  of stages is chosen by :func:`hetpilot.adapt.staleness.choose` with a
+  of stages and the cut come from the planner's staleness-aware objective
+  (:func:`hetpilot.planner.asyncplan.choose_by_time_to_accuracy`: estimated
+  time to accuracy over the fastest-first pipelines of 1-4 stages) with a
   staleness model fitted here from measured runs (sequential PipeDream
   replays with 1, 2, 3, 4 stages, microbatches to the target accuracy).
 
@@ -32,7 +34,9 @@ import time
 
 import numpy as np
 import torch
-from hetpilot.adapt.staleness import choose, fit, mean_staleness
+from hetpilot.adapt.staleness import fit, mean_staleness
+from hetpilot.planner.asyncplan import choose_by_time_to_accuracy, cut_points
+from hetpilot.planner.types import Cluster, Device, Job, Layer, Model, Network
 from hetpilot.trainer._ttafns import LAYERS, Speeds, digits_mlp
 from hetpilot.trainer.async_pipeline import Phase, PipeConfig, run_local
 from torch import nn
@@ -73,6 +77,23 @@ def _cuts(speeds: list[float]) -> tuple[int, ...]:
             if opts:
                 best[(r, a)] = min(opts)
     return (0, *best[(0, 0)][1])
+
+
+def _as_planner_input(speeds: list[float], microbatch: int, per_iteration: int,
+                      unit_s: float) -> tuple[Cluster, Model, Job]:
+    """The EMULATED ranks as the planner sees them: rank r is device ``r{r}`` with
+    ``speeds[r]`` TFLOP/s; a layer's forward takes ``unit_s / speed`` per microbatch and
+    its backward twice that; loopback transfers of a 32 x 128 float32 activation."""
+    gflop = unit_s * 1000.0 / microbatch  # per sample, so that micro x gflop / (1000 x tflops) = unit_s
+    devices = tuple(Device(id=f"r{r}", host="local", tflops=sp, memory_gb=16.0)
+                    for r, sp in enumerate(speeds))
+    cluster = Cluster(devices=devices, network=Network(intra_host_gbps=10.0, inter_host_gbps=10.0,
+                                                       latency_us=50.0))
+    act_mb = 128 * 4 / 1e6
+    layers = tuple(Layer(name=f"l{i}", fwd_gflop=gflop, bwd_gflop=2 * gflop, out_mb=act_mb,
+                         act_mb=act_mb, param_mb=0.07) for i in range(LAYERS))
+    job = Job(global_batch=microbatch * per_iteration, microbatch_size=microbatch, schedules=("1f1b",))
+    return cluster, Model(name="digits-mlp", layers=layers), job
 
 
 def _curve(results: list[dict], xt: torch.Tensor, yt: torch.Tensor) -> list[tuple[float, float]]:
@@ -146,20 +167,19 @@ def main() -> None:
                 for S in (1, 2, 3, 4)}
     model = fit([mean_staleness(S) for S in measured], [measured[S] for S in measured])
     fit_s = time.perf_counter() - t0
-    # async candidates: S fastest-first ranks, per-microbatch bottleneck (quiet speeds)
-    cands = []
-    for S in (1, 2, 3, 4):
-        c = _cuts(base[:S])
-        per_mb = max((c[r + 1] - c[r]) / base[r] for r in range(S)) * 3 * a.unit_ms / 1000
-        cands.append((S, per_mb * a.per_iteration, True))
-    S_async = cands[choose(model, cands)][0]
+    # async: the planner's staleness-aware objective picks the stages and the cut
+    choices = choose_by_time_to_accuracy(*_as_planner_input(base, a.microbatch, a.per_iteration,
+                                                            a.unit_ms / 1000), model,
+                                         synchronous=False)
+    best = choices[0]
+    S_async, async_cuts = best.stages, tuple(cut_points(best.plan))
     runs = {}
     for name, world, cfg in [
         ("static sync", 4, PipeConfig(phases=[Phase(0, quiet)], flush=True, **sync)),
         ("hetpilot sync (re-plan)", 4, PipeConfig(
             phases=[Phase(0, quiet), Phase(replan_at, hit_cuts)], flush=True, **sync)),
         (f"hetpilot async ({S_async} stages)", S_async, PipeConfig(
-            phases=[Phase(0, _cuts(base[:S_async]))], flush=False, **common)),
+            phases=[Phase(0, async_cuts)], flush=False, **common)),
     ]:
         res = run_local(world, cfg, timeout_s=600)
         curve = _curve(res, xt, yt)
@@ -174,7 +194,9 @@ def main() -> None:
                "cuts": {"quiet": quiet, "after_replan": hit_cuts, "replan_at_microbatch": replan_at},
                "staleness": {"measured_microbatches_to_target": measured, "I0": round(model.I0, 1),
                              "alpha": round(model.alpha, 3), "fit_s": round(fit_s, 1),
-                             "chosen_stages": S_async},
+                             "chosen_stages": S_async, "chosen_cut": async_cuts,
+                             "estimated_tta_s": {f"{c.stages} stages": round(c.tta_s, 3)
+                                                 for c in sorted(choices, key=lambda c: c.stages)}},
                "runs": {k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()},
                "speedup_vs_static": {k: (None if v["tta_s"] is None or base_tta is None
                                          else round(base_tta / v["tta_s"], 2))
