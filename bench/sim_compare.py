@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from hetpilot.planner.search import candidate_plans
+from hetpilot.planner.controller import planner_search
 from hetpilot.sim.engine import simulate, summarize
 from hetpilot.sim.policies import CachedSearch
 from hetpilot.sim.scenario import Timeline, load_scenario
@@ -31,7 +31,7 @@ def main() -> None:
     args = ap.parse_args()
     sc = load_scenario(args.scenario)
     tl = Timeline(sc, args.slots)
-    search = CachedSearch(candidate_plans, size=256)
+    search = CachedSearch(planner_search, size=256)
     rows = []
     for name in args.policies.split(","):
         t0 = time.perf_counter()

@@ -61,12 +61,15 @@ from .refmodel import evaluate
 from .switching import SwitchCost, switch_cost
 from .types import COST_KINDS, Cluster, Job, Model, Plan
 
-__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "PredictFn",
-           "SearchFn"]
+__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "PlannerSearch",
+           "PredictFn", "SearchFn", "planner_search"]
 
 #: Policies one controller can run (``lyapunov`` is the product; the rest are
 #: the simulator's comparison points).
 POLICIES = ("lyapunov", "fastest", "budget-greedy", "static", "static-replan")
+
+#: Above this many devices the cost-aware subsets are searched narrowly (see PlannerSearch).
+_BIG_CLUSTER = 64
 
 #: The tentative search: cluster, model, job -> scored candidate plans.
 SearchFn = Callable[[Cluster, Model, Job], Sequence[Candidate]]
@@ -173,14 +176,27 @@ class _Pending:
     costs: Mapping[str, float]
 
 
-def _default_search(cluster: Cluster, model: Model, job: Job) -> Sequence[Candidate]:
-    """The planner's tentative search. On clusters of more than 64 devices the
-    speed-tier subsets are searched for the 3 best (structure, schedule)
-    pairs only (``focus``); every structure is still tried on all devices,
-    and the cost-aware subsets supply the cheaper candidates."""
-    from .search import candidate_plans
+class PlannerSearch:
+    """The planner's tentative search, the controller's default :data:`SearchFn`.
 
-    return candidate_plans(cluster, model, job, focus=3)
+    On clusters of more than 64 devices it searches the speed-tier subsets for
+    the 3 best (structure, schedule) pairs only (``focus``), and accepts
+    ``pairs=`` (``narrowable``): the controller then searches its cost-aware
+    subsets with the pairs that were best on the whole cluster instead of
+    repeating the whole search on each.
+    """
+
+    narrowable = True
+
+    def __call__(self, cluster: Cluster, model: Model, job: Job, *,
+                 pairs: Sequence[tuple[str, str]] | None = None) -> Sequence[Candidate]:
+        from .search import candidate_plans
+
+        return candidate_plans(cluster, model, job, focus=3, pairs=pairs)
+
+
+#: The default search, shared: the planner's memo of cuts is process-wide anyway.
+planner_search = PlannerSearch()
 
 
 def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
@@ -220,7 +236,7 @@ class Controller:
         self.model = model
         self.job = job
         self.config = config or ControllerConfig()
-        self._search = search or _default_search
+        self._search = search or planner_search
         self._predict = predict
         self._gate = gate
         self._budgets = _check_budgets(job.budgets, "job.budgets")
@@ -427,9 +443,19 @@ class Controller:
         subsets: list[Cluster] = [observed]
         if self.config.cost_subsets and self._budgets and self.config.policy != "fastest":
             subsets.extend(_cost_subsets(observed, self._budgets))
+        pairs: list[tuple[str, str]] | None = None
         for cluster in subsets:
             try:
-                for cand in self._search(cluster, self.model, job):
+                if pairs:  # a big cluster's cost-aware subset: the best structures only
+                    searched = self._search(cluster, self.model, job, pairs=pairs)  # type: ignore[call-arg]
+                else:
+                    searched = self._search(cluster, self.model, job)
+                if (cluster is observed and len(observed.devices) > _BIG_CLUSTER
+                        and getattr(self._search, "narrowable", False)):
+                    from .search import structure_pairs
+
+                    pairs = structure_pairs(searched, 3)
+                for cand in searched:
                     if cluster is not observed:
                         cand = replace(cand, label=f"cost-{len(observed.devices) - len(cluster.devices)}/{cand.label}")
                     found.append(cand)

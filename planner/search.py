@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -45,7 +46,7 @@ from .refmodel import evaluate, group_makespan, group_op_times, sync_time, valid
 from .schedules import format_order, warmup_order
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
-__all__ = ["Structure", "candidate_plans", "make_plan", "structures"]
+__all__ = ["Structure", "candidate_plans", "clear_memos", "make_plan", "structure_pairs", "structures"]
 
 _EXHAUSTIVE_DEVICES = 6
 _BIG = 64  # above this many devices the search narrows (see candidate_plans, Planner.cut)
@@ -187,6 +188,17 @@ class _Memo:
 
 _CUTS = _Memo(20_000)
 _EVALS = _Memo(100_000)
+
+
+def clear_memos() -> None:
+    """Forget every memoised cut and makespan (benchmarks that time cold searches)."""
+    from .partition import _regime
+    from .refmodel import _cached_makespan
+
+    _CUTS.data.clear()
+    _EVALS.data.clear()
+    _regime.cache_clear()
+    _cached_makespan.cache_clear()
 
 
 class Planner:
@@ -421,10 +433,14 @@ def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
                 out.append((f"subset{k}", list(combo)))
         return out
     out = [("all", list(devices))]
-    if n > 64:  # big clusters: drop whole speed tiers, slowest first
-        tiers = sorted({d.tflops for d in devices})
+    if n > 64:  # big clusters: without stragglers, then drop whole speed tiers, slowest first
+        slow = _stragglers(devices)
+        kept = [d for d in devices if d.id not in slow]
+        if slow:
+            out.append((f"drop{len(slow)}slow", kept))
+        tiers = sorted({d.tflops for d in kept})
         for t in tiers[:-1]:
-            out.append((f"above{t:g}", [d for d in devices if d.tflops > t]))
+            out.append((f"above{t:g}", [d for d in kept if d.tflops > t]))
         return out
     slow_first = sorted(devices, key=lambda d: (d.tflops, d.id))
     k = 1
@@ -435,8 +451,20 @@ def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
     return out
 
 
+def _stragglers(devices: Sequence[Device]) -> set[str]:
+    """Devices at less than half the median speed of their host (a co-located job,
+    throttling): on a big cluster they are dropped as one subset rather than each
+    slowed speed becoming a tier of its own."""
+    by_host: dict[str, list[float]] = {}
+    for d in devices:
+        by_host.setdefault(d.host, []).append(d.tflops)
+    median = {h: statistics.median(v) for h, v in by_host.items()}
+    return {d.id for d in devices if d.tflops < 0.5 * median[d.host]}
+
+
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
-                    focus: int | None = None) -> list[Candidate]:
+                    focus: int | None = None,
+                    pairs: Collection[tuple[str, str]] | None = None) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Every candidate is valid under the reference model. The list is what the
@@ -445,15 +473,24 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     ``focus=k`` (used by :func:`make_plan` on clusters of more than 64 devices,
     where only the fastest plan matters): rank every (structure, schedule)
     pair on all devices, then try the device subsets only for the k best
-    pairs. The controller leaves it off: it
-    needs the slower, cheaper candidates too.
+    pairs. The controller uses it too on big clusters: every structure is
+    still tried on all devices, and its cost-aware subsets supply the
+    cheaper candidates.
+
+    ``pairs`` (the controller's cost-aware subsets of a big cluster): only
+    these (structure, schedule) pairs, on all devices of ``cluster``; no
+    device subsets and no baselines. :func:`structure_pairs` reads them off
+    candidates.
     """
     planner = Planner(cluster, model, job)
     schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
     found: list[Candidate] = []
     subsets = _subsets(list(cluster.devices))
     keep: set[tuple[str, str]] | None = None
-    if focus is not None and len(cluster.devices) > 64:
+    if pairs is not None:
+        keep = set(pairs)
+        subsets = subsets[:1]
+    elif focus is not None and len(cluster.devices) > 64:
         label, subset = subsets[0]
         ranked = []
         for structure in structures(cluster, subset, planner.arr, planner.micro):
@@ -477,7 +514,7 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     found.append(cand)
     from .baselines import BASELINES
 
-    for name, baseline in BASELINES.items():
+    for name, baseline in BASELINES.items() if pairs is None else ():
         try:
             plan = baseline(cluster, model, job)
         except InfeasibleError:
@@ -489,6 +526,24 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
         best = min(found, key=lambda c: c.iteration_s)
         found.extend(planner.eager_variants(best))
     return found
+
+
+def structure_pairs(found: Sequence[Candidate], k: int) -> list[tuple[str, str]]:
+    """The (structure, schedule) pairs of the k fastest planner candidates (labels
+    ``subset/structure[+eagerN]``; baselines are skipped; an eager variant counts as
+    its 1f1b structure)."""
+    out: list[tuple[str, str]] = []
+    for cand in sorted(found, key=lambda c: c.iteration_s):
+        subset, _, rest = cand.label.partition("/")
+        if not rest or subset == "baseline":
+            continue
+        structure, eager, _ = rest.partition("+eager")
+        pair = (structure, "1f1b" if eager else cand.plan.schedule)
+        if pair not in out:
+            out.append(pair)
+        if len(out) == k:
+            break
+    return out
 
 
 def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpilot") -> Plan:

@@ -96,9 +96,9 @@ def _run(args: argparse.Namespace) -> int:
         scenario = load_scenario(args.scenario)
     except ValidationError as exc:
         return _fail(str(exc), 2)
-    from hetpilot.planner.search import candidate_plans
+    from hetpilot.planner.controller import planner_search
 
-    search = CachedSearch(candidate_plans)
+    search = CachedSearch(planner_search)
     timeline = Timeline(scenario, args.slots)
     if sweep:
         return _sweep(scenario, timeline, policies[0], sweep, search, args)

@@ -74,17 +74,22 @@ class CachedSearch:
         self._search = search
         self._size = size
         self._cache: OrderedDict[tuple[object, ...], tuple[Cluster, list[Candidate]]] = OrderedDict()
+        self.narrowable = bool(getattr(search, "narrowable", False))
+        """Passes ``pairs=`` through, like the search it wraps (see PlannerSearch)."""
 
-    def __call__(self, cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+    def __call__(self, cluster: Cluster, model: Model, job: Job, *,
+                 pairs: Sequence[tuple[str, str]] | None = None) -> list[Candidate]:
         bare = Cluster(devices=tuple(replace(d, price_per_hour=0.0, power_watts=0.0)
                                      for d in cluster.devices), network=cluster.network)
-        key = (bare, id(model), job.global_batch, job.microbatch_size, job.schedules)
+        key = (bare, id(model), job.global_batch, job.microbatch_size, job.schedules,
+               None if pairs is None else tuple(pairs))
         hit = self._cache.get(key)
         if hit is not None:
             self._cache.move_to_end(key)
             source, found = hit
         else:
-            source, found = cluster, list(self._search(cluster, model, job))
+            extra = {} if pairs is None else {"pairs": pairs}
+            source, found = cluster, list(self._search(cluster, model, job, **extra))  # type: ignore[call-arg]
             self._cache[key] = (cluster, found)
             if len(self._cache) > self._size:
                 self._cache.popitem(last=False)

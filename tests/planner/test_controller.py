@@ -381,3 +381,49 @@ def test_switch_cost_reads_the_checkpoint_when_holders_are_down() -> None:
     assert dead.seconds == pytest.approx(400.0 * 8 / (1000 * 10.0))
     assert layer_owners(new) == {"b:0": {0}, "c:0": {1}}
     assert CHECKPOINT.startswith("<")
+
+
+# -- big clusters: cost-aware subsets searched narrowly -------------------------------
+
+class _RecordingSearch:
+    """A fake search that says which (cluster size, pairs) it was asked for."""
+
+    def __init__(self, narrowable: bool) -> None:
+        self.narrowable = narrowable
+        self.calls: list[tuple[int, object]] = []
+
+    def __call__(self, cluster: Cluster, model: Model, job: Job, *,
+                 pairs: object = None) -> list[Candidate]:
+        self.calls.append((len(cluster.devices), pairs))
+        plan = _dp([cluster.devices[0].id])
+        return [Candidate(plan, 1.0, plan_costs(cluster, plan), "all/host"),
+                Candidate(plan, 2.0, plan_costs(cluster, plan), "baseline/even-dp")]
+
+
+def _big(n: int = 80) -> Cluster:
+    return Cluster(devices=tuple(Device(id=f"h{i // 8}:{i % 8}", host=f"h{i // 8}", tflops=100.0,
+                                        memory_gb=80.0, price_per_hour=1.0 + (i % 3))
+                                 for i in range(n)),
+                   network=Network(intra_host_gbps=100.0, inter_host_gbps=10.0, latency_us=5.0))
+
+
+@pytest.mark.parametrize("narrowable", [True, False])
+def test_big_cluster_cost_subsets_reuse_the_best_structures(narrowable: bool) -> None:
+    search = _RecordingSearch(narrowable)
+    Controller(MODEL, _job(budget=50.0), search=search).step(_big())
+    assert search.calls[0] == (80, None)
+    subsets = search.calls[1:]
+    assert len(subsets) == 5 and all(n < 80 for n, _ in subsets)
+    expected = [("host", "1f1b")] if narrowable else None
+    assert all(p == expected for _, p in subsets)
+
+
+def test_structure_pairs_reads_planner_labels() -> None:
+    from hetpilot.planner.search import structure_pairs
+
+    plan = _dp(["a:0"])
+    custom = replace(plan, schedule="custom")
+    found = [Candidate(plan, 3.0, {}, "all/dp"), Candidate(custom, 1.0, {}, "above35/host+eager2"),
+             Candidate(plan, 0.5, {}, "baseline/megatron"), Candidate(plan, 2.0, {}, "all/host")]
+    assert structure_pairs(found, 3) == [("host", "1f1b"), ("dp", "1f1b")]
+    assert structure_pairs(found, 1) == [("host", "1f1b")]

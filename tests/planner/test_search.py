@@ -173,3 +173,14 @@ def test_planner_does_not_import_torch_or_grpc() -> None:
             "bad = [m for m in ('torch', 'grpc') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_pairs_restrict_the_search_to_those_structures_on_all_devices() -> None:
+    cluster = catalog.make_cluster([("A100", 4), ("V100", 4)])
+    model = catalog.MODELS["gpt2-small"]()
+    job = Job(global_batch=64, microbatch_size=4, schedules=("1f1b", "gpipe"))
+    every = candidate_plans(cluster, model, job)
+    only = candidate_plans(cluster, model, job, pairs=[("host", "gpipe")])
+    assert only and {c.label for c in only} == {"all/host"}
+    assert all(c.plan.schedule == "gpipe" and len(c.plan.devices) == 8 for c in only)
+    assert any(c.label.startswith("baseline/") for c in every)
