@@ -19,7 +19,11 @@ speed at microbatch ``--at``.
   (:func:`hetpilot.planner.asyncplan.choose_by_time_to_accuracy`: estimated
   time to accuracy over the fastest-first pipelines of 1-4 stages) with a
   staleness model fitted here from measured runs (sequential PipeDream
-  replays with 1, 2, 3, 4 stages, microbatches to the target accuracy).
+  replays with 1, 2, 3, 4 stages, microbatches to the target accuracy);
+- hetpilot async, re-cut: the same, and the planner re-cuts the same ranks for
+  the slowed speeds (:func:`hetpilot.planner.asyncplan.pipeline_cut`) at the
+  microbatch where the gate admits the synchronous re-plan; the pipeline
+  drains there, the layers move, and streaming resumes.
 
 Accuracy is measured after each run on snapshots of the weights (test
 split, 20%), so evaluation is not in the timed path. Writes a JSON summary
@@ -35,7 +39,7 @@ import time
 import numpy as np
 import torch
 from hetpilot.adapt.staleness import fit, mean_staleness
-from hetpilot.planner.asyncplan import choose_by_time_to_accuracy, cut_points
+from hetpilot.planner.asyncplan import choose_by_time_to_accuracy, cut_points, pipeline_cut
 from hetpilot.planner.types import Cluster, Device, Job, Layer, Model, Network
 from hetpilot.trainer._ttafns import LAYERS, Speeds, digits_mlp
 from hetpilot.trainer.async_pipeline import Phase, PipeConfig, run_local
@@ -173,6 +177,12 @@ def main() -> None:
                                          synchronous=False)
     best = choices[0]
     S_async, async_cuts = best.stages, tuple(cut_points(best.plan))
+    # ... and re-cuts the same ranks for the slowed speeds, admitted by the gate at the
+    # same point as the synchronous re-plan (the pipeline drains there)
+    slowed_cluster, dmodel, djob = _as_planner_input(slowed, a.microbatch, a.per_iteration,
+                                                    a.unit_ms / 1000)
+    recut = pipeline_cut(slowed_cluster, dmodel, djob, [f"r{r}" for r in range(S_async)])
+    async_hit_cuts = tuple(cut_points(recut)) if recut is not None else async_cuts
     runs = {}
     for name, world, cfg in [
         ("static sync", 4, PipeConfig(phases=[Phase(0, quiet)], flush=True, **sync)),
@@ -180,6 +190,8 @@ def main() -> None:
             phases=[Phase(0, quiet), Phase(replan_at, hit_cuts)], flush=True, **sync)),
         (f"hetpilot async ({S_async} stages)", S_async, PipeConfig(
             phases=[Phase(0, async_cuts)], flush=False, **common)),
+        (f"hetpilot async ({S_async} stages), re-cut", S_async, PipeConfig(
+            phases=[Phase(0, async_cuts), Phase(replan_at, async_hit_cuts)], flush=False, **common)),
     ]:
         res = run_local(world, cfg, timeout_s=600)
         curve = _curve(res, xt, yt)
@@ -195,6 +207,7 @@ def main() -> None:
                "staleness": {"measured_microbatches_to_target": measured, "I0": round(model.I0, 1),
                              "alpha": round(model.alpha, 3), "fit_s": round(fit_s, 1),
                              "chosen_stages": S_async, "chosen_cut": async_cuts,
+                             "recut_after_interference": async_hit_cuts,
                              "estimated_tta_s": {f"{c.stages} stages": round(c.tta_s, 3)
                                                  for c in sorted(choices, key=lambda c: c.stages)}},
                "runs": {k: {kk: vv for kk, vv in v.items() if kk != "curve"} for k, v in runs.items()},

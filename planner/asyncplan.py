@@ -31,11 +31,12 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from .partition import partition_group
-from .refmodel import group_makespan
+from .refmodel import group_makespan, group_op_times
 from .search import Planner, candidate_plans
 from .types import Cluster, Group, Job, Model, Plan, Stage
 
-__all__ = ["AsyncChoice", "StepsModel", "choose_by_time_to_accuracy", "cut_points", "mean_staleness"]
+__all__ = ["AsyncChoice", "StepsModel", "choose_by_time_to_accuracy", "cut_points", "mean_staleness",
+           "pipeline_cut"]
 
 
 class StepsModel(Protocol):
@@ -74,23 +75,33 @@ def choose_by_time_to_accuracy(
             stages = max(len(g.stages) for g in cand.plan.groups)
             per_mb = cand.iteration_s / microbatches
             out.append(AsyncChoice(cand.plan, False, stages, per_mb, steps.iterations(0.0) * per_mb))
-    planner = Planner(cluster, model, job)
     ranked = sorted(cluster.devices, key=lambda d: (-d.tflops, d.id))
     limit = min(len(ranked), model.num_layers, max_stages or len(ranked))
     for n in range(1, limit + 1):
-        devs = ranked[:n]
-        links = planner.links(devs)
-        cut = partition_group(planner.arr, devs, links, job.microbatch_size, microbatches, "1f1b")
-        if cut is None:
+        plan = pipeline_cut(cluster, model, job, [d.id for d in ranked[:n]])
+        if plan is None:
             continue
-        period = (group_makespan(cut.times, "1f1b", 2 * microbatches)
-                  - group_makespan(cut.times, "1f1b", microbatches)) / microbatches
-        stages = tuple(Stage(device=d.id, layers=(cut.bounds[j], cut.bounds[j + 1]),
-                             recompute=cut.recompute[j]) for j, d in enumerate(devs))
-        plan = Plan(microbatch_size=job.microbatch_size, schedule="1f1b",
-                    groups=(Group(samples=job.global_batch, stages=stages),))
+        times = group_op_times(cluster, model, plan.groups[0], job.microbatch_size)
+        period = (group_makespan(times, "1f1b", 2 * microbatches)
+                  - group_makespan(times, "1f1b", microbatches)) / microbatches
         out.append(AsyncChoice(plan, True, n, period, steps.iterations(mean_staleness(n)) * period))
     return sorted(out, key=lambda c: (c.tta_s, c.asynchronous, c.stages))
+
+
+def pipeline_cut(cluster: Cluster, model: Model, job: Job, device_ids: Sequence[str]) -> Plan | None:
+    """One 1f1b pipeline over ``device_ids`` in that order (e.g. the ranks an
+    asynchronous run already has), cut by the planner; None if it does not fit.
+    This is the re-cut of a running pipeline when its devices' speeds change."""
+    planner = Planner(cluster, model, job)
+    devs = [cluster.by_id[d] for d in device_ids]
+    cut = partition_group(planner.arr, devs, planner.links(devs), job.microbatch_size,
+                          job.microbatches, "1f1b")
+    if cut is None:
+        return None
+    stages = tuple(Stage(device=d.id, layers=(cut.bounds[j], cut.bounds[j + 1]),
+                         recompute=cut.recompute[j]) for j, d in enumerate(devs))
+    return Plan(microbatch_size=job.microbatch_size, schedule="1f1b",
+                groups=(Group(samples=job.global_batch, stages=stages),))
 
 
 def cut_points(plan: Plan) -> Sequence[int]:

@@ -19,7 +19,9 @@ and a checksum at the forward and of the weights the backward used.
 ``[i*M, (i+1)*M)`` in 1F1B order, accumulates their gradients and steps once
 after the flush; between iterations the run may *re-cut* the stages (a
 :class:`Phase` list): every layer's parameters are broadcast from their old
-owner, so a re-cut costs a real transfer.
+owner, so a re-cut costs a real transfer. The asynchronous mode re-cuts the
+same way at a phase's first microbatch, after draining the pipeline there
+(the only flush it ever does).
 
 **EMULATED speeds**: ``unit_s`` and per-rank speed functions make each
 forward take ``layers * unit_s / speed`` and each backward twice that
@@ -228,8 +230,8 @@ def stage_main(rank: int, world: int, cfg: PipeConfig) -> dict[str, Any]:
     dist.barrier()
     t_start = time.perf_counter()
     recut_s = 0.0
+    cuts = phases[0].cuts
     if cfg.flush:
-        cuts = phases[0].cuts
         for it in range(cfg.microbatches // cfg.per_iteration):
             k0 = it * cfg.per_iteration
             want = [p for p in phases if p.start <= k0][-1].cuts
@@ -241,7 +243,18 @@ def stage_main(rank: int, world: int, cfg: PipeConfig) -> dict[str, Any]:
             _run_ops(st, _order(rank, world, cfg.per_iteration), k0, perm, 0, t_start)
             st.snaps.append((k0 + cfg.per_iteration, time.perf_counter() - t_start, _state(st)))
     else:
-        _run_ops(st, _order(rank, world, cfg.microbatches), 0, perm, 0, t_start)
+        # Asynchronous: stream microbatches with no flush, except at a re-cut, where
+        # the pipeline drains (every backward of the old cut done), the layers move,
+        # and streaming resumes; weight versions continue across it.
+        starts = sorted({0, *(p.start for p in phases if 0 < p.start < cfg.microbatches)})
+        for k0, k1 in zip(starts, [*starts[1:], cfg.microbatches], strict=True):
+            want = [p for p in phases if p.start <= k0][-1].cuts
+            if tuple(want) != tuple(cuts):
+                t0 = time.perf_counter()
+                _recut(st, cuts, want)
+                cuts = want
+                recut_s += time.perf_counter() - t0
+            _run_ops(st, _order(rank, world, k1 - k0), k0, perm, 0, t_start)
     dist.barrier()
     return {"rank": rank, "elapsed_s": time.perf_counter() - t_start, "log": st.log,
             "snaps": st.snaps, "recut_s": recut_s, "version": st.version}
