@@ -2,25 +2,46 @@
 
 ``python -m hetpilot.adapt.collect --out adapt/data/bootstrap.csv`` runs
 *episodes*. Each episode holds one interference configuration: ``n_matmul``
-worker processes multiplying float32 matrices and ``n_memory`` worker
-processes streaming a 32 MB array (memory-bound), each busy for ``duty`` of
-every 20 ms (numpy, one thread each). The configuration persists into the
-next episode with probability ``persist``, like load on a shared host. In
-each episode a few stages (small torch layer stacks: MLPs, convolutions,
-norm + activation) are measured, one row each:
+(0-2) worker processes multiplying float32 matrices and ``n_memory`` (0-1)
+worker processes streaming a 32 MB array (memory-bound), each busy for
+``duty`` (30-100%) of every 20 ms (numpy, one thread each). With this
+machine's 2 cores and our stage on one thread, that is at most 4 runnable
+processes of ours, so every stage still makes progress. The configuration
+persists into the next episode with probability ``persist``, like load on a
+shared host; the workers are started (and have set up their arrays) before
+the episode's first measurement.
 
-1. a probe window measures what an agent reports: CPU utilisation and
-   co-located load (from /proc/stat, our own CPU time taken out), runnable
-   processes (/proc/loadavg), memory in use (/proc/meminfo), the agent's
-   matmul probe (``agents.probes.cpu_matmul_tflops``) over its quiet value,
-   and loopback UDP round-trip time and jitter to an echo process;
-2. the stage then runs forward + backward (torch, one thread) and its time
-   per step is the median over repetitions.
+Each episode runs ``per_episode`` stages (small torch layer stacks: MLPs,
+convolutions, norm + activation; a new random choice per episode, as after a
+re-cut) for ``slots`` consecutive *slots*. In a slot, each stage runs forward
++ backward (torch, one thread) repeatedly for ``window`` seconds, and the
+row's target is its mean time per step over that window: what a trainer
+reports for a slot. One row per stage and slot.
 
-A stage's quiet time is the least time measured with no workers running;
-``slowdown = measured_s / quiet_s``. Nothing is emulated: the load is real
-processes and the stages are real torch ops (other work on the machine is
-part of the measurement, visible in the utilisation features).
+The features of a row are what the daemon has when it plans that slot:
+
+- agent statistics over the *previous* window: CPU utilisation and
+  co-located load (from /proc/stat, our own CPU time taken out), runnable
+  processes besides ours (/proc/loadavg, sampled every 0.1 s), memory in use
+  (/proc/meminfo), loopback UDP round-trip time and jitter to an echo process
+  (every 0.1 s), and the agent's matmul probe (``agents.probes.
+  cpu_matmul_tflops``, 0.1 s at the end of the window) over its quiet value.
+  The previous window is the previous slot, or, for an episode's first slot,
+  a 0.5 s agent window after the configuration was set up (the agent's report
+  that arrives between a change and the next slot; our stages do not run in
+  it, so utilisation is the co-located work alone);
+- the stage's workload (FLOPs, bytes, layer kinds);
+- history (trainer reports): the stage's slowdown in the previous slot, 0
+  if it did not run there (an episode's first slot with a stage the previous
+  episode did not run), and the device's mean slowdown in the previous slot.
+
+A stage's quiet time is the least time per step measured with no workers of
+ours running (a calibration of every stage at the start, then every quiet
+slot); ``slowdown = measured_s / quiet_s``, and the history features are
+computed with the same quiet times once the recording ends. Nothing is
+emulated: the load is real processes and the stages are real torch ops;
+other work on the machine is part of the measurement (visible in the
+utilisation features). No row is dropped.
 
 torch is imported inside the collection functions only.
 """
@@ -49,7 +70,7 @@ __all__ = ["collect", "main"]
 _PERIOD = 0.02
 
 
-def _worker(kind: str, duty: float, stop: Any) -> None:
+def _worker(kind: str, duty: float, stop: Any, ready: Any) -> None:
     import numpy as np
 
     if kind == "matmul":
@@ -62,6 +83,8 @@ def _worker(kind: str, duty: float, stop: Any) -> None:
 
         def work() -> None:
             np.add(buf, 1.0, out=buf)
+    work()
+    ready.put(kind)
     while not stop.is_set():
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < duty * _PERIOD:
@@ -88,10 +111,13 @@ class _Load:
     def __init__(self, ctx: Any, n_matmul: int, n_memory: int, duty: float) -> None:
         self.config = (n_matmul, n_memory, duty)
         self.stop = ctx.Event()
-        self.procs = [ctx.Process(target=_worker, args=(k, duty, self.stop), daemon=True)
+        ready = ctx.Queue()
+        self.procs = [ctx.Process(target=_worker, args=(k, duty, self.stop, ready), daemon=True)
                       for k in ["matmul"] * n_matmul + ["memory"] * n_memory]
         for p in self.procs:
             p.start()
+        for _ in self.procs:  # every worker has its arrays and has run once
+            ready.get(timeout=60)
 
     def close(self) -> None:
         self.stop.set()
@@ -122,37 +148,45 @@ def _mem_used() -> float:
     return 1.0 - info.get("MemAvailable", 0.0) / max(info.get("MemTotal", 1.0), 1.0)
 
 
-def _probe(sock: socket.socket, port: int, quiet_tflops: float) -> Interference:
-    from hetpilot.agents.probes import cpu_matmul_tflops
+class _Window:
+    """Agent statistics over one window (see the module docstring)."""
 
-    hz = os.sysconf("SC_CLK_TCK")
-    ncpu = os.cpu_count() or 1
-    tot0, busy0 = _cpu_times()
-    own0 = sum(os.times()[:2])
-    running = [_running()]
-    rtts = []
-    for i in range(8):
+    def __init__(self, sock: socket.socket, port: int) -> None:
+        self.sock, self.port = sock, port
+        self.tot0, self.busy0 = _cpu_times()
+        self.own0 = sum(os.times()[:2])
+        self.running: list[int] = []
+        self.rtts: list[float] = []
+        self.next = 0.0
+
+    def tick(self) -> None:
+        """Sample runnable processes and one round trip, at most every 0.1 s."""
+        now = time.perf_counter()
+        if now < self.next:
+            return
+        self.next = now + 0.1
+        self.running.append(_running())
         t0 = time.perf_counter()
-        sock.sendto(i.to_bytes(4, "little"), ("127.0.0.1", port))
+        self.sock.sendto(len(self.rtts).to_bytes(4, "little"), ("127.0.0.1", self.port))
         with contextlib.suppress(TimeoutError):
-            sock.recvfrom(64)
-        rtts.append((time.perf_counter() - t0) * 1e6)
-        time.sleep(0.005)
-        if i % 3 == 0:
-            running.append(_running())
-    tflops = cpu_matmul_tflops(n=256, seconds=0.05)
-    running.append(_running())
-    tot1, busy1 = _cpu_times()
-    own = (sum(os.times()[:2]) - own0) * hz
-    total = max(tot1 - tot0, 1e-9)
-    util = min(1.0, (busy1 - busy0) / total)
-    colocated = min(1.0, max(0.0, (busy1 - busy0 - own) / total))
-    del ncpu
-    return Interference(
-        utilization=util, colocated_load=colocated,
-        colocated_processes=max(0.0, statistics.fmean(running) - 1.0),
-        memory_used=_mem_used(), probe_ratio=tflops / quiet_tflops,
-        rtt_us=statistics.median(rtts), rtt_jitter_us=statistics.pstdev(rtts))
+            self.sock.recvfrom(64)
+        self.rtts.append((time.perf_counter() - t0) * 1e6)
+
+    def close(self, quiet_tflops: float) -> Interference:
+        from hetpilot.agents.probes import cpu_matmul_tflops
+
+        hz = os.sysconf("SC_CLK_TCK")
+        tot1, busy1 = _cpu_times()
+        own = (sum(os.times()[:2]) - self.own0) * hz
+        tflops = cpu_matmul_tflops(n=256, seconds=0.1)
+        total = max(tot1 - self.tot0, 1e-9)
+        rtts = self.rtts or [0.0]
+        return Interference(
+            utilization=min(1.0, (busy1 - self.busy0) / total),
+            colocated_load=min(1.0, max(0.0, (busy1 - self.busy0 - own) / total)),
+            colocated_processes=max(0.0, statistics.fmean(self.running or [1]) - 1.0),
+            memory_used=_mem_used(), probe_ratio=tflops / quiet_tflops,
+            rtt_us=statistics.median(rtts), rtt_jitter_us=statistics.pstdev(rtts))
 
 
 def _stages() -> dict[str, tuple[Callable[[], Any], tuple[int, ...]]]:
@@ -212,22 +246,39 @@ def _workload(module: Any, shape: tuple[int, ...]) -> Workload:
                     act_mb=sum(acts), out_mb=out.numel() * 4 / 1e6, **kinds)
 
 
-def _time_stage(module: Any, x: Any, budget_s: float = 0.3) -> float:
-    """Mean seconds per forward + backward over a window of ``budget_s``: the
-    stage's throughput, time slices lost to co-located processes included."""
+def _time_stage(module: Any, x: Any, window_s: float, win: _Window | None = None) -> float:
+    """Mean seconds per forward + backward over a window of ``window_s``: the
+    stage's throughput, time slices lost to co-located processes included
+    (the agent's samples between steps are not counted)."""
     module.zero_grad(set_to_none=True)
     module(x).sum().backward()  # warm up
-    reps, t0 = 0, time.perf_counter()
+    reps, busy, t_start = 0, 0.0, time.perf_counter()
     while True:
+        t0 = time.perf_counter()
         module(x).sum().backward()
+        t1 = time.perf_counter()
+        busy += t1 - t0
         reps += 1
-        elapsed = time.perf_counter() - t0
-        if elapsed >= budget_s and reps >= 3:
-            return elapsed / reps
+        if win is not None:
+            win.tick()
+        if t1 - t_start >= window_s and reps >= 3:
+            return busy / reps
 
 
-def collect(out: Path, episodes: int, per_episode: int = 3, persist: float = 0.5,
-            seed: int = 0, log: Callable[[str], None] = print) -> int:
+def _history(rows: list[dict[str, Any]]) -> None:
+    """Fill the history features from the rows' slowdowns (in slot order)."""
+    by_slot: dict[int, dict[str, float]] = {}
+    for r in rows:
+        by_slot.setdefault(r["gslot"], {})[r["stage"]] = r["slowdown"]
+    for r in rows:
+        prev = by_slot.get(r["gslot"] - 1, {})
+        r["stage_last_slowdown"] = prev.get(r["stage"], 0.0)
+        r["device_last_slowdown"] = statistics.fmean(prev.values()) if prev else 0.0
+
+
+def collect(out: Path, episodes: int, per_episode: int = 3, slots: int = 4,
+            window_s: float = 0.8, persist: float = 0.3, seed: int = 0,
+            log: Callable[[str], None] = print) -> int:
     import torch
     from hetpilot.agents.probes import cpu_matmul_tflops
 
@@ -247,36 +298,50 @@ def collect(out: Path, episodes: int, per_episode: int = 3, persist: float = 0.5
     stages = {name: (make(), torch.randn(*shape)) for name, (make, shape) in _stages().items()}
     works = {name: _workload(m, tuple(x.shape)) for name, (m, x) in stages.items()}
     quiet_tflops = max(cpu_matmul_tflops(n=256, seconds=0.1) for _ in range(3))
-    quiet: dict[str, float] = {n: min(_time_stage(m, x) for _ in range(2))
+    quiet: dict[str, float] = {n: min(_time_stage(m, x, window_s) for _ in range(2))
                                for n, (m, x) in stages.items()}
-    configs = [(mm, me, d) for mm in range(4) for me in range(3) for d in (0.4, 0.7, 1.0)
-               if mm + me > 0 or d == 1.0]
+    configs = [(mm, me, d) for mm in range(3) for me in range(2) for d in (0.3, 0.5, 0.7, 1.0)
+               if mm + me > 0]
     rows: list[dict[str, Any]] = []
     load: _Load | None = None
     config = (0, 0, 1.0)
     t_start = time.time()
+    gslot = 0
     try:
         for ep in range(episodes):
+            prev = config
             if ep == 0 or rng.random() > persist:
                 config = rng.choice(configs) if rng.random() > 0.15 else (0, 0, 1.0)
             if load is None or load.config != config:
                 if load is not None:
                     load.close()
                 load = _Load(ctx, *config)
-                time.sleep(0.3)
-            for name in rng.sample(sorted(stages), per_episode):
-                module, x = stages[name]
-                inter = _probe(sock, port, quiet_tflops)
-                measured = _time_stage(module, x)
-                if config[0] + config[1] == 0:
-                    quiet[name] = min(quiet[name], measured)
-                rows.append({"t": round(time.time() - t_start, 3), "episode": ep, "stage": name,
-                             "n_matmul": config[0], "n_memory": config[1], "duty": config[2],
-                             **asdict(inter), **asdict(works[name]),
-                             "log_intensity": works[name].log_intensity,
-                             "measured_s": measured})
+            names = rng.sample(sorted(stages), per_episode)
+            win = _Window(sock, port)  # the agent's report after the (re)configuration
+            t0 = time.perf_counter()
+            while time.perf_counter() - t0 < 0.5:
+                win.tick()
+                time.sleep(0.02)
+            inter = win.close(quiet_tflops)
+            for slot in range(slots):
+                win = _Window(sock, port)
+                for name in rng.sample(names, len(names)):
+                    module, x = stages[name]
+                    measured = _time_stage(module, x, window_s, win)
+                    if config[0] + config[1] == 0:
+                        quiet[name] = min(quiet[name], measured)
+                    rows.append({"t": round(time.time() - t_start, 2), "episode": ep,
+                                 "slot": slot, "gslot": gslot, "stage": name,
+                                 "changed": int(slot == 0 and config != prev),
+                                 "n_matmul": config[0], "n_memory": config[1],
+                                 "duty": config[2], **asdict(inter), **asdict(works[name]),
+                                 "log_intensity": works[name].log_intensity,
+                                 "measured_s": measured})
+                inter = win.close(quiet_tflops)
+                gslot += 1
             if ep % 10 == 0:
-                log(f"episode {ep}/{episodes}: {len(rows)} rows, config {config}")
+                log(f"episode {ep}/{episodes}: {len(rows)} rows, config {config}, "
+                    f"{time.time() - t_start:.0f} s")
     finally:
         if load is not None:
             load.close()
@@ -285,14 +350,15 @@ def collect(out: Path, episodes: int, per_episode: int = 3, persist: float = 0.5
     for r in rows:
         r["quiet_s"] = quiet[r["stage"]]
         r["slowdown"] = r["measured_s"] / r["quiet_s"]
+    _history(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
-    cols = ["t", "episode", "stage", "n_matmul", "n_memory", "duty", *FEATURES,
-            "quiet_s", "measured_s", "slowdown"]
+    cols = ["t", "episode", "slot", "gslot", "stage", "changed", "n_matmul", "n_memory", "duty",
+            *FEATURES, "quiet_s", "measured_s", "slowdown"]
     with out.open("w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=cols)
         w.writeheader()
         for r in rows:
-            w.writerow({k: (f"{v:.6g}" if isinstance(v, float) else v) for k, v in r.items()})
+            w.writerow({k: (f"{v:.5g}" if isinstance(v, float) else v) for k, v in r.items()})
     assert len(row(Interference(), works[next(iter(works))])) == len(FEATURES)
     return len(rows)
 
@@ -302,11 +368,13 @@ def main(argv: list[str] | None = None) -> int:
         os.environ[var] = "1"  # before numpy and torch load their thread pools
     p = argparse.ArgumentParser(prog="python -m hetpilot.adapt.collect", description=__doc__)
     p.add_argument("--out", type=Path, default=Path("adapt/data/bootstrap.csv"))
-    p.add_argument("--episodes", type=int, default=160)
+    p.add_argument("--episodes", type=int, default=120)
     p.add_argument("--per-episode", type=int, default=3)
+    p.add_argument("--slots", type=int, default=4)
+    p.add_argument("--window", type=float, default=0.8, help="seconds per stage and slot")
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
-    n = collect(a.out, a.episodes, a.per_episode, seed=a.seed,
+    n = collect(a.out, a.episodes, a.per_episode, a.slots, a.window, seed=a.seed,
                 log=lambda s: print(s, file=sys.stderr, flush=True))
     print(f"wrote {n} rows to {a.out}")
     return 0

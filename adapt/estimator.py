@@ -8,16 +8,20 @@ a few very slow windows from dragging every prediction up).
 
 - It starts from the bootstrap set recorded on this machine
   (``adapt/data/bootstrap.csv``, :mod:`hetpilot.adapt.collect`).
-- :meth:`SlowdownEstimator.observe` adds what the running system measured.
-  Before adding, it scores its current prediction for that sample, so
+- :meth:`SlowdownEstimator.observe` adds what the running system measured
+  (:meth:`SlowdownEstimator.observe_many`: the samples of one slot at once).
+  Before adding, it scores its current prediction for those samples, so
   :meth:`SlowdownEstimator.error` is an honest running (prequential) error:
-  every sample was predicted before it was learnt from.
+  every sample was predicted before it (or any sample of its slot) was
+  learnt from.
 - Every ``refit_every`` new samples it refits in a background thread on the
   bootstrap plus the newest ``window`` samples; predictions use the last
   finished fit meanwhile (swapped under a lock).
 
 :func:`last_value` and :func:`moving_average` are the baselines the
-benchmark compares against (``bench/adapt_estimator.py``).
+benchmark compares against (``bench/adapt_estimator.py``): the stage's own
+last slot (falling back to the device's last slot, on any stage, when the
+stage did not run there), and the mean of the stage's last 5 slots.
 
 scikit-learn is imported when the first fit runs, never at import time.
 """
@@ -36,16 +40,18 @@ from typing import Any
 
 import numpy as np
 
-from .features import FEATURES, from_mapping
+from .features import FEATURES, HISTORY, from_mapping
 
 __all__ = [
     "EstimatorError",
     "Recorded",
     "SlowdownEstimator",
+    "episode_starts",
     "last_value",
     "load_recorded",
     "mape",
     "moving_average",
+    "time_split",
 ]
 
 
@@ -59,6 +65,12 @@ class Recorded:
     measured_s: np.ndarray
     stage: tuple[str, ...]
     t: np.ndarray
+    slot: np.ndarray
+    """Slot index over the whole recording (rows of one slot share it)."""
+    first: np.ndarray
+    """True for an episode's first slot (configuration and stages just set)."""
+    injected: np.ndarray
+    """Co-located worker processes the recording ran (0: none of ours)."""
 
     def __len__(self) -> int:
         return len(self.slowdown)
@@ -66,7 +78,8 @@ class Recorded:
     def take(self, idx: Sequence[int] | np.ndarray) -> Recorded:
         i = np.asarray(idx)
         return Recorded(self.X[i], self.slowdown[i], self.quiet_s[i], self.measured_s[i],
-                        tuple(self.stage[j] for j in i), self.t[i])
+                        tuple(self.stage[j] for j in i), self.t[i], self.slot[i],
+                        self.first[i], self.injected[i])
 
 
 def load_recorded(path: str | Path | None = None) -> Recorded:
@@ -87,7 +100,23 @@ def load_recorded(path: str | Path | None = None) -> Recorded:
         measured_s=np.array([float(r["measured_s"]) for r in rows]),
         stage=tuple(r["stage"] for r in rows),
         t=np.array([float(r["t"]) for r in rows]),
+        slot=np.array([int(r["gslot"]) for r in rows]),
+        first=np.array([r["slot"] == "0" for r in rows]),
+        injected=np.array([int(r["n_matmul"]) + int(r["n_memory"]) for r in rows]),
     )
+
+
+def episode_starts(d: Recorded) -> np.ndarray:
+    """True for the first row of each episode."""
+    return d.first & np.concatenate([[True], d.slot[1:] != d.slot[:-1]])
+
+
+def time_split(d: Recorded, train: float = 0.7) -> int:
+    """Index of the first held-out row of a time split: the first episode
+    start at or after ``train`` of the rows (an episode is never split)."""
+    starts = np.flatnonzero(episode_starts(d))
+    later = starts[starts >= int(len(d) * train)]
+    return int(later[0]) if len(later) else len(d)
 
 
 def mape(pred: np.ndarray, true: np.ndarray) -> float:
@@ -95,17 +124,36 @@ def mape(pred: np.ndarray, true: np.ndarray) -> float:
     return float(np.mean(np.abs(pred - true) / np.abs(true)) * 100.0)
 
 
-def last_value(slowdown: np.ndarray, first: float = 1.0) -> np.ndarray:
-    """Predict each sample's slowdown as the previous sample's (time order)."""
-    return np.concatenate([[first], slowdown[:-1]])
+_STAGE_LAST = FEATURES.index(HISTORY[0])
+_DEVICE_LAST = FEATURES.index(HISTORY[1])
 
 
-def moving_average(slowdown: np.ndarray, k: int = 5, first: float = 1.0) -> np.ndarray:
-    """Predict each sample's slowdown as the mean of the previous ``k``."""
-    out = np.empty_like(slowdown)
-    for i in range(len(slowdown)):
-        prev = slowdown[max(0, i - k):i]
-        out[i] = prev.mean() if len(prev) else first
+def _reference(X: np.ndarray) -> np.ndarray:
+    stage, dev = X[:, _STAGE_LAST], X[:, _DEVICE_LAST]
+    return np.where(stage > 0, stage, np.where(dev > 0, dev, 1.0))
+
+
+def last_value(d: Recorded) -> np.ndarray:
+    """Predict each row's slowdown as its stage's in the previous slot, else
+    (the stage did not run there) the device's in the previous slot, else 1."""
+    return _reference(d.X)
+
+
+def moving_average(d: Recorded, k: int = 5) -> np.ndarray:
+    """Predict each row's slowdown as the mean of its stage's last ``k``
+    slots (earlier slots only, in recording order); a stage never seen
+    before falls back to :func:`last_value`."""
+    fallback = last_value(d)
+    seen: dict[str, list[float]] = {}
+    out = np.empty(len(d))
+    order = np.argsort(d.slot, kind="stable")
+    for slot in np.unique(d.slot):
+        rows = order[d.slot[order] == slot]
+        for i in rows:
+            prev = seen.get(d.stage[i], [])[-k:]
+            out[i] = float(np.mean(prev)) if prev else fallback[i]
+        for i in rows:
+            seen.setdefault(d.stage[i], []).append(float(d.slowdown[i]))
     return out
 
 
@@ -121,7 +169,8 @@ class SlowdownEstimator:
         bootstrap: Recorded | None = None,
         *,
         n_estimators: int = 60,
-        min_samples_leaf: int = 5,
+        min_samples_leaf: int = 10,
+        max_features: float = 0.33,
         refit_every: int = 32,
         window: int = 2000,
         error_window: int = 200,
@@ -134,7 +183,7 @@ class SlowdownEstimator:
         self._new_y: deque[float] = deque(maxlen=window)
         self._errors: deque[float] = deque(maxlen=error_window)
         self._params = {"n_estimators": n_estimators, "min_samples_leaf": min_samples_leaf,
-                        "random_state": seed, "n_jobs": 1, "max_features": 0.6}
+                        "random_state": seed, "n_jobs": 1, "max_features": max_features}
         self._refit_every = refit_every
         self._background = background
         self._since_fit = 0
@@ -198,24 +247,36 @@ class SlowdownEstimator:
 
     def observe(self, x: Sequence[float], slowdown: float) -> None:
         """Learn one measured sample (scored first: see :meth:`error`)."""
-        if not (math.isfinite(slowdown) and slowdown > 0):
+        self.observe_many([(x, slowdown)])
+
+    def observe_many(self, rows: Iterable[tuple[Sequence[float], float]]) -> None:
+        """Learn the samples of one slot: all are scored with the current fit
+        before any is learnt."""
+        good = [([float(v) for v in x], float(s)) for x, s in rows
+                if math.isfinite(s) and s > 0]
+        if not good:
             return
         if self.ready:
-            pred = self.predict_one(x)
-            self._errors.append(abs(pred - slowdown) / slowdown)
+            pred = self.predict([x for x, _ in good])
+            self._errors.extend(abs(p - s) / s for p, (_, s) in zip(pred, good, strict=True))
         with self._lock:
-            self._new_X.append([float(v) for v in x])
-            self._new_y.append(math.log(slowdown))
-            self._since_fit += 1
+            for x, s in good:
+                self._new_X.append(x)
+                self._new_y.append(math.log(s))
+            self._since_fit += len(good)
             due = self._since_fit >= self._refit_every
             if due:
                 self._since_fit = 0
         if due:
             self._refit_soon()
 
-    def observe_many(self, rows: Iterable[tuple[Sequence[float], float]]) -> None:
-        for x, s in rows:
-            self.observe(x, s)
+    def importances(self) -> dict[str, float]:
+        """The current fit's feature importances (impurity based), by name."""
+        if self._model is None:
+            self.fit()
+        with self._lock:
+            model = self._model
+        return {f: float(v) for f, v in zip(FEATURES, model.feature_importances_, strict=True)}
 
     def error(self) -> Mapping[str, float]:
         """Running error over the last samples, each predicted before it was learnt:

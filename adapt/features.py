@@ -13,7 +13,11 @@ A row describes one pipeline stage on one device for the next slot:
   one microbatch): forward GFLOP, parameter MB, activation MB kept for the
   backward, output MB sent on, arithmetic intensity (GFLOP per MB touched),
   and the share of layers of each kind (linear, conv, norm, activation,
-  other), taken from layer names.
+  other), taken from layer names;
+- *history* (trainer reports, :class:`History`): the stage's own measured
+  slowdown in the previous slot (0 when it did not run there: a new stage
+  after a re-cut, or a device that just joined) and the device's slowdown in
+  the previous slot on whatever it ran (0 when it ran nothing).
 
 The target is the stage's *slowdown*: measured time over its time on the
 same device when quiet (>= about 1).
@@ -27,9 +31,11 @@ from dataclasses import asdict, dataclass, fields
 
 __all__ = [
     "FEATURES",
+    "HISTORY",
     "INTERFERENCE",
     "KINDS",
     "WORKLOAD",
+    "History",
     "Interference",
     "Workload",
     "layer_kind",
@@ -86,9 +92,20 @@ class Workload:
         return math.log10(max(self.gflop, 1e-9) / max(self.param_mb + self.act_mb, 1e-6))
 
 
+@dataclass(frozen=True, kw_only=True)
+class History:
+    """What the trainer reported for the previous slot (0 = nothing reported)."""
+
+    stage_last_slowdown: float = 0.0
+    """This stage's measured slowdown in the previous slot on this device."""
+    device_last_slowdown: float = 0.0
+    """The device's measured slowdown in the previous slot, any stage."""
+
+
 INTERFERENCE = tuple(f.name for f in fields(Interference))
 WORKLOAD = (*(f.name for f in fields(Workload)), "log_intensity")
-FEATURES = (*INTERFERENCE, *WORKLOAD)
+HISTORY = tuple(f.name for f in fields(History))
+FEATURES = (*INTERFERENCE, *WORKLOAD, *HISTORY)
 
 
 def workload_of(layers: Sequence[object], microbatch: int) -> Workload:
@@ -109,11 +126,12 @@ def workload_of(layers: Sequence[object], microbatch: int) -> Workload:
     )
 
 
-def row(inter: Interference, work: Workload) -> list[float]:
+def row(inter: Interference, work: Workload, hist: History | None = None) -> list[float]:
     """The feature vector, in :data:`FEATURES` order."""
     out = [float(v) for v in asdict(inter).values()]
     out += [float(v) for v in asdict(work).values()]
     out.append(work.log_intensity)
+    out += [float(v) for v in asdict(hist or History()).values()]
     return out
 
 

@@ -8,12 +8,15 @@
   stage's measured time (``fwd_s + bwd_s`` for one iteration) over its quiet
   time (the stage's GFLOP at the device's registered TFLOP/s, calibrated by
   the smallest ratio seen on that device, so the quietest iteration seen is
-  slowdown 1), with the features of the device's latest report and the
-  stage's workload; it also remembers that workload as the device's;
+  slowdown 1), with the features of the device's latest report, the
+  stage's workload and the history before it (that stage's last slowdown on
+  that device, the device's last slowdown on any stage); it also remembers
+  that workload as the device's, and the slowdown as both histories;
 - :meth:`Adapter.predict_tflops` gives the speed the controller plans with:
   registered TFLOP/s over the predicted slowdown for the workload the device
   runs (when it runs none yet: the model's mean layer times the microbatch if
-  given, else the median workload of the bootstrap set).
+  given, else the median workload of the bootstrap set), with the history of
+  that workload on that device (0: never run there, e.g. after a re-cut).
 
 The forest is fitted on the bootstrap set in a background thread at start;
 until it is ready (or if scikit-learn fails) :meth:`predict_tflops` returns
@@ -31,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .estimator import SlowdownEstimator, load_recorded
-from .features import FEATURES, WORKLOAD, Interference, Workload, row, workload_of
+from .features import FEATURES, WORKLOAD, History, Interference, Workload, row, workload_of
 
 __all__ = ["Adapter"]
 
@@ -48,6 +51,8 @@ class Adapter:
         self._rtts: dict[tuple[str, str], deque[float]] = {}
         self._workload: dict[str, Workload] = {}
         self._calib: dict[str, float] = {}
+        self._last_stage: dict[tuple[str, Workload], float] = {}
+        self._last_device: dict[str, float] = {}
         self._default = default_workload
         self.learned = 0
         if warm:
@@ -107,10 +112,18 @@ class Adapter:
         raw = measured_s / (gflop / (1000.0 * registered_tflops))
         calib = min(self._calib.get(device_id, raw), raw)
         self._calib[device_id] = calib
+        slowdown = raw / calib
         est = self.estimator
         if est is not None:
-            est.observe(row(inter, work), raw / calib)
+            est.observe(row(inter, work, self.history(device_id, work)), slowdown)
             self.learned += 1
+        self._last_stage[(device_id, work)] = slowdown
+        self._last_device[device_id] = slowdown
+
+    def history(self, device_id: str, work: Workload) -> History:
+        """What the trainer reported last for this workload and this device."""
+        return History(stage_last_slowdown=self._last_stage.get((device_id, work), 0.0),
+                       device_last_slowdown=self._last_device.get(device_id, 0.0))
 
     # -- output --------------------------------------------------------------
 
@@ -128,7 +141,7 @@ class Adapter:
         if work is None:
             return None
         try:
-            slowdown = max(est.predict_one(row(inter, work)), 1.0)
+            slowdown = max(est.predict_one(row(inter, work, self.history(device_id, work))), 1.0)
         except Exception:
             log.exception("slowdown prediction failed")
             return None

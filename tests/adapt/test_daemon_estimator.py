@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import numpy as np
+import pytest
 from hetpilot.adapt.estimator import Recorded, SlowdownEstimator
 from hetpilot.adapt.features import FEATURES, Workload
 from hetpilot.adapt.online import Adapter
@@ -33,11 +34,14 @@ def _synthetic() -> Recorded:
     n = 200
     X = rng.uniform(0, 1, (n, len(FEATURES)))
     s = 1.0 + 3.0 * X[:, FEATURES.index("colocated_load")]
-    return Recorded(X, s, np.ones(n), s, ("x",) * n, np.arange(n, dtype=float))
+    return Recorded(X, s, np.ones(n), s, ("x",) * n, np.arange(n, dtype=float),
+                    np.arange(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=int))
 
 
 def _plane() -> ControlPlane:
-    est = SlowdownEstimator(_synthetic(), n_estimators=20, refit_every=4, background=False)
+    # all features at each split: the synthetic rule has one informative feature of many
+    est = SlowdownEstimator(_synthetic(), n_estimators=20, refit_every=4, background=False,
+                            max_features=1.0, min_samples_leaf=3)
     adapter = Adapter(est, default_workload=Workload(gflop=1.0, param_mb=1.0, act_mb=1.0,
                                                      out_mb=1.0))
     assert adapter.wait_ready(60)
@@ -91,3 +95,9 @@ def test_stage_timings_feed_the_estimator() -> None:
     assert plane.adapter.learned == 4
     err = plane.adapter.status()
     assert err["samples"] == 4 and err["fits"] >= 2  # refit every 4 samples (in this thread)
+    # the trainer's reports became the history features of the next prediction
+    work = plane.adapter._workload["h0:0"]
+    hist = plane.adapter.history("h0:0", work)
+    assert hist.stage_last_slowdown == pytest.approx(1.0)  # same time each iteration
+    assert hist.device_last_slowdown == pytest.approx(1.0)
+    assert plane.adapter.history("h1:0", work).stage_last_slowdown == 0.0  # never ran there
