@@ -283,6 +283,8 @@ class Planner:
             counts = self._assign(cuts, schedule)
             if counts is None:
                 return None
+            if self._big:  # keep the cuts made for each group's proportional share
+                break
             changed = False
             for i, ((g, c), m) in enumerate(zip(cuts, counts, strict=True)):
                 fresh = self.cut(g, m, schedule)
