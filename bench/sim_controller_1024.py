@@ -82,7 +82,8 @@ def _full_slots(sc, tl) -> None:  # type: ignore[no-untyped-def]
         print(f"full slots, search included, cost_subsets={subsets}: "
               f"{len(changed)} slots after a change (the first included): median {statistics.median(changed):.2f} s, "
               f"max {max(changed):.2f} s; {len(steady)} steady slots: median {statistics.median(steady):.2f} s, "
-              f"max {max(steady):.2f} s")
+              f"max {max(steady):.2f} s; after a change, slot by slot: "
+              f"{', '.join(f'{t:.2f}' for t in changed)}")
 
 if __name__ == "__main__":
     main()
