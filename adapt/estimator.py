@@ -176,7 +176,11 @@ class SlowdownEstimator:
         error_window: int = 200,
         seed: int = 0,
         background: bool = True,
+        trust_last: float = 0.2,
     ) -> None:
+        self.trust_last = trust_last
+        """Keep the stage's last measured slowdown when the forest predicts within
+        this log-ratio of it (0: the forest alone); see :meth:`predict`."""
         self._base_X = np.empty((0, len(FEATURES))) if bootstrap is None else bootstrap.X
         self._base_y = np.empty(0) if bootstrap is None else np.log(bootstrap.slowdown)
         self._new_X: deque[list[float]] = deque(maxlen=window)
@@ -234,7 +238,24 @@ class SlowdownEstimator:
     # -- use -------------------------------------------------------------
 
     def predict(self, X: Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
-        """Predicted slowdowns, one per row of ``X`` (:data:`FEATURES` order)."""
+        """Predicted slowdowns, one per row of ``X`` (:data:`FEATURES` order).
+
+        The forest's prediction, except where the stage has a measured slowdown
+        from the previous slot and the forest lands within ``trust_last`` (in
+        log ratio) of it: then nothing the agents report suggests a change, and
+        the measurement, which averages a whole slot of the stage's own steps,
+        is the better estimate. Chosen on inner time splits of the training rows
+        of both recordings (``bench/RESULTS-adapt.md``)."""
+        arr = np.asarray(X, dtype=float).reshape(-1, len(FEATURES))
+        forest = self.predict_forest(arr)
+        if self.trust_last <= 0:
+            return forest
+        last = arr[:, _STAGE_LAST]
+        agree = (last > 0) & (np.abs(np.log(forest / np.maximum(last, 1e-12))) < self.trust_last)
+        return np.where(agree, last, forest)
+
+    def predict_forest(self, X: Sequence[Sequence[float]] | np.ndarray) -> np.ndarray:
+        """The forest's predictions alone."""
         if self._model is None:
             self.fit()
         arr = np.asarray(X, dtype=float).reshape(-1, len(FEATURES))

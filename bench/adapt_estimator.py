@@ -6,9 +6,13 @@ Time split: the episodes that start in the first 70% of rows (in recording
 order) train, the rest are held out. Predicted stage time = the stage's
 quiet time x predicted slowdown. Predictors, on the same held-out rows:
 
-- ``rf (offline)``: the forest fitted on the training rows only;
-- ``rf (online)``: the same, then learning each held-out slot after
+- ``estimator (offline)``: :class:`SlowdownEstimator` as the daemon runs it
+  (the forest, keeping the stage's last measured slowdown where the forest
+  agrees with it within ``trust_last`` = 0.2 in log ratio), fitted on the
+  training rows only;
+- ``estimator (online)``: the same, then learning each held-out slot after
   predicting all its rows (refit every 16 rows), as the daemon does;
+- ``forest alone (offline / online)``: the same without the last value;
 - ``last value``: the stage's slowdown in the previous slot, or, when it did
   not run there, the device's (mean over the stages of the previous slot);
 - ``moving average (5)``: the mean of the stage's last 5 slots.
@@ -58,10 +62,10 @@ def noise_floor(d: Recorded, episode_of: np.ndarray) -> np.ndarray:
     return out
 
 
-def online_predictions(tr: Recorded, te: Recorded, refit_every: int = 16,
+def online_predictions(tr: Recorded, te: Recorded, refit_every: int = 16, trust_last: float = 0.2,
                        ) -> tuple[np.ndarray, dict[str, float]]:
     est = SlowdownEstimator(tr, background=False, refit_every=refit_every,
-                            error_window=len(te))
+                            error_window=len(te), trust_last=trust_last)
     est.fit()
     out = np.empty(len(te))
     for slot in np.unique(te.slot):
@@ -89,9 +93,12 @@ def main() -> None:
     est = SlowdownEstimator(tr, background=False)
     est.fit()
     online, online_err = online_predictions(tr, te)
+    forest_online, _ = online_predictions(tr, te, trust_last=0.0)
     preds = {
-        "rf (offline)": est.predict(te.X),
-        "rf (online)": online,
+        "estimator (offline)": est.predict(te.X),
+        "estimator (online)": online,
+        "forest alone (offline)": est.predict_forest(te.X),
+        "forest alone (online)": forest_online,
         "last value": last_value(te),
         "moving average (5)": moving_average(d)[cut:],
         "noise floor (looks ahead)": noise_floor(d, episode_of)[cut:],

@@ -85,3 +85,17 @@ def test_baselines() -> None:
                  np.array([0, 1, 2, 2]), np.array([True, False, False, False]), np.ones(4))
     assert last_value(d).tolist() == [1.0, 2.0, 3.0, 3.0]
     assert moving_average(d, k=5).tolist() == [1.0, 2.0, 2.5, 3.0]
+
+
+def test_last_measurement_is_kept_only_where_the_forest_agrees_with_it(data: Recorded) -> None:
+    cut = time_split(data, 0.7)
+    tr, te = data.take(np.arange(cut)), data.take(np.arange(cut, len(data)))
+    est = SlowdownEstimator(tr, n_estimators=20, background=False, trust_last=0.2)
+    forest, blended = est.predict_forest(te.X), est.predict(te.X)
+    last = te.X[:, FEATURES.index(HISTORY[0])]
+    agree = (last > 0) & (np.abs(np.log(forest / np.where(last > 0, last, 1.0))) < 0.2)
+    assert agree.any() and (~agree).any()
+    np.testing.assert_array_equal(blended[agree], last[agree])
+    np.testing.assert_array_equal(blended[~agree], forest[~agree])
+    est.trust_last = 0.0
+    np.testing.assert_array_equal(est.predict(te.X), forest)
