@@ -94,6 +94,11 @@ class DaemonConfig:
     """How often agents are asked to report."""
     heartbeat_timeout_s: float = 10.0
     """An agent silent this long is down; its devices leave the next plan."""
+    restart_grace_s: float = 30.0
+    """After the daemon starts, the agents it knew count as up for this long (or
+    ``heartbeat_timeout_s`` if longer) before they must have reported again: an
+    agent's reconnect backoff (up to its ``max_backoff_s``, 10 s by default) must
+    not cost the running plans two needless switches (drop, then re-add)."""
     grace_s: float = 5.0
     """On SIGTERM, how long in-flight calls get before they are cancelled."""
     max_message_bytes: int = 4 * 1024 * 1024
@@ -114,6 +119,8 @@ class DaemonConfig:
         for name in ("slot_s", "report_interval_s", "heartbeat_timeout_s", "grace_s",
                      "intra_host_gbps", "inter_host_gbps"):
             _positive(name, getattr(self, name))
+        if not (math.isfinite(self.restart_grace_s) and self.restart_grace_s >= 0):
+            raise ConfigError(f"restart_grace_s: must be >= 0, got {self.restart_grace_s!r}")
         if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
             raise ConfigError(f"latency_us: must be >= 0, got {self.latency_us!r}")
         if self.heartbeat_timeout_s < self.report_interval_s:

@@ -80,8 +80,10 @@ class ControlPlane:
         self._agents: dict[str, AgentRecord] = {a.host: a for a in store.agents()}
         self._reports: dict[str, AgentReport] = store.latest_reports()
         now = clock()
-        # After a restart every known agent gets one heartbeat timeout to come back.
-        self._last_seen: dict[str, float] = dict.fromkeys(self._agents, now)
+        # After a restart every known agent gets restart_grace_s (at least one
+        # heartbeat timeout) to come back before it counts as down.
+        extra = max(0.0, config.restart_grace_s - config.heartbeat_timeout_s)
+        self._last_seen: dict[str, float] = dict.fromkeys(self._agents, now + extra)
         self._up: frozenset[str] = frozenset(self._agents)
         self.membership_epoch = 0
         self._peers_cache: dict[str, tuple[tuple[str, str], ...]] = {}

@@ -27,6 +27,7 @@ metrics_listen = "127.0.0.1:0"
 slot_s = 0.5
 report_interval_s = 0.2
 heartbeat_timeout_s = 1.5
+restart_grace_s = 3.0
 grace_s = 1.0
 
 [auth]

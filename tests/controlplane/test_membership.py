@@ -1,0 +1,41 @@
+"""Agent membership across a daemon restart, on a fake clock: the agents the
+store knows get restart_grace_s to report again before they count as down."""
+
+from __future__ import annotations
+
+from hetpilot.daemon.config import DaemonConfig
+from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.records import AgentRecord
+from hetpilot.daemon.store import MemoryStore
+
+
+def _plane(now: list[float], grace: float) -> ControlPlane:
+    store = MemoryStore()
+    for host in ("a", "b"):
+        store.put_agent(AgentRecord(host=host, probe_address="", devices=()))
+    config = DaemonConfig(state_dir="/tmp", report_interval_s=0.2, heartbeat_timeout_s=1.0,
+                          restart_grace_s=grace)
+    return ControlPlane(store, config, clock=lambda: now[0])
+
+
+def test_known_agents_stay_up_for_the_restart_grace() -> None:
+    now = [100.0]
+    plane = _plane(now, grace=5.0)
+    assert plane.is_up("a") and plane.is_up("b")
+    now[0] = 104.5  # past one heartbeat timeout, within the grace: nobody dropped yet
+    assert not plane.sweep() and plane.is_up("a") and plane.is_up("b")
+    plane.register(AgentRecord(host="a", probe_address="", devices=()))  # a is back
+    now[0] = 105.2  # the grace is over: b, silent since the restart, is down; a is not
+    assert plane.sweep()
+    assert plane.is_up("a") and not plane.is_up("b")
+    now[0] = 105.6  # a's own heartbeat timeout (1 s after it came back) rules now
+    assert plane.sweep() and not plane.is_up("a")
+
+
+def test_grace_shorter_than_the_heartbeat_timeout_means_one_timeout() -> None:
+    now = [0.0]
+    plane = _plane(now, grace=0.0)
+    now[0] = 0.9
+    assert not plane.sweep() and plane.is_up("b")
+    now[0] = 1.1
+    assert plane.sweep() and not plane.is_up("a") and not plane.is_up("b")
