@@ -21,12 +21,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+from hetpilot.planner.asyncplan import mean_staleness
 
 __all__ = ["StalenessModel", "choose", "fit", "mean_staleness", "time_to_accuracy"]
-
-
-def mean_staleness(stages: int) -> float:
-    return (stages - 1) / 2.0
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from hetpilot.planner.controller import Controller, ControllerConfig
 from hetpilot.planner.search import candidate_plans, clear_memos
-from hetpilot.sim.scenario import Timeline, load_scenario
+from hetpilot.sim.scenario import Scenario, Timeline, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,7 +63,7 @@ def main() -> None:
           f"max {max(times):.3f} s over {args.steps} steps ({switched} switched)")
 
 
-def _full_slots(sc, tl) -> None:  # type: ignore[no-untyped-def]
+def _full_slots(sc: Scenario, tl: Timeline) -> None:
     """Every slot of the scenario, search included, as the simulator drives it
     (the controller sees the previous slot's truth). CPU seconds of this
     process, so that another job on the other core does not count."""

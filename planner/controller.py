@@ -68,9 +68,6 @@ __all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "Pl
 #: the simulator's comparison points).
 POLICIES = ("lyapunov", "fastest", "budget-greedy", "static", "static-replan")
 
-#: Above this many devices the cost-aware subsets are searched narrowly (see PlannerSearch).
-_BIG_CLUSTER = 64
-
 #: The tentative search: cluster, model, job -> scored candidate plans.
 SearchFn = Callable[[Cluster, Model, Job], Sequence[Candidate]]
 
@@ -443,6 +440,9 @@ class Controller:
         subsets: list[Cluster] = [observed]
         if self.config.cost_subsets and self._budgets and self.config.policy != "fastest":
             subsets.extend(_cost_subsets(observed, self._budgets))
+        from .search import BIG_CLUSTER, structure_pairs
+
+        narrow = len(observed.devices) > BIG_CLUSTER and getattr(self._search, "narrowable", False)
         pairs: list[tuple[str, str]] | None = None
         for cluster in subsets:
             try:
@@ -450,10 +450,7 @@ class Controller:
                     searched = self._search(cluster, self.model, job, pairs=pairs)  # type: ignore[call-arg]
                 else:
                     searched = self._search(cluster, self.model, job)
-                if (cluster is observed and len(observed.devices) > _BIG_CLUSTER
-                        and getattr(self._search, "narrowable", False)):
-                    from .search import structure_pairs
-
+                if cluster is observed and narrow:
                     pairs = structure_pairs(searched, 3)
                 for cand in searched:
                     if cluster is not observed:

@@ -46,10 +46,11 @@ from .refmodel import evaluate, group_makespan, group_op_times, sync_time, valid
 from .schedules import format_order, warmup_order
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
-__all__ = ["Structure", "candidate_plans", "clear_memos", "make_plan", "structure_pairs", "structures"]
+__all__ = ["BIG_CLUSTER", "Structure", "candidate_plans", "clear_memos", "make_plan", "structure_pairs", "structures"]
 
 _EXHAUSTIVE_DEVICES = 6
-_BIG = 64  # above this many devices the search narrows (see candidate_plans, Planner.cut)
+BIG_CLUSTER = 64
+"""Above this many devices the search narrows (see candidate_plans, Planner.cut)."""
 _BUILTIN = ("1f1b", "gpipe")
 
 
@@ -125,7 +126,7 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     hosts = list(by_host.values())
     add("host-pairs", [hosts[i] + (hosts[i + 1] if i + 1 < len(hosts) else [])
                        for i in range(0, len(hosts), 2)])
-    big = len(chain) > 64  # big clusters: fewer, coarser structures
+    big = len(chain) > BIG_CLUSTER  # big clusters: fewer, coarser structures
     for size in (2, 4) if big else (2, 4, 8, 16):
         if size < len(chain):
             add(f"chunk-{size}", _chunks(chain, size))
@@ -212,7 +213,7 @@ class Planner:
         self.micro = job.microbatch_size
         self.total = job.microbatches
         self._key = (_model_token(model), self.micro)
-        self._big = len(cluster.devices) > _BIG  # rank cuts by the proxy only
+        self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...]]] = {}
 
@@ -435,7 +436,7 @@ def _subsets(devices: Sequence[Device]) -> list[tuple[str, list[Device]]]:
                 out.append((f"subset{k}", list(combo)))
         return out
     out = [("all", list(devices))]
-    if n > 64:  # big clusters: without stragglers, then drop whole speed tiers, slowest first
+    if n > BIG_CLUSTER:  # big clusters: without stragglers, then drop whole speed tiers, slowest first
         slow = _stragglers(devices)
         kept = [d for d in devices if d.id not in slow]
         if slow:
@@ -492,7 +493,7 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     if pairs is not None:
         keep = set(pairs)
         subsets = subsets[:1]
-    elif focus is not None and len(cluster.devices) > 64:
+    elif focus is not None and len(cluster.devices) > BIG_CLUSTER:
         label, subset = subsets[0]
         ranked = []
         for structure in structures(cluster, subset, planner.arr, planner.micro):

@@ -231,15 +231,21 @@ def stage_main(rank: int, world: int, cfg: PipeConfig) -> dict[str, Any]:
     t_start = time.perf_counter()
     recut_s = 0.0
     cuts = phases[0].cuts
+
+    def cut_for(k0: int) -> None:
+        """Re-cut (timed) if the phase in force at microbatch k0 has other cuts."""
+        nonlocal cuts, recut_s
+        want = [p for p in phases if p.start <= k0][-1].cuts
+        if tuple(want) != tuple(cuts):
+            t0 = time.perf_counter()
+            _recut(st, cuts, want)
+            cuts = want
+            recut_s += time.perf_counter() - t0
+
     if cfg.flush:
         for it in range(cfg.microbatches // cfg.per_iteration):
             k0 = it * cfg.per_iteration
-            want = [p for p in phases if p.start <= k0][-1].cuts
-            if tuple(want) != tuple(cuts):
-                t0 = time.perf_counter()
-                _recut(st, cuts, want)
-                cuts = want
-                recut_s += time.perf_counter() - t0
+            cut_for(k0)
             _run_ops(st, _order(rank, world, cfg.per_iteration), k0, perm, 0, t_start)
             st.snaps.append((k0 + cfg.per_iteration, time.perf_counter() - t_start, _state(st)))
     else:
@@ -248,12 +254,7 @@ def stage_main(rank: int, world: int, cfg: PipeConfig) -> dict[str, Any]:
         # and streaming resumes; weight versions continue across it.
         starts = sorted({0, *(p.start for p in phases if 0 < p.start < cfg.microbatches)})
         for k0, k1 in zip(starts, [*starts[1:], cfg.microbatches], strict=True):
-            want = [p for p in phases if p.start <= k0][-1].cuts
-            if tuple(want) != tuple(cuts):
-                t0 = time.perf_counter()
-                _recut(st, cuts, want)
-                cuts = want
-                recut_s += time.perf_counter() - t0
+            cut_for(k0)
             _run_ops(st, _order(rank, world, k1 - k0), k0, perm, 0, t_start)
     dist.barrier()
     return {"rank": rank, "elapsed_s": time.perf_counter() - t_start, "log": st.log,

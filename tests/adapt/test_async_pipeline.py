@@ -13,69 +13,7 @@ S, N, MB, LR = 3, 12, 8, 0.1
 CUTS = (0, 1, 3, 4)
 
 
-def _reference() -> dict[int, dict[str, torch.Tensor]]:
-    """PipeDream semantics, one process: microbatch k runs stage j with the
-    weights after max(0, k - (S-j-1)) updates; its gradient is update k."""
-    torch.manual_seed(0)
-    layers = tiny_mlp()
-    x_all, y_all = tiny_data()
-    perm = torch.randperm(len(x_all), generator=torch.Generator().manual_seed(0))
-    stages = [nn.Sequential(*layers[CUTS[j]:CUTS[j + 1]]) for j in range(S)]
-    hist = [[{n: p.detach().clone() for n, p in s.named_parameters()}] for s in stages]
-    for k in range(N):
-        idx = perm[(torch.arange(MB) + k * MB) % len(x_all)]
-        h = x_all[idx]
-        used = []
-        for j, s in enumerate(stages):
-            w = {n: t.clone().requires_grad_(True) for n, t in hist[j][max(0, k - (S - j - 1))].items()}
-            used.append(w)
-            h = torch.func.functional_call(s, w, (h,))
-        nn.functional.cross_entropy(h, y_all[idx]).backward()
-        for j in range(S):
-            hist[j].append({n: hist[j][-1][n] - LR * used[j][n].grad for n in used[j]})
-    out: dict[int, dict[str, torch.Tensor]] = {}
-    for j in range(S):
-        final = hist[j][-1]
-        for i in range(CUTS[j], CUTS[j + 1]):
-            prefix = f"{i - CUTS[j]}."
-            out[i] = {n[len(prefix):]: t for n, t in final.items() if n.startswith(prefix)}
-    return out
-
-
-@pytest.mark.slow
-def test_backward_uses_the_weights_of_its_forward() -> None:
-    cfg = PipeConfig(make_layers=tiny_mlp, data=tiny_data(), phases=[Phase(0, CUTS)],
-                     microbatch=MB, microbatches=N, lr=LR, snapshot_every=N, record=True)
-    results = run_local(S, cfg, timeout_s=60)
-    for j, res in enumerate(results):
-        w = S - j - 1
-        log = {e["k"]: e for e in res["log"]}
-        assert sorted(log) == list(range(N))
-        for k, e in log.items():
-            assert e["fwd_version"] == max(0, k - w)  # staleness S - j - 1
-            assert e["bwd_sum"] == e["fwd_sum"]  # backward through the stashed weights
-            assert e["bwd_live_version"] == k  # ... while the live weights moved on
-        assert res["version"] == N
-    # the whole run equals the sequential PipeDream reference
-    ref = _reference()
-    got = {i: st for res in results for i, st in res["snaps"][-1][2].items()}
-    assert sorted(got) == sorted(ref)
-    for i, st in ref.items():
-        for n, t in st.items():
-            torch.testing.assert_close(got[i][n], t, rtol=1e-5, atol=1e-6)
-
-
-@pytest.mark.slow
-def test_sync_mode_recuts_between_iterations() -> None:
-    cfg = PipeConfig(make_layers=tiny_mlp, data=tiny_data(),
-                     phases=[Phase(0, (0, 2, 4)), Phase(4, (0, 1, 4))], microbatch=MB,
-                     microbatches=8, per_iteration=4, flush=True, lr=LR)
-    r0, r1 = run_local(2, cfg, timeout_s=60)
-    assert r0["version"] == r1["version"] == 2
-    assert sorted(r0["snaps"][-1][2]) == [0] and sorted(r1["snaps"][-1][2]) == [1, 2, 3]
-
-
-def _layered_reference(phases: list[tuple[int, tuple[int, ...]]], n: int) -> dict[int, dict[str, torch.Tensor]]:
+def _reference(phases: list[tuple[int, tuple[int, ...]]], n: int) -> dict[int, dict[str, torch.Tensor]]:
     """PipeDream with a drain at each re-cut, per layer: microbatch k runs layer i
     (on stage j of the cut in force) with the weights after max(k0, k - (S-j-1))
     updates, k0 the first microbatch of its phase."""
@@ -102,6 +40,39 @@ def _layered_reference(phases: list[tuple[int, tuple[int, ...]]], n: int) -> dic
 
 
 @pytest.mark.slow
+def test_backward_uses_the_weights_of_its_forward() -> None:
+    cfg = PipeConfig(make_layers=tiny_mlp, data=tiny_data(), phases=[Phase(0, CUTS)],
+                     microbatch=MB, microbatches=N, lr=LR, snapshot_every=N, record=True)
+    results = run_local(S, cfg, timeout_s=60)
+    for j, res in enumerate(results):
+        w = S - j - 1
+        log = {e["k"]: e for e in res["log"]}
+        assert sorted(log) == list(range(N))
+        for k, e in log.items():
+            assert e["fwd_version"] == max(0, k - w)  # staleness S - j - 1
+            assert e["bwd_sum"] == e["fwd_sum"]  # backward through the stashed weights
+            assert e["bwd_live_version"] == k  # ... while the live weights moved on
+        assert res["version"] == N
+    # the whole run equals the sequential PipeDream reference
+    ref = _reference([(0, CUTS)], N)
+    got = {i: st for res in results for i, st in res["snaps"][-1][2].items()}
+    assert sorted(got) == sorted(ref)
+    for i, st in ref.items():
+        for n, t in st.items():
+            torch.testing.assert_close(got[i][n], t, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_sync_mode_recuts_between_iterations() -> None:
+    cfg = PipeConfig(make_layers=tiny_mlp, data=tiny_data(),
+                     phases=[Phase(0, (0, 2, 4)), Phase(4, (0, 1, 4))], microbatch=MB,
+                     microbatches=8, per_iteration=4, flush=True, lr=LR)
+    r0, r1 = run_local(2, cfg, timeout_s=60)
+    assert r0["version"] == r1["version"] == 2
+    assert sorted(r0["snaps"][-1][2]) == [0] and sorted(r1["snaps"][-1][2]) == [1, 2, 3]
+
+
+@pytest.mark.slow
 def test_async_mode_recuts_after_draining_and_keeps_the_versioning_rule() -> None:
     phases = [(0, (0, 1, 3, 4)), (6, (0, 2, 3, 4))]
     cfg = PipeConfig(make_layers=tiny_mlp, data=tiny_data(), phases=[Phase(s, c) for s, c in phases],
@@ -118,7 +89,7 @@ def test_async_mode_recuts_after_draining_and_keeps_the_versioning_rule() -> Non
         assert res["version"] == N and res["recut_s"] > 0
     got = {i: st for res in results for i, st in res["snaps"][-1][2].items()}
     assert sorted(got) == [0, 1, 2, 3] and sorted(results[0]["snaps"][-1][2]) == [0, 1]
-    ref = _layered_reference(phases, N)
+    ref = _reference(phases, N)
     for i, st in ref.items():
         for m, t in st.items():
             torch.testing.assert_close(got[i][m], t, rtol=1e-5, atol=1e-6)
