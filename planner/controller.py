@@ -285,6 +285,12 @@ class Controller:
         if new_v is not None:
             self._V = new_v
 
+    def candidates(self, observed: Cluster) -> list[Candidate]:
+        """The plans a slot on ``observed`` weighs (the search and the cost-aware
+        subsets), without choosing: for benchmarks that bound what any policy
+        choosing among them could do."""
+        return self._candidates(observed, replace(self.job, budgets=dict(self._budgets), V=self._V))
+
     def step(self, observed: Cluster) -> Decision:
         """Decide the plan for the next slot on the ``observed`` cluster."""
         queues = self._settled_queues(observed)

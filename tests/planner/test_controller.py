@@ -427,3 +427,39 @@ def test_structure_pairs_reads_planner_labels() -> None:
              Candidate(plan, 0.5, {}, "baseline/megatron"), Candidate(plan, 2.0, {}, "all/host")]
     assert structure_pairs(found, 3) == [("host", "1f1b"), ("dp", "1f1b")]
     assert structure_pairs(found, 1) == [("host", "1f1b")]
+
+
+def test_candidates_are_what_a_slot_weighs() -> None:
+    ctl = _ctl(budget=3.0, V=1.0)
+    cluster = _cluster()
+    plans = {c.plan for c in ctl.candidates(cluster)}
+    assert len(plans) == 7  # subsets_search's every non-empty subset of three devices
+    assert ctl.step(cluster).plan in plans
+    assert ctl.version == 1  # weighing does not step
+
+
+def test_following_prices_beats_every_fixed_plan_at_the_same_average_cost() -> None:
+    # device a's price swings 1 <-> 7 every 10 slots (mean 4): drift-plus-penalty
+    # buys a when it is cheap, which no plan chosen once can do within the budget
+    cheap, dear = _cluster(), Cluster(
+        devices=tuple(replace(d, price_per_hour=7.0) if d.id == "a:0" else d
+                      for d in _cluster().devices),
+        network=_cluster().network)
+    truth = [cheap if (t // 10) % 2 == 0 else dear for t in range(400)]
+    budget = 3.5
+    ctl = _ctl(budget=budget, V=200.0, hysteresis=0.0)
+    times, costs = [], []
+    for t, cluster in enumerate(truth):
+        d = ctl.step(truth[t - 1] if t else cluster)  # it sees the previous slot's truth
+        ev = evaluate(cluster, MODEL, d.plan, BATCH)
+        assert ev.iteration_s is not None
+        times.append(ev.iteration_s)
+        costs.append(plan_costs(cluster, d.plan)["price_per_hour"])
+    assert sum(costs[40:]) / len(costs[40:]) <= budget * 1.01
+    ours = sum(times) / len(times)
+    fixed = []
+    for cand in subsets_search(cheap, MODEL, _job()):
+        avg_cost = sum(plan_costs(c, cand.plan)["price_per_hour"] for c in truth) / len(truth)
+        if avg_cost <= budget:
+            fixed.append(cand.iteration_s)
+    assert fixed and ours < min(fixed)
