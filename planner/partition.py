@@ -16,6 +16,8 @@ by moving single cut points while that lowers the exact makespan.
 
 from __future__ import annotations
 
+from array import array
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
@@ -51,6 +53,11 @@ class ModelArrays:
         # in_mb of layer l is out_mb of layer l-1 (0 for layer 0)
         self.inp = cum([0.0] + [x.out_mb for x in layers[:-1]])
         self.out = np.asarray([x.out_mb for x in layers], dtype=float)
+        # the same prefix sums as Python floats: scalar reads of numpy arrays are slow,
+        # and a difference of two of them is the same double either way
+        self.lists = tuple(c.tolist() for c in (self.fwd, self.bwd, self.act, self.param,
+                                                self.inp, self.out))
+        self.stage_costs: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
 
     @cached_property
     def segment(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -82,7 +89,26 @@ def _stage_cost_matrices(
     micro: int,
     in_flight: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot fit)."""
+    """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot fit).
+
+    Memoised per model on everything they depend on (groups of one cluster share a
+    few device kinds and links); the arrays returned are shared, never written."""
+    key = (dev.tflops, dev.memory_gb, link, micro, in_flight)
+    found = arr.stage_costs.get(key)
+    if found is None:
+        if len(arr.stage_costs) >= 4096:
+            arr.stage_costs.clear()
+        found = arr.stage_costs[key] = _stage_costs(arr, dev, link, micro, in_flight)
+    return found
+
+
+def _stage_costs(
+    arr: ModelArrays,
+    dev: Device,
+    link: tuple[float, float] | None,
+    micro: int,
+    in_flight: int,
+) -> tuple[np.ndarray, np.ndarray]:
     fwd, bwd, act, param, inp = arr.segment
     rate = 1000.0 * dev.tflops
     cap = 1000.0 * dev.memory_gb
@@ -106,33 +132,43 @@ def _stage_cost_matrices(
     return bottleneck, fill
 
 
-def _dp_bottleneck(costs: list[np.ndarray], n_layers: int) -> float:
+def _dp_bottleneck(costs: Sequence[np.ndarray], n_layers: int) -> float:
     best = costs[0][0].copy()  # best[b]: stage 0 covers [0, b)
     for cost in costs[1:]:
         best = np.min(np.maximum(best[:, None], cost), axis=0)
     return float(best[n_layers])
 
 
-def _dp_fill(
-    bottle: list[np.ndarray], fill: list[np.ndarray], tau: float, n_layers: int
-) -> tuple[int, ...] | None:
-    allowed = [np.where(b <= tau * (1 + 1e-12), f, _INF) for b, f in zip(bottle, fill, strict=True)]
-    best = allowed[0][0].copy()
+def _dp_fills(
+    bottle: np.ndarray, fill: np.ndarray, taus: Sequence[float], n_layers: int
+) -> list[tuple[int, ...] | None]:
+    """Per threshold tau: the cut minimising the fill-and-drain sum with every stage's
+    bottleneck cost <= tau (None if none), all thresholds in one pass.
+
+    ``bottle`` and ``fill`` stack the stages' matrices (S x (L+1) x (L+1)).
+    Each threshold's sums and arg-minima are the ones it would get alone."""
+    limits = np.asarray([tau * (1 + 1e-12) for tau in taus])
+    allowed = np.where(bottle[None] <= limits[:, None, None, None], fill[None], _INF)
+    best = allowed[:, 0, 0, :].copy()  # best[t, b]: stage 0 covers [0, b)
     back = []
-    for cost in allowed[1:]:
-        total = best[:, None] + cost
-        arg = np.argmin(total, axis=0)
-        best = total[arg, np.arange(total.shape[1])]
+    for j in range(1, allowed.shape[1]):
+        total = best[:, :, None] + allowed[:, j]
+        arg = np.argmin(total, axis=1)
+        best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
         back.append(arg)
-    if not np.isfinite(best[n_layers]):
-        return None
-    cuts = [n_layers]
-    b = n_layers
-    for arg in reversed(back):
-        b = int(arg[b])
-        cuts.append(b)
-    cuts.append(0)
-    return tuple(reversed(cuts))
+    out: list[tuple[int, ...] | None] = []
+    for t in range(len(taus)):
+        if not np.isfinite(best[t, n_layers]):
+            out.append(None)
+            continue
+        cuts = [n_layers]
+        b = n_layers
+        for arg in reversed(back):
+            b = int(arg[t, b])
+            cuts.append(b)
+        cuts.append(0)
+        out.append(tuple(reversed(cuts)))
+    return out
 
 
 def _times_for(
@@ -144,27 +180,30 @@ def _times_for(
     in_flights: Sequence[int],
 ) -> tuple[GroupTimes, tuple[bool, ...]] | None:
     fwd, bwd, comm, rec = [], [], [], []
+    c_fwd, c_bwd, c_act, c_param, c_inp, out = arr.lists
+    opt = 1.0 + arr.opt
+    last = len(devices) - 1
     for j, dev in enumerate(devices):
         a, b = bounds[j], bounds[j + 1]
-        f = arr.segment_sum(arr.fwd, a, b)
-        bk = arr.segment_sum(arr.bwd, a, b)
-        params = arr.segment_sum(arr.param, a, b) * (1.0 + arr.opt)
-        act = arr.segment_sum(arr.act, a, b)
+        f = c_fwd[b] - c_fwd[a]
+        bk = c_bwd[b] - c_bwd[a]
+        params = (c_param[b] - c_param[a]) * opt
+        act = c_act[b] - c_act[a]
         cap = 1000.0 * dev.memory_gb
         rate = 1000.0 * dev.tflops
         if params + in_flights[j] * micro * act <= cap:
             rec.append(False)
             fwd.append(micro * f / rate)
             bwd.append(micro * bk / rate)
-        elif params + in_flights[j] * micro * arr.segment_sum(arr.inp, a, b) + micro * act <= cap:
+        elif params + in_flights[j] * micro * (c_inp[b] - c_inp[a]) + micro * act <= cap:
             rec.append(True)
             fwd.append(micro * f / rate)
             bwd.append(micro * bk / rate + micro * f / rate)
         else:
             return None
-        if j + 1 < len(devices):
+        if j < last:
             gbps, lat = links[j]
-            comm.append(lat + micro * float(arr.out[b - 1]) * 8.0 / (1000.0 * gbps))
+            comm.append(lat + micro * out[b - 1] * 8.0 / (1000.0 * gbps))
     return GroupTimes(tuple(fwd), tuple(bwd), tuple(comm)), tuple(rec)
 
 
@@ -175,6 +214,152 @@ def _in_flights(schedule: str, n: int, microbatches: int) -> list[int]:
     if schedule == "1f1b":
         return [min(n - j, microbatches) for j in range(n)]
     return [inflight(order(schedule, n, j, microbatches)) for j in range(n)]
+
+
+# -- exact makespans of one group at many M from one simulation ------------------
+
+class _Trace:
+    """A 1f1b simulation at ``m`` microbatches: every backward's end and arrival."""
+
+    __slots__ = ("b_arrive", "b_end", "m")
+
+    def __init__(self, m: int, b_end: list[array[float]], b_arrive: list[array[float]]) -> None:
+        self.m = m
+        self.b_end = b_end
+        self.b_arrive = b_arrive
+
+
+def _trace_1f1b(fwd: Sequence[float], bwd: Sequence[float], comm: Sequence[float],
+                m: int) -> _Trace:
+    """:func:`~hetpilot.planner.refmodel.pipeline_makespan` on the 1f1b orders, the
+    same arithmetic op by op, keeping each backward's end and each backward
+    transfer's arrival (so that :func:`_drain` can answer any M <= m)."""
+    n = len(fwd)
+    orders = [order("1f1b", n, j, m) for j in range(n)]
+    unknown = -1.0
+    f_end = [[unknown] * m for _ in range(n)]
+    f_arrive = [[unknown] * m for _ in range(n)]
+    b_arrive = [[unknown] * m for _ in range(n)]
+    b_end = [[unknown] * m for _ in range(n)]
+    fwd_chan = [0.0] * n
+    bwd_chan = [0.0] * n
+    clock = [0.0] * n
+    pos = [0] * n
+    queued = [True] * n
+    work = list(range(n - 1, -1, -1))
+    last = n - 1
+    while work:
+        j = work.pop()
+        queued[j] = False
+        ops = orders[j]
+        n_ops = len(ops)
+        p = pos[j]
+        t = clock[j]
+        f_dur, b_dur = fwd[j], bwd[j]
+        my_f_end, my_f_arrive, my_b_arrive, my_b_end = f_end[j], f_arrive[j], b_arrive[j], b_end[j]
+        woke_up = woke_down = False
+        while p < n_ops:
+            is_bwd, k = ops[p]
+            if not is_bwd:
+                ready = 0.0 if j == 0 else my_f_arrive[k]
+                if ready < 0.0:
+                    break
+                t = (ready if ready > t else t) + f_dur
+                my_f_end[k] = t
+                if j != last:
+                    chan = fwd_chan[j]
+                    arrive = (t if t > chan else chan) + comm[j]
+                    fwd_chan[j] = arrive
+                    f_arrive[j + 1][k] = arrive
+                    woke_down = True
+            else:
+                ready = my_f_end[k] if j == last else my_b_arrive[k]
+                if ready < 0.0:
+                    break
+                t = (ready if ready > t else t) + b_dur
+                my_b_end[k] = t
+                if j:
+                    chan = bwd_chan[j - 1]
+                    arrive = (t if t > chan else chan) + comm[j - 1]
+                    bwd_chan[j - 1] = arrive
+                    b_arrive[j - 1][k] = arrive
+                    woke_up = True
+            p += 1
+        pos[j] = p
+        clock[j] = t
+        if woke_down and not queued[j + 1]:
+            queued[j + 1] = True
+            work.append(j + 1)
+        if woke_up and not queued[j - 1]:
+            queued[j - 1] = True
+            work.append(j - 1)
+    # built-in 1f1b orders never deadlock: every op ran
+    return _Trace(m, [array("d", row) for row in b_end], [array("d", row) for row in b_arrive])
+
+
+def _drain(trace: _Trace, bwd: Sequence[float], comm: Sequence[float], m: int) -> float:
+    """The 1f1b makespan at ``m`` (S <= m <= trace.m microbatches), exactly.
+
+    With M >= S microbatches, stage j's 1f1b order at M is S - j - 1 warm-up
+    forwards, M - (S - j - 1) (forward, backward) pairs, then the drain: the
+    backwards of microbatches M - (S - j - 1) .. M - 1. Everything before the
+    drain is a prefix of the order at any larger M and depends only on ops of
+    such prefixes, so the simulation at ``trace.m`` computed it with the same
+    values; only the drains are simulated here, last stage first (each needs
+    the drain of the stage after it), with the same arithmetic as
+    :func:`~hetpilot.planner.refmodel.pipeline_makespan`.
+    """
+    n = len(bwd)
+    b_end, b_arrive = trace.b_end, trace.b_arrive
+    clock = [0.0] * n
+    clock[n - 1] = b_end[n - 1][m - 1]
+    after: list[float] = []  # drain of stage j + 1: ends of backwards lo + 1 .. m - 1
+    for j in range(n - 2, -1, -1):
+        lo = m - (n - 1 - j)  # first backward of stage j's drain
+        t = b_end[j][lo - 1]
+        chan = b_arrive[j][lo - 1]
+        c, b_dur = comm[j], bwd[j]
+        sent = b_end[j + 1][lo]
+        ends = []
+        for i in range(m - lo):
+            if i:
+                sent = after[i - 1]
+            arrive = (sent if sent > chan else chan) + c
+            chan = arrive
+            t = (arrive if arrive > t else t) + b_dur
+            ends.append(t)
+        clock[j] = t
+        after = ends
+    return max(clock)
+
+
+_TRACES: OrderedDict[GroupTimes, _Trace] = OrderedDict()
+_TRACES_SIZE = 2048
+
+
+def exact_makespan(times: GroupTimes, schedule: str, microbatches: int) -> float:
+    """:func:`~hetpilot.planner.refmodel.group_makespan` of a built-in schedule, the
+    same float; for 1f1b with M >= S, one simulation answers every M up to the
+    one it ran at through :func:`_drain`. It runs at 2 more microbatches than
+    asked (the data assignment then asks for M + 1 and M + 2), and again, longer,
+    when a larger M is asked."""
+    n = len(times.fwd)
+    if schedule != "1f1b" or microbatches < n:
+        return group_makespan(times, schedule, microbatches)
+    trace = _TRACES.get(times)
+    if trace is None or trace.m < microbatches:
+        trace = _trace_1f1b(times.fwd, times.bwd, times.comm, microbatches + 2)
+        _TRACES[times] = trace
+        if len(_TRACES) > _TRACES_SIZE:
+            _TRACES.popitem(last=False)
+    else:
+        _TRACES.move_to_end(times)
+    return _drain(trace, times.bwd, times.comm, microbatches)
+
+
+@lru_cache(maxsize=65536)
+def _exact(times: GroupTimes, schedule: str, microbatches: int) -> float:
+    return exact_makespan(times, schedule, microbatches)
 
 
 _WINDOW = 8
@@ -188,7 +373,8 @@ def _base(n_stages: int) -> int:
 def _regime(times: GroupTimes, schedule: str) -> tuple[tuple[float, ...], int] | None:
     """Makespans at M = base .. base+7 and their period c, if periodic there."""
     base = _base(len(times.fwd))
-    p = tuple(group_makespan(times, schedule, base + i) for i in range(_WINDOW))
+    exact_makespan(times, schedule, base + _WINDOW - 1)  # the largest first: one simulation
+    p = tuple(exact_makespan(times, schedule, base + i) for i in range(_WINDOW))
     tol = 1e-9 * max(abs(p[-1]), 1e-30)
     for c in (1, 2, 3):
         steps = [p[i + c] - p[i] for i in range(_WINDOW - c)]
@@ -211,10 +397,10 @@ def fast_makespan(times: GroupTimes, schedule: str, microbatches: int) -> float:
     """
     base = _base(len(times.fwd))
     if microbatches < base + _WINDOW:
-        return group_makespan(times, schedule, microbatches)
+        return _exact(times, schedule, microbatches)
     regime = _regime(times, schedule)
     if regime is None:
-        return group_makespan(times, schedule, microbatches)
+        return _exact(times, schedule, microbatches)
     p, c = regime
     offset = (microbatches - base) % c
     anchor = offset + c * ((_WINDOW - 1 - offset) // c)  # last sample = M (mod c)
@@ -311,6 +497,7 @@ def partition_group(
     tau = _dp_bottleneck(bottle, n_layers)
     if not np.isfinite(tau):
         return None
+    fills = _dp_fills(np.stack(bottle), np.stack(fill), [tau * f for f in _THRESHOLDS], n_layers)
     # Few microbatches: rank cuts by the exact simulation (fill and drain dominate, and
     # small cases are where the planner is held to the brute-force optimum). Steady
     # state (M >= 2S + 4): rank by the closed-form proxy, then keep whichever of the
@@ -318,8 +505,7 @@ def partition_group(
     proxy = always_proxy or microbatches >= 2 * n_stages + 4
     best: GroupCut | None = None
     seen: set[tuple[int, ...]] = set()
-    for factor in _THRESHOLDS:
-        bounds = _dp_fill(bottle, fill, tau * factor, n_layers)
+    for bounds in fills:
         if bounds is None or bounds in seen:
             continue
         seen.add(bounds)

@@ -193,12 +193,14 @@ _EVALS = _Memo(100_000)
 
 def clear_memos() -> None:
     """Forget every memoised cut and makespan (benchmarks that time cold searches)."""
-    from .partition import _regime
+    from .partition import _TRACES, _exact, _regime
     from .refmodel import _cached_makespan
 
     _CUTS.data.clear()
     _EVALS.data.clear()
     _regime.cache_clear()
+    _exact.cache_clear()
+    _TRACES.clear()
     _cached_makespan.cache_clear()
 
 

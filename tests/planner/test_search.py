@@ -12,8 +12,15 @@ from hetpilot.planner.assign import AssignmentLP, assign_microbatches
 from hetpilot.planner.baselines import BASELINES, balanced_cuts, uniform_cuts
 from hetpilot.planner.bruteforce import brute_force
 from hetpilot.planner.errors import InfeasibleError
-from hetpilot.planner.partition import ModelArrays, evaluate_cut, fast_makespan, partition_group
-from hetpilot.planner.refmodel import GroupTimes, evaluate, group_makespan
+from hetpilot.planner.partition import (
+    ModelArrays,
+    evaluate_cut,
+    exact_makespan,
+    fast_makespan,
+    partition_group,
+)
+from hetpilot.planner.refmodel import GroupTimes, evaluate, group_makespan, pipeline_makespan
+from hetpilot.planner.schedules import order
 from hetpilot.planner.search import candidate_plans, make_plan
 from hetpilot.planner.types import Job
 
@@ -161,6 +168,28 @@ def test_fast_makespan_extrapolation_is_close() -> None:
         for schedule in ("1f1b", "gpipe"):
             exact = group_makespan(times, schedule, 90)
             assert fast_makespan(times, schedule, 90) == pytest.approx(exact, rel=0.02)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_exact_makespan_is_the_reference_simulation(seed: int) -> None:
+    """One 1f1b simulation answers smaller M from its drains: the same floats, bit for bit."""
+    from hetpilot.planner.partition import _TRACES
+
+    r = random.Random(seed)
+    for _ in range(40):
+        n = r.randint(1, 16)
+        digits = 1 if r.random() < 0.3 else 17  # 1 digit: many equal arrival times
+        f = tuple(round(r.uniform(0.01, 2.0), digits) or 0.1 for _ in range(n))
+        times = GroupTimes(f, tuple(x * r.uniform(1.0, 3.0) for x in f),
+                           tuple(round(r.uniform(0.0, 1.0), digits) for _ in range(n - 1)))
+        _TRACES.clear()
+        ms = list(range(1, 3 * n + 12))
+        r.shuffle(ms)  # traces made at every order of requests
+        for m in ms:
+            orders = [order("1f1b", n, j, m) for j in range(n)]
+            expect = pipeline_makespan(times.fwd, times.bwd, times.comm, orders)
+            assert exact_makespan(times, "1f1b", m) == expect
+            assert exact_makespan(times, "gpipe", m) == group_makespan(times, "gpipe", m)
 
 
 def test_baseline_cuts() -> None:
