@@ -6,8 +6,12 @@ scikit-learn's ``RandomForestRegressor`` fitted on ``log(slowdown)`` (errors
 are relative, and a forest averages logs into a geometric mean, which keeps
 a few very slow windows from dragging every prediction up).
 
-- It starts from the bootstrap set recorded on this machine
-  (``adapt/data/bootstrap.csv``, :mod:`hetpilot.adapt.collect`).
+- It starts from the bootstrap set recorded on this machine: every
+  recording packaged in ``adapt/data/`` (:func:`load_bootstrap`; made by
+  :mod:`hetpilot.adapt.collect` with 0.8 s, 2 s and longer slots). Pooling
+  them beats any one alone on the others' held-out rows
+  (``bench/RESULTS-adapt.md``): the slowdown a load causes does not depend on
+  how long the trainer's slot is, and more stages and loads are covered.
 - :meth:`SlowdownEstimator.observe` adds what the running system measured
   (:meth:`SlowdownEstimator.observe_many`: the samples of one slot at once).
   Before adding, it scores its current prediction for those samples, so
@@ -48,6 +52,7 @@ __all__ = [
     "SlowdownEstimator",
     "episode_starts",
     "last_value",
+    "load_bootstrap",
     "load_recorded",
     "mape",
     "moving_average",
@@ -75,6 +80,19 @@ class Recorded:
     def __len__(self) -> int:
         return len(self.slowdown)
 
+    @staticmethod
+    def concat(parts: Sequence[Recorded]) -> Recorded:
+        """Recordings one after another; slot numbers stay distinct."""
+        if not parts:
+            raise ValueError("no recordings to join")
+        offsets = np.cumsum([0] + [int(p.slot.max()) + 1 if len(p) else 0 for p in parts[:-1]])
+        return Recorded(
+            np.vstack([p.X for p in parts]), np.concatenate([p.slowdown for p in parts]),
+            np.concatenate([p.quiet_s for p in parts]), np.concatenate([p.measured_s for p in parts]),
+            tuple(s for p in parts for s in p.stage), np.concatenate([p.t for p in parts]),
+            np.concatenate([p.slot + off for p, off in zip(parts, offsets, strict=True)]),
+            np.concatenate([p.first for p in parts]), np.concatenate([p.injected for p in parts]))
+
     def take(self, idx: Sequence[int] | np.ndarray) -> Recorded:
         i = np.asarray(idx)
         return Recorded(self.X[i], self.slowdown[i], self.quiet_s[i], self.measured_s[i],
@@ -84,15 +102,33 @@ class Recorded:
 
 def load_recorded(path: str | Path | None = None) -> Recorded:
     """The CSV written by :mod:`hetpilot.adapt.collect` (default: the packaged
-    bootstrap set), in time order."""
+    ``bootstrap.csv``), in time order."""
     if path is None:
         ref = resources.files("hetpilot.adapt") / "data" / "bootstrap.csv"
-        text = ref.read_text()
-    else:
-        text = Path(path).read_text()
+        return _parse(ref.read_text(), "bootstrap.csv")
+    return _parse(Path(path).read_text(), str(path))
+
+
+def packaged_recordings() -> list[str]:
+    """Names of the recordings packaged in ``hetpilot.adapt/data``, sorted."""
+    folder = resources.files("hetpilot.adapt") / "data"
+    return sorted(f.name for f in folder.iterdir() if f.name.endswith(".csv"))
+
+
+def load_bootstrap(exclude: Iterable[str] = ()) -> Recorded:
+    """Every packaged recording but those named in ``exclude``, joined (the
+    estimator's bootstrap set)."""
+    skip = {Path(e).name for e in exclude}
+    folder = resources.files("hetpilot.adapt") / "data"
+    parts = [_parse((folder / name).read_text(), name)
+             for name in packaged_recordings() if name not in skip]
+    return Recorded.concat(parts)
+
+
+def _parse(text: str, name: str) -> Recorded:
     rows = list(csv.DictReader(text.splitlines()))
     if not rows:
-        raise ValueError(f"{path or 'bootstrap.csv'}: no rows")
+        raise ValueError(f"{name}: no rows")
     return Recorded(
         X=np.array([from_mapping(r) for r in rows], dtype=float),
         slowdown=np.array([float(r["slowdown"]) for r in rows]),

@@ -33,7 +33,7 @@ from collections import deque
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .estimator import SlowdownEstimator, load_recorded
+from .estimator import SlowdownEstimator, load_bootstrap
 from .features import FEATURES, WORKLOAD, History, Interference, Workload, row, workload_of
 
 __all__ = ["Adapter"]
@@ -61,7 +61,7 @@ class Adapter:
     def _warm(self) -> None:
         try:
             if self._est is None or self._default is None:
-                data = load_recorded()
+                data = load_bootstrap()
                 med = {name: float(statistics.median(data.X[:, i]))
                        for i, name in enumerate(FEATURES) if name in WORKLOAD[:-1]}
                 self._default = self._default or Workload(**med)

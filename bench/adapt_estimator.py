@@ -1,9 +1,11 @@
 """Estimator benchmark: MAPE of predicted stage time on held-out recorded data.
 
-    .venv/bin/python bench/adapt_estimator.py [--data adapt/data/bootstrap.csv]
+    .venv/bin/python bench/adapt_estimator.py [--data adapt/data/bootstrap.csv] [--no-pool]
 
 Time split: the episodes that start in the first 70% of rows (in recording
-order) train, the rest are held out. Predicted stage time = the stage's
+order) train, the rest are held out. The estimators train on those rows plus,
+as the daemon's bootstrap set does, every other recording packaged in
+``adapt/data/`` (``--no-pool``: the training rows of ``--data`` alone). Predicted stage time = the stage's
 quiet time x predicted slowdown. Predictors, on the same held-out rows:
 
 - ``estimator (offline)``: :class:`SlowdownEstimator` as the daemon runs it
@@ -35,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import numpy as np
 from hetpilot.adapt.estimator import (
@@ -42,9 +45,11 @@ from hetpilot.adapt.estimator import (
     SlowdownEstimator,
     episode_starts,
     last_value,
+    load_bootstrap,
     load_recorded,
     mape,
     moving_average,
+    packaged_recordings,
     time_split,
 )
 from hetpilot.adapt.features import FEATURES
@@ -79,10 +84,14 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--data", default="adapt/data/bootstrap.csv")
     p.add_argument("--train", type=float, default=0.7)
+    p.add_argument("--no-pool", dest="pool", action="store_false",
+                   help="train on --data's training rows alone")
     a = p.parse_args()
     d = load_recorded(a.data)
     cut = time_split(d, a.train)
-    tr, te = d.take(np.arange(cut)), d.take(np.arange(cut, len(d)))
+    own, te = d.take(np.arange(cut)), d.take(np.arange(cut, len(d)))
+    others = [n for n in packaged_recordings() if n != Path(a.data).name] if a.pool else []
+    tr = Recorded.concat([load_bootstrap(exclude=[a.data]), own]) if others else own
     episode_of = np.cumsum(episode_starts(d))
     subsets = {
         "all": np.ones(len(te), dtype=bool),
@@ -105,6 +114,7 @@ def main() -> None:
     }
     out: dict[str, object] = {
         "rows": len(d), "train": cut, "held_out": len(te),
+        "also_trained_on": others,
         "held_out_rows": {k: int(m.sum()) for k, m in subsets.items()},
         "slowdown_quartiles": np.percentile(te.slowdown, [25, 50, 75]).round(2).tolist(),
     }

@@ -99,3 +99,21 @@ def test_last_measurement_is_kept_only_where_the_forest_agrees_with_it(data: Rec
     np.testing.assert_array_equal(blended[~agree], forest[~agree])
     est.trust_last = 0.0
     np.testing.assert_array_equal(est.predict(te.X), forest)
+
+
+def test_bootstrap_joins_every_packaged_recording_with_distinct_slots() -> None:
+    from importlib import resources
+
+    from hetpilot.adapt.estimator import load_bootstrap, packaged_recordings
+
+    names = packaged_recordings()
+    assert "bootstrap.csv" in names and len(names) >= 2
+    folder = resources.files("hetpilot.adapt") / "data"
+    parts = [load_recorded(str(folder / n)) for n in names]
+    joined = load_bootstrap()
+    assert len(joined) == sum(len(p) for p in parts)
+    # slots of different recordings never merge (the online bench groups rows by slot)
+    assert len(np.unique(joined.slot)) == sum(len(np.unique(p.slot)) for p in parts)
+    assert np.array_equal(joined.slowdown[: len(parts[0])], parts[0].slowdown)
+    less = load_bootstrap(exclude=[f"some/dir/{names[0]}"])
+    assert len(less) == len(joined) - len(parts[0])
