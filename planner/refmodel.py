@@ -300,7 +300,9 @@ def validate_plan(
     micro = plan.microbatch_size
     if plan.schedule not in SCHEDULES:
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
-    used: dict[str, str] = {}
+    by_id = cluster.by_id
+    used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
+    needs: dict[tuple[int, int, bool, int], float] = {}  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
         gp = f"plan.groups[{gi}]"
@@ -313,22 +315,25 @@ def validate_plan(
             raise InvalidPlanError(f"{gp}.stages", "must not be empty")
         expect = 0
         for si, stage in enumerate(group.stages):
-            sp = f"{gp}.stages[{si}]"
-            if stage.device not in cluster.by_id:
-                raise InvalidPlanError(f"{sp}.device", f"unknown device {stage.device!r}")
+            if stage.device not in by_id:
+                raise InvalidPlanError(f"{gp}.stages[{si}].device",
+                                       f"unknown device {stage.device!r}")
             if stage.device in used:
+                ug, us = used[stage.device]
                 raise InvalidPlanError(
-                    f"{sp}.device", f"{stage.device!r} is already used at {used[stage.device]}"
+                    f"{gp}.stages[{si}].device",
+                    f"{stage.device!r} is already used at plan.groups[{ug}].stages[{us}]",
                 )
-            used[stage.device] = sp
+            used[stage.device] = (gi, si)
             a, b = stage.layers
-            if a != expect:
-                raise InvalidPlanError(
-                    f"{sp}.layers", f"must start at layer {expect}, got [{a}, {b})"
-                )
-            if b <= a:
-                raise InvalidPlanError(f"{sp}.layers", f"must be non-empty, got [{a}, {b})")
-            if b > num_layers:
+            if a != expect or b <= a or b > num_layers:
+                sp = f"{gp}.stages[{si}]"
+                if a != expect:
+                    raise InvalidPlanError(
+                        f"{sp}.layers", f"must start at layer {expect}, got [{a}, {b})"
+                    )
+                if b <= a:
+                    raise InvalidPlanError(f"{sp}.layers", f"must be non-empty, got [{a}, {b})")
                 raise InvalidPlanError(
                     f"{sp}.layers", f"ends past the model's {num_layers} layers, got [{a}, {b})"
                 )
@@ -342,8 +347,12 @@ def validate_plan(
         n = len(group.stages)
         for si, stage in enumerate(group.stages):
             flight = _in_flight(plan.schedule, n, si, m, orders)
-            need = stage_memory_mb(model, stage, micro, flight)
-            have = 1000.0 * cluster.by_id[stage.device].memory_gb
+            a, b = stage.layers
+            key = (a, b, stage.recompute, flight)
+            need = needs.get(key)
+            if need is None:
+                need = needs[key] = stage_memory_mb(model, stage, micro, flight)
+            have = 1000.0 * by_id[stage.device].memory_gb
             if need > have:
                 raise InvalidPlanError(
                     f"{gp}.stages[{si}]",

@@ -97,8 +97,19 @@ class Cluster:
             table[_pair(link.a, link.b)] = (link.gbps, lat / 1e6)
         return table
 
+    @cached_property
+    def _links(self) -> dict[tuple[str, str], tuple[float, float]]:
+        return {}
+
     def link(self, a: str, b: str) -> tuple[float, float]:
         """(Gbit/s, latency in seconds) between two distinct devices (spec section 1)."""
+        key = (a, b)
+        found = self._links.get(key)  # memoised: the planner asks for the same pairs often
+        if found is None:
+            found = self._links[key] = self._link(a, b)
+        return found
+
+    def _link(self, a: str, b: str) -> tuple[float, float]:
         found = self._device_links.get(_pair(a, b))
         if found is not None:
             return found
