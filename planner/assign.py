@@ -35,6 +35,10 @@ __all__ = ["AssignmentLP", "assign_microbatches", "lp_problem"]
 _SOLVERS = ("CLARABEL", "HIGHS")
 
 
+_SOLVED: dict[tuple[object, ...], np.ndarray] = {}
+"""Solutions by their inputs (bit for bit), shared by the problems of every size."""
+
+
 class AssignmentLP:
     """The DPP-compiled LP for K groups."""
 
@@ -63,7 +67,30 @@ class AssignmentLP:
         total: int,
         count: Sequence[int] | None = None,
     ) -> np.ndarray:
-        """Microbatches per group of each class (``count[c]`` identical groups in class c)."""
+        """Microbatches per group of each class (``count[c]`` identical groups in class c).
+
+        Memoised on the inputs: every solve starts cold, so the same inputs give the
+        same solution, and a controller re-planning an unchanged structure each slot
+        (or the same structure in several device subsets) asks for it again."""
+        def bits(values: Sequence[float] | None) -> bytes | None:
+            return None if values is None else np.asarray(values, dtype=float).tobytes()
+
+        key = (self.k, bits(fill), bits(cycle), bits(cap), float(total), bits(count))
+        found = _SOLVED.get(key)
+        if found is None:
+            if len(_SOLVED) >= 4096:
+                _SOLVED.clear()
+            found = _SOLVED[key] = self._solve(fill, cycle, cap, total, count)
+        return found.copy()
+
+    def _solve(
+        self,
+        fill: Sequence[float],
+        cycle: Sequence[float],
+        cap: Sequence[float],
+        total: int,
+        count: Sequence[int] | None = None,
+    ) -> np.ndarray:
         self.count.value = np.ones(self.k) if count is None else np.asarray(count, dtype=float)
         self.a.value = np.asarray(fill, dtype=float)
         self.b.value = np.asarray(cycle, dtype=float)

@@ -24,6 +24,7 @@ tried on the best plan.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import math
 import statistics
@@ -31,6 +32,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
+
+import numpy as np
 
 from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError, InvalidPlanError
@@ -42,7 +45,7 @@ from .partition import (
     fast_makespan,
     partition_group,
 )
-from .refmodel import evaluate, group_makespan, group_op_times, sync_time, validate_plan
+from .refmodel import evaluate, group_makespan, group_op_times, validate_plan
 from .schedules import format_order, warmup_order
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -189,15 +192,20 @@ class _Memo:
 
 _CUTS = _Memo(20_000)
 _EVALS = _Memo(100_000)
+_STAGES: dict[tuple[object, ...], tuple[Stage, ...]] = {}
+"""Stages of a group (device ids) under a cut (bounds, recompute): immutable, shared."""
 
 
 def clear_memos() -> None:
-    """Forget every memoised cut and makespan (benchmarks that time cold searches)."""
+    """Forget every memoised cut, makespan and LP solution (benchmarks that time cold searches)."""
+    from .assign import _SOLVED
     from .partition import _TRACES, _exact, _regime
     from .refmodel import _cached_makespan
 
     _CUTS.data.clear()
     _EVALS.data.clear()
+    _STAGES.clear()
+    _SOLVED.clear()
     _regime.cache_clear()
     _exact.cache_clear()
     _TRACES.clear()
@@ -358,10 +366,16 @@ class Planner:
             c = self.at(g, cut.bounds, m, schedule)
             if c is None:
                 return None
-            stages = tuple(
-                Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]), recompute=c.recompute[j])
-                for j, d in enumerate(g)
-            )
+            key = (tuple(d.id for d in g), c.bounds, c.recompute)
+            stages = _STAGES.get(key)
+            if stages is None:  # the same group and cut recur across structures, subsets, slots
+                if len(_STAGES) >= 50_000:
+                    _STAGES.clear()
+                stages = _STAGES[key] = tuple(
+                    Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]),
+                          recompute=c.recompute[j])
+                    for j, d in enumerate(g)
+                )
             groups.append(Group(samples=m * self.micro, stages=stages))
             makespans.append(c.makespan)
         plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
@@ -388,10 +402,89 @@ class Planner:
                         makespans.append(fast_makespan(times, plan.schedule, m))
         except InvalidPlanError:
             return None
-        iteration = max(makespans) + sync_time(self.cluster, self.model, plan.groups)
+        iteration = max(makespans) + self.sync_time(plan.groups)
         plan = Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule,
                     groups=plan.groups, predicted_iteration_s=iteration)
         return Candidate(plan, iteration, plan_costs(self.cluster, plan), label)
+
+    def sync_time(self, groups: Sequence[Group]) -> float:
+        """:func:`~hetpilot.planner.refmodel.sync_time` of a *valid* plan's groups
+        (:meth:`score` validates first): the same float, found with far fewer steps.
+
+        In a valid plan every stage holds a distinct device and each group's
+        stages cover the layers in order, so the reference's buckets (runs of
+        layers with the same owner in every group) are the ranges between
+        consecutive stage ends of any group; a bucket's ring is the slowest
+        link and the largest latency between neighbouring groups' owners, and a
+        device's sum is over its stage's buckets, which only the group's stage
+        ends decide. So links are looked up once per run of buckets over which
+        two neighbours keep their stages, and sums are formed once per pattern
+        of stage ends, each with the reference's arithmetic in its order.
+        """
+        k = len(groups)
+        if k <= 1:
+            return 0.0
+        ends = sorted({s.layers[1] for g in groups for s in g.stages})
+        n_buckets = len(ends)
+        patterns: dict[tuple[int, ...], int] = {}
+        stage_of: list[list[int]] = []  # per pattern: the stage holding each bucket
+        pattern_of: list[int] = []
+        for g in groups:
+            mine = tuple(s.layers[1] for s in g.stages)
+            p = patterns.get(mine)
+            if p is None:
+                p = patterns[mine] = len(stage_of)
+                stage_of.append([bisect.bisect_left(mine, e) for e in ends])
+            pattern_of.append(p)
+        runs: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+        link = self.cluster.link
+        whole_gbps, whole_lat = math.inf, 0.0  # neighbours that keep one stage pair throughout
+        rows_gbps: list[list[float]] = []
+        rows_lat: list[list[float]] = []
+        for i in range(k):
+            j = (i + 1) % k
+            key = (pattern_of[i], pattern_of[j])
+            found = runs.get(key)
+            if found is None:
+                found = runs[key] = _runs(stage_of[key[0]], stage_of[key[1]])
+            a, b = groups[i].stages, groups[j].stages
+            if len(found) == 1:
+                _, si, sj = found[0]
+                gbps, lat = link(a[si].device, b[sj].device)
+                whole_gbps = min(whole_gbps, gbps)
+                whole_lat = max(whole_lat, lat)
+                continue
+            row_gbps: list[float] = []
+            row_lat: list[float] = []
+            for length, si, sj in found:
+                gbps, lat = link(a[si].device, b[sj].device)
+                row_gbps.extend([gbps] * length)
+                row_lat.extend([lat] * length)
+            rows_gbps.append(row_gbps)
+            rows_lat.append(row_lat)
+        ring_gbps = [whole_gbps] * n_buckets
+        ring_lat = [whole_lat] * n_buckets
+        if rows_gbps:  # min and max pick one of the values: exact in any order
+            ring_gbps = np.minimum(np.min(np.asarray(rows_gbps), axis=0), whole_gbps).tolist()
+            ring_lat = np.maximum(np.max(np.asarray(rows_lat), axis=0), whole_lat).tolist()
+        layers = self.model.layers
+        factor = 2.0 * (k - 1) / k
+        lat_hops = 2.0 * (k - 1)
+        all_reduce = []
+        start = 0
+        for end, gbps, lat in zip(ends, ring_gbps, ring_lat, strict=True):
+            size = 0.0
+            for layer in range(start, end):
+                size += layers[layer].param_mb
+            all_reduce.append(factor * size * 8.0 / (1000.0 * gbps) + lat_hops * lat)
+            start = end
+        worst = 0.0
+        for stages in stage_of:  # a device's sum: its stage's buckets, in order, from 0.0
+            sums: dict[int, float] = {}
+            for si, value in zip(stages, all_reduce, strict=True):
+                sums[si] = sums.get(si, 0.0) + value
+            worst = max(worst, *sums.values())
+        return worst
 
     def exact(self, cand: Candidate) -> Candidate | None:
         """Re-score with the exact reference model (spec section 5)."""
@@ -424,6 +517,20 @@ class Planner:
             if cand is not None:
                 out.append(cand)
         return out
+
+
+def _runs(first: Sequence[int], second: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(length, stage, stage) of each run of buckets over which two groups keep their stages."""
+    out: list[tuple[int, int, int]] = []
+    length = 0
+    pair = (first[0], second[0])
+    for si, sj in zip(first, second, strict=True):
+        if (si, sj) != pair:
+            out.append((length, *pair))
+            pair, length = (si, sj), 0
+        length += 1
+    out.append((length, *pair))
+    return out
 
 
 # -- the search -----------------------------------------------------------------------

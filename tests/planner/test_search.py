@@ -19,9 +19,15 @@ from hetpilot.planner.partition import (
     fast_makespan,
     partition_group,
 )
-from hetpilot.planner.refmodel import GroupTimes, evaluate, group_makespan, pipeline_makespan
+from hetpilot.planner.refmodel import (
+    GroupTimes,
+    evaluate,
+    group_makespan,
+    pipeline_makespan,
+    sync_time,
+)
 from hetpilot.planner.schedules import order
-from hetpilot.planner.search import candidate_plans, make_plan
+from hetpilot.planner.search import Planner, candidate_plans, make_plan
 from hetpilot.planner.types import Job
 
 from .helpers import flat_cluster, random_model, spec_cluster, spec_model, uniform_model
@@ -190,6 +196,32 @@ def test_exact_makespan_is_the_reference_simulation(seed: int) -> None:
             expect = pipeline_makespan(times.fwd, times.bwd, times.comm, orders)
             assert exact_makespan(times, "1f1b", m) == expect
             assert exact_makespan(times, "gpipe", m) == group_makespan(times, "gpipe", m)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planner_sync_time_is_the_reference(seed: int) -> None:
+    """The planner's all-reduce time of valid plans: the reference's float, bit for bit."""
+    r = random.Random(seed)
+    kinds = [r.choice(list(catalog.DEVICES)) for _ in range(3)]
+    hosts = [(kinds[i % 3], r.randint(1, 4)) for i in range(r.randint(2, 6))]
+    slow = [(0, 1, 5.0)] if len(hosts) > 2 else []
+    cluster = catalog.make_cluster(hosts, inter_host_gbps=r.choice([10.0, 100.0]), slow_links=slow)
+    model = random_model(r.choice([4, 9, 16]), seed)
+    job = Job(global_batch=64, microbatch_size=4, schedules=("1f1b", "gpipe", "custom"))
+    planner = Planner(cluster, model, job)
+    found = candidate_plans(cluster, model, job)
+    assert found
+    for cand in found:
+        groups = cand.plan.groups
+        assert planner.sync_time(groups) == sync_time(cluster, model, groups)
+
+
+def test_assignment_lp_memo_returns_copies() -> None:
+    lp = AssignmentLP(2)
+    first = lp.solve([1.0, 2.0], [0.5, 0.25], [40, 40], 40)
+    first[0] = -1.0
+    again = lp.solve([1.0, 2.0], [0.5, 0.25], [40, 40], 40)
+    assert again[0] >= 0 and abs(again.sum() - 40) < 1e-6
 
 
 def test_baseline_cuts() -> None:
