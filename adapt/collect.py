@@ -20,7 +20,8 @@ reports for a slot. One row per stage and slot.
 
 The features of a row are what the daemon has when it plans that slot:
 
-- agent statistics over the *previous* window: CPU utilisation and
+- agent statistics over the *previous* window, computed as a CPU agent
+  computes them (:mod:`hetpilot.agents.cpustat`): CPU utilisation and
   co-located load (from /proc/stat, our own CPU time taken out), runnable
   processes besides ours (/proc/loadavg, sampled every 0.1 s), memory in use
   (/proc/meminfo), loopback UDP round-trip time and jitter to an echo process
@@ -127,45 +128,28 @@ class _Load:
                 p.kill()
 
 
-def _cpu_times() -> tuple[float, float]:
-    with open("/proc/stat") as fh:
-        vals = [float(x) for x in fh.readline().split()[1:]]
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0.0)
-    return sum(vals), sum(vals) - idle
-
-
-def _running() -> int:
-    with open("/proc/loadavg") as fh:
-        return int(fh.read().split()[3].split("/")[0])
-
-
-def _mem_used() -> float:
-    info: dict[str, float] = {}
-    with open("/proc/meminfo") as fh:
-        for line in fh:
-            k, _, v = line.partition(":")
-            info[k] = float(v.split()[0])
-    return 1.0 - info.get("MemAvailable", 0.0) / max(info.get("MemTotal", 1.0), 1.0)
-
-
 class _Window:
-    """Agent statistics over one window (see the module docstring)."""
+    """Agent statistics over one window (see the module docstring), computed
+    as a CPU agent computes them (:mod:`hetpilot.agents.cpustat`)."""
 
     def __init__(self, sock: socket.socket, port: int) -> None:
+        from hetpilot.agents.cpustat import CpuMeter
+
         self.sock, self.port = sock, port
-        self.tot0, self.busy0 = _cpu_times()
-        self.own0 = sum(os.times()[:2])
+        self.meter = CpuMeter()  # the job is this process: the stage runs in it
         self.running: list[int] = []
         self.rtts: list[float] = []
         self.next = 0.0
 
     def tick(self) -> None:
         """Sample runnable processes and one round trip, at most every 0.1 s."""
+        from hetpilot.agents.cpustat import runnable
+
         now = time.perf_counter()
         if now < self.next:
             return
         self.next = now + 0.1
-        self.running.append(_running())
+        self.running.append(runnable())
         t0 = time.perf_counter()
         self.sock.sendto(len(self.rtts).to_bytes(4, "little"), ("127.0.0.1", self.port))
         with contextlib.suppress(TimeoutError):
@@ -173,19 +157,17 @@ class _Window:
         self.rtts.append((time.perf_counter() - t0) * 1e6)
 
     def close(self, quiet_tflops: float) -> Interference:
+        from hetpilot.agents.cpustat import memory_used
         from hetpilot.agents.probes import cpu_matmul_tflops
 
-        hz = os.sysconf("SC_CLK_TCK")
-        tot1, busy1 = _cpu_times()
-        own = (sum(os.times()[:2]) - self.own0) * hz
+        cpu = self.meter.read()
         tflops = cpu_matmul_tflops(n=256, seconds=0.1)
-        total = max(tot1 - self.tot0, 1e-9)
         rtts = self.rtts or [0.0]
         return Interference(
-            utilization=min(1.0, (busy1 - self.busy0) / total),
-            colocated_load=min(1.0, max(0.0, (busy1 - self.busy0 - own) / total)),
+            utilization=cpu.utilization, colocated_load=cpu.colocated_load,
+            # the mean over the window's samples, less this process
             colocated_processes=max(0.0, statistics.fmean(self.running or [1]) - 1.0),
-            memory_used=_mem_used(), probe_ratio=tflops / quiet_tflops,
+            memory_used=memory_used(), probe_ratio=tflops / quiet_tflops,
             rtt_us=statistics.median(rtts), rtt_jitter_us=statistics.pstdev(rtts))
 
 

@@ -22,6 +22,7 @@ from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 from hetpilot.emulation import EmulationFile
 
 from .config import AgentConfig
+from .cpustat import CpuMeter
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
 
@@ -44,6 +45,7 @@ class Agent:
         self.reports_acked = 0
         self.connections = 0
         self._seq = 0
+        self._cpu: CpuMeter | None = None  # a CPU host's load between reports
         self._md = metadata(config.cluster_token())
         # EMULATED conditions (off unless configured): see hetpilot.emulation
         self._emufile = EmulationFile(config.emulate_file) if config.emulate_file else None
@@ -92,7 +94,9 @@ class Agent:
         bound = server.sockets[0].getsockname()[1]
         adv_host = host if host not in ("0.0.0.0", "::", "") else self.config.host
         self.probe_address = self.config.probe_advertise or f"{adv_host}:{bound}"
-        self.devices = await asyncio.to_thread(discover, self.config)
+        if not self.config.emulate:
+            self._cpu = CpuMeter(self.config.job_pattern)
+        self.devices = await asyncio.to_thread(discover, self.config, self._cpu)
         log.info("%d device(s): %s; probe server %s", len(self.devices),
                  ", ".join(f"{d.index}={d.kind}:{d.tflops:.2f}TF" for d in self.devices),
                  self.probe_address)
@@ -168,7 +172,7 @@ class Agent:
                 last_probe = time.monotonic()
             try:
                 self.devices = await asyncio.to_thread(refresh, self.devices, self.config,
-                                                       reprobe=reprobe)
+                                                       reprobe=reprobe, meter=self._cpu)
             except Exception:  # a flaky probe must not stop reporting
                 log.exception("device refresh failed")
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import socket
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -76,6 +77,10 @@ class AgentConfig:
     """Deadline of every unary call and of each report's ack."""
     max_backoff_s: float = 10.0
     """Reconnect backoff cap (starts at 0.2 s, doubles, with jitter)."""
+    job_pattern: str = r"hetpilot(\.trainer| train\b)"
+    """Regex over process command lines: the job's own processes (trainer ranks),
+    whose CPU time a CPU host does not count as co-located load
+    (:mod:`.cpustat`); empty: only the agent itself."""
     emulate: tuple[EmulatedDevice, ...] = ()
     """Declared fake devices; when set, no hardware is probed."""
     emulate_file: str = ""
@@ -95,6 +100,10 @@ class AgentConfig:
             _check(name, getattr(self, name))
         _check("price_per_hour", self.price_per_hour, positive=False)
         _check("power_watts", self.power_watts, positive=False)
+        try:
+            re.compile(self.job_pattern)
+        except re.error as exc:
+            raise ConfigError(f"job_pattern: not a regular expression: {exc}") from None
         if not 1000 <= self.link_probe_bytes <= 64_000_000:
             raise ConfigError("link_probe_bytes: must be in [1000, 64e6]")
 

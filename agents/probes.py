@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .config import AgentConfig
+from .cpustat import CpuMeter
 
 __all__ = ["DeviceState", "cpu_matmul_tflops", "discover", "refresh"]
 
@@ -70,19 +71,6 @@ def _meminfo() -> tuple[float, float]:
     except (OSError, ValueError, IndexError):
         return 0.0, 0.0
     return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
-
-
-def _cpu_load() -> tuple[float, int]:
-    """(load share 0..1, runnable processes other than us)."""
-    try:
-        with open("/proc/loadavg") as fh:
-            parts = fh.read().split()
-        load1 = float(parts[0])
-        running = int(parts[3].split("/")[0])
-    except (OSError, ValueError, IndexError):
-        return 0.0, 0
-    cpus = os.cpu_count() or 1
-    return min(1.0, load1 / cpus), max(0, running - 1)
 
 
 def _cuda_devices(config: AgentConfig) -> list[DeviceState]:
@@ -145,17 +133,25 @@ def _nvml_update(devices: list[DeviceState]) -> list[DeviceState]:
             pynvml.nvmlShutdown()
 
 
-def _cpu_device(config: AgentConfig) -> DeviceState:
+def _cpu_device(config: AgentConfig, meter: CpuMeter) -> DeviceState:
     total, free = _meminfo()
-    load, running = _cpu_load()
-    return DeviceState(index="0", name=f"cpu x{os.cpu_count() or 1}", kind="cpu",
-                       tflops=cpu_matmul_tflops(), memory_total_gb=total, memory_free_gb=free,
-                       utilization=load, colocated_processes=running, colocated_load=load,
-                       price_per_hour=config.price_per_hour, power_watts=config.power_watts)
+    d = DeviceState(index="0", name=f"cpu x{os.cpu_count() or 1}", kind="cpu",
+                    tflops=cpu_matmul_tflops(), memory_total_gb=total, memory_free_gb=free,
+                    price_per_hour=config.price_per_hour, power_watts=config.power_watts)
+    return _with_load(d, meter)
 
 
-def discover(config: AgentConfig) -> list[DeviceState]:
-    """The host's devices with a first measurement (blocking: run in a thread)."""
+def _with_load(d: DeviceState, meter: CpuMeter) -> DeviceState:
+    cpu = meter.read()
+    return replace(d, utilization=cpu.utilization, colocated_load=cpu.colocated_load,
+                   colocated_processes=cpu.colocated_processes)
+
+
+def discover(config: AgentConfig, meter: CpuMeter | None = None) -> list[DeviceState]:
+    """The host's devices with a first measurement (blocking: run in a thread).
+
+    ``meter`` keeps a CPU host's load statistics between reports (a new one,
+    measuring from now, when not given)."""
     if config.emulate:
         out, i = [], 0
         for e in config.emulate:
@@ -170,19 +166,20 @@ def discover(config: AgentConfig) -> list[DeviceState]:
     cuda = _cuda_devices(config)
     if cuda:
         return _nvml_update(cuda)
-    return [_cpu_device(config)]
+    return [_cpu_device(config, meter or CpuMeter(config.job_pattern))]
 
 
 def refresh(devices: list[DeviceState], config: AgentConfig, *,
-            reprobe: bool) -> list[DeviceState]:
-    """Cheap updates (memory, load) every report; the matmul probe when ``reprobe``."""
+            reprobe: bool, meter: CpuMeter | None = None) -> list[DeviceState]:
+    """Cheap updates (memory, load since the last report) every report; the
+    matmul probe when ``reprobe``."""
     if not devices or devices[0].kind == "emulated":
         return devices
     if devices[0].kind == "cuda":
         return discover(config) if reprobe else _nvml_update(devices)
+    if meter is None:
+        raise ValueError("refresh: a CPU host needs the meter its last report read")
     total, free = _meminfo()
-    load, running = _cpu_load()
     d = devices[0]
     tflops = cpu_matmul_tflops() if reprobe else d.tflops
-    return [replace(d, tflops=tflops, memory_total_gb=total, memory_free_gb=free,
-                    utilization=load, colocated_processes=running, colocated_load=load)]
+    return [_with_load(replace(d, tflops=tflops, memory_total_gb=total, memory_free_gb=free), meter)]
