@@ -58,6 +58,7 @@ class ModelArrays:
         self.lists = tuple(c.tolist() for c in (self.fwd, self.bwd, self.act, self.param,
                                                 self.inp, self.out))
         self.stage_costs: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
+        self.dp_cuts: dict[tuple[object, ...], list[tuple[int, ...] | None] | None] = {}
 
     @cached_property
     def segment(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -89,7 +90,8 @@ def _stage_cost_matrices(
     micro: int,
     in_flight: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot fit).
+    """Per segment [a, b) (row a, column b): bottleneck cost and fill-and-drain sum
+    (inf where it cannot fit). Transposed (row b, column a), as the DP reads them.
 
     Memoised per model on everything they depend on (groups of one cluster share a
     few device kinds and links); the arrays returned are shared, never written."""
@@ -98,7 +100,9 @@ def _stage_cost_matrices(
     if found is None:
         if len(arr.stage_costs) >= 4096:
             arr.stage_costs.clear()
-        found = arr.stage_costs[key] = _stage_costs(arr, dev, link, micro, in_flight)
+        bottleneck, fill = _stage_costs(arr, dev, link, micro, in_flight)
+        found = arr.stage_costs[key] = (np.ascontiguousarray(bottleneck.T),
+                                        np.ascontiguousarray(fill.T))
     return found
 
 
@@ -132,39 +136,40 @@ def _stage_costs(
     return bottleneck, fill
 
 
-def _dp_bottleneck(costs: Sequence[np.ndarray], n_layers: int) -> float:
-    best = costs[0][0].copy()  # best[b]: stage 0 covers [0, b)
-    for cost in costs[1:]:
-        best = np.min(np.maximum(best[:, None], cost), axis=0)
+def _dp_bottleneck(costs_t: Sequence[np.ndarray], n_layers: int) -> float:
+    """Least over cuts of the largest stage bottleneck (``costs_t``: transposed)."""
+    best = costs_t[0][:, 0].copy()  # best[b]: stage 0 covers [0, b)
+    for cost_t in costs_t[1:]:
+        best = np.min(np.maximum(best[None, :], cost_t), axis=1)
     return float(best[n_layers])
 
 
 def _dp_fills(
-    bottle: np.ndarray, fill: np.ndarray, taus: Sequence[float], n_layers: int
+    bottle_t: np.ndarray, fill_t: np.ndarray, taus: Sequence[float], n_layers: int
 ) -> list[tuple[int, ...] | None]:
     """Per threshold tau: the cut minimising the fill-and-drain sum with every stage's
     bottleneck cost <= tau (None if none), all thresholds in one pass.
 
-    ``bottle`` and ``fill`` stack the stages' matrices (S x (L+1) x (L+1)).
-    Each threshold's sums and arg-minima are the ones it would get alone."""
+    ``bottle_t`` and ``fill_t`` stack the stages' transposed matrices (S x (L+1) x
+    (L+1), row b, column a: minima run along rows). Each threshold's sums and
+    arg-minima are the ones it would get alone."""
     limits = np.asarray([tau * (1 + 1e-12) for tau in taus])
-    allowed = np.where(bottle[None] <= limits[:, None, None, None], fill[None], _INF)
-    best = allowed[:, 0, 0, :].copy()  # best[t, b]: stage 0 covers [0, b)
+    allowed = np.where(bottle_t[None] <= limits[:, None, None, None], fill_t[None], _INF)
+    best = allowed[:, 0, :, 0].copy()  # best[t, b]: stage 0 covers [0, b)
     back = []
     for j in range(1, allowed.shape[1]):
-        total = best[:, :, None] + allowed[:, j]
-        arg = np.argmin(total, axis=1)
-        best = np.take_along_axis(total, arg[:, None, :], axis=1)[:, 0, :]
-        back.append(arg)
+        total = best[:, None, :] + allowed[:, j]  # [t, b, a]: best[t, a] + cost[a, b]
+        back.append(np.argmin(total, axis=2).tolist())
+        best = np.min(total, axis=2)  # the values at the arg-minima
     out: list[tuple[int, ...] | None] = []
-    for t in range(len(taus)):
-        if not np.isfinite(best[t, n_layers]):
+    for t, found in enumerate(np.isfinite(best[:, n_layers]).tolist()):
+        if not found:
             out.append(None)
             continue
         cuts = [n_layers]
         b = n_layers
         for arg in reversed(back):
-            b = int(arg[t, b])
+            b = arg[t][b]
             cuts.append(b)
         cuts.append(0)
         out.append(tuple(reversed(cuts)))
@@ -231,69 +236,66 @@ class _Trace:
 
 def _trace_1f1b(fwd: Sequence[float], bwd: Sequence[float], comm: Sequence[float],
                 m: int) -> _Trace:
-    """:func:`~hetpilot.planner.refmodel.pipeline_makespan` on the 1f1b orders, the
-    same arithmetic op by op, keeping each backward's end and each backward
-    transfer's arrival (so that :func:`_drain` can answer any M <= m)."""
+    """:func:`~hetpilot.planner.refmodel.pipeline_makespan` on the 1f1b orders at
+    ``m >= S`` microbatches, keeping each backward's end and each backward
+    transfer's arrival (so that :func:`_drain` can answer any S <= M <= m).
+
+    Every op gets the reference's value (the same operands, the same float
+    operations); only the order in which ops are visited is fixed in advance
+    instead of found by a work list. Stage j's order is S - 1 - j warm-up
+    forwards, then (forward, backward) pairs, then the remaining backwards. The
+    order visited: first each stage's forwards up to its first pair's, stage 0
+    first (each needs only the stage before it); then round r = 0 .. m - 1
+    visits stages last to first, each running its backward of microbatch r (it
+    needs the next stage's, just visited) and then its next forward, which
+    needs the previous stage's forward of round r - 1. Each stage's own ops,
+    and so each channel's transfers, keep their order.
+    """
     n = len(fwd)
-    orders = [order("1f1b", n, j, m) for j in range(n)]
-    unknown = -1.0
-    f_end = [[unknown] * m for _ in range(n)]
-    f_arrive = [[unknown] * m for _ in range(n)]
-    b_arrive = [[unknown] * m for _ in range(n)]
-    b_end = [[unknown] * m for _ in range(n)]
+    last = n - 1
+    f_end = [[0.0] * m for _ in range(n)]
+    f_arrive = [[0.0] * m for _ in range(n)]
+    b_end = [[0.0] * m for _ in range(n)]
+    b_arrive = [[0.0] * m for _ in range(n)]
+    clock = [0.0] * n
     fwd_chan = [0.0] * n
     bwd_chan = [0.0] * n
-    clock = [0.0] * n
-    pos = [0] * n
-    queued = [True] * n
-    work = list(range(n - 1, -1, -1))
-    last = n - 1
-    while work:
-        j = work.pop()
-        queued[j] = False
-        ops = orders[j]
-        n_ops = len(ops)
-        p = pos[j]
-        t = clock[j]
-        f_dur, b_dur = fwd[j], bwd[j]
-        my_f_end, my_f_arrive, my_b_arrive, my_b_end = f_end[j], f_arrive[j], b_arrive[j], b_end[j]
-        woke_up = woke_down = False
-        while p < n_ops:
-            is_bwd, k = ops[p]
-            if not is_bwd:
-                ready = 0.0 if j == 0 else my_f_arrive[k]
-                if ready < 0.0:
-                    break
-                t = (ready if ready > t else t) + f_dur
-                my_f_end[k] = t
+    for j in range(n):
+        f_dur, t, chan = fwd[j], 0.0, 0.0
+        my_f_end, my_f_arrive = f_end[j], f_arrive[j]
+        for k in range(last - j + 1):
+            ready = my_f_arrive[k] if j else 0.0
+            t = (ready if ready > t else t) + f_dur
+            my_f_end[k] = t
+            if j != last:
+                arrive = (t if t > chan else chan) + comm[j]
+                chan = arrive
+                f_arrive[j + 1][k] = arrive
+        clock[j] = t
+        fwd_chan[j] = chan
+    last_f_end = f_end[last]
+    for r in range(m):
+        for j in range(last, -1, -1):
+            t = clock[j]
+            ready = last_f_end[r] if j == last else b_arrive[j][r]
+            t = (ready if ready > t else t) + bwd[j]
+            b_end[j][r] = t
+            if j:
+                chan = bwd_chan[j - 1]
+                arrive = (t if t > chan else chan) + comm[j - 1]
+                bwd_chan[j - 1] = arrive
+                b_arrive[j - 1][r] = arrive
+            k = last - j + r + 1
+            if k < m:
+                ready = f_arrive[j][k] if j else 0.0
+                t = (ready if ready > t else t) + fwd[j]
+                f_end[j][k] = t
                 if j != last:
                     chan = fwd_chan[j]
                     arrive = (t if t > chan else chan) + comm[j]
                     fwd_chan[j] = arrive
                     f_arrive[j + 1][k] = arrive
-                    woke_down = True
-            else:
-                ready = my_f_end[k] if j == last else my_b_arrive[k]
-                if ready < 0.0:
-                    break
-                t = (ready if ready > t else t) + b_dur
-                my_b_end[k] = t
-                if j:
-                    chan = bwd_chan[j - 1]
-                    arrive = (t if t > chan else chan) + comm[j - 1]
-                    bwd_chan[j - 1] = arrive
-                    b_arrive[j - 1][k] = arrive
-                    woke_up = True
-            p += 1
-        pos[j] = p
-        clock[j] = t
-        if woke_down and not queued[j + 1]:
-            queued[j + 1] = True
-            work.append(j + 1)
-        if woke_up and not queued[j - 1]:
-            queued[j - 1] = True
-            work.append(j - 1)
-    # built-in 1f1b orders never deadlock: every op ran
+            clock[j] = t
     return _Trace(m, [array("d", row) for row in b_end], [array("d", row) for row in b_arrive])
 
 
@@ -466,6 +468,37 @@ def cut_fits(
     return _times_for(arr, devices, links, bounds, micro, flights) is not None
 
 
+def _dp_cuts(
+    arr: ModelArrays,
+    devices: Sequence[Device],
+    links: Sequence[tuple[float, float]],
+    micro: int,
+    flights: Sequence[int],
+) -> list[tuple[int, ...] | None] | None:
+    """The DP's cut for each of :data:`_THRESHOLDS` (None: no cut under it), or None
+    if no cut fits at all. Memoised per model on what the stages' cost matrices
+    depend on: groups of the same device kinds and links recur with another M."""
+    n_stages = len(devices)
+    keys = tuple((dev.tflops, dev.memory_gb, links[j] if j + 1 < n_stages else None, micro,
+                  flights[j]) for j, dev in enumerate(devices))
+    if keys in arr.dp_cuts:
+        return arr.dp_cuts[keys]
+    bottle, fill = [], []  # transposed
+    for j, dev in enumerate(devices):
+        b, f = _stage_cost_matrices(arr, dev, keys[j][2], micro, flights[j])  # type: ignore[arg-type]
+        bottle.append(b)
+        fill.append(f)
+    tau = _dp_bottleneck(bottle, arr.num_layers)
+    found = None
+    if np.isfinite(tau):
+        found = _dp_fills(np.stack(bottle), np.stack(fill), [tau * f for f in _THRESHOLDS],
+                          arr.num_layers)
+    if len(arr.dp_cuts) >= 16_384:
+        arr.dp_cuts.clear()
+    arr.dp_cuts[keys] = found
+    return found
+
+
 def partition_group(
     arr: ModelArrays,
     devices: Sequence[Device],
@@ -488,16 +521,9 @@ def partition_group(
     if n_stages > n_layers:
         return None
     flights = _in_flights(schedule, n_stages, microbatches)
-    bottle, fill = [], []
-    for j, dev in enumerate(devices):
-        link = links[j] if j + 1 < n_stages else None
-        b, f = _stage_cost_matrices(arr, dev, link, micro, flights[j])
-        bottle.append(b)
-        fill.append(f)
-    tau = _dp_bottleneck(bottle, n_layers)
-    if not np.isfinite(tau):
+    fills = _dp_cuts(arr, devices, links, micro, flights)
+    if fills is None:
         return None
-    fills = _dp_fills(np.stack(bottle), np.stack(fill), [tau * f for f in _THRESHOLDS], n_layers)
     # Few microbatches: rank cuts by the exact simulation (fill and drain dominate, and
     # small cases are where the planner is held to the brute-force optimum). Steady
     # state (M >= 2S + 4): rank by the closed-form proxy, then keep whichever of the

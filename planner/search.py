@@ -202,6 +202,7 @@ def clear_memos() -> None:
     from .partition import _TRACES, _exact, _regime
     from .refmodel import _cached_makespan
 
+    _model_arrays.cache_clear()  # with them each model's memos of stage costs and DP cuts
     _CUTS.data.clear()
     _EVALS.data.clear()
     _STAGES.clear()
