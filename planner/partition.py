@@ -98,7 +98,7 @@ def _stage_cost_matrices(
     key = (dev.tflops, dev.memory_gb, link, micro, in_flight)
     found = arr.stage_costs.get(key)
     if found is None:
-        if len(arr.stage_costs) >= 4096:
+        if len(arr.stage_costs) >= 512:  # (L+1)^2 floats each, twice
             arr.stage_costs.clear()
         bottleneck, fill = _stage_costs(arr, dev, link, micro, in_flight)
         found = arr.stage_costs[key] = (np.ascontiguousarray(bottleneck.T),
@@ -493,7 +493,7 @@ def _dp_cuts(
     if np.isfinite(tau):
         found = _dp_fills(np.stack(bottle), np.stack(fill), [tau * f for f in _THRESHOLDS],
                           arr.num_layers)
-    if len(arr.dp_cuts) >= 16_384:
+    if len(arr.dp_cuts) >= 4096:
         arr.dp_cuts.clear()
     arr.dp_cuts[keys] = found
     return found

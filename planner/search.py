@@ -370,7 +370,7 @@ class Planner:
             key = (tuple(d.id for d in g), c.bounds, c.recompute)
             stages = _STAGES.get(key)
             if stages is None:  # the same group and cut recur across structures, subsets, slots
-                if len(_STAGES) >= 50_000:
+                if len(_STAGES) >= 8192:
                     _STAGES.clear()
                 stages = _STAGES[key] = tuple(
                     Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]),
