@@ -90,8 +90,8 @@ def _stage_cost_matrices(
     micro: int,
     in_flight: int,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Per segment [a, b) (row a, column b): bottleneck cost and fill-and-drain sum
-    (inf where it cannot fit). Transposed (row b, column a), as the DP reads them.
+    """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot
+    fit), as matrices transposed for the DP (row b, column a).
 
     Memoised per model on everything they depend on (groups of one cluster share a
     few device kinds and links); the arrays returned are shared, never written."""
