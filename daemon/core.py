@@ -96,8 +96,17 @@ class ControlPlane:
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
+        from hetpilot.planner.assign import warm_up
+
         from .control import JobLoop
 
+        def warm() -> None:  # the first assignment LP imports cvxpy (~0.7 s): pay it now
+            try:
+                warm_up()
+            except Exception:  # the first real LP will say what is wrong
+                logging.getLogger("hetpilot.daemon").exception("assignment LP warm-up failed")
+
+        self._tasks.append(asyncio.create_task(asyncio.to_thread(warm), name="lp-warm-up"))
         for rec in self.store.list_jobs():
             if rec.state != JOB_CANCELLED:
                 self._start_loop(rec.job_id, JobLoop)

@@ -7,16 +7,13 @@ continuous assignment is the linear programme
     minimise t  s.t.  a_g * u_g + b_g * M_g <= t,  sum_g M_g = N,
                       0 <= M_g <= cap_g * u_g ... (relaxed: u_g = 1)
 
-written in cvxpy, built once per number of groups with ``cp.Parameter``s
-(DPP). Each solve hands Clarabel the very matrices cvxpy builds for that
-problem (a test holds the two to the same bytes), so it gets cvxpy's solution
-without cvxpy's per-solve overhead, its compile for each new number of
-classes, or its import (cvxpy and scipy.stats are big, and every full garbage
-collection of the process walks them). Every solve starts cold (cvxpy would
-warm-start Clarabel from the problem's previous solve, so its answer to the
-same inputs depended on what was solved before), so solutions are memoised
-on their inputs. cvxpy itself, also cold, answers where that path does not
-apply or Clarabel does not solve it. Rounding then works on the *exact*
+solved with cvxpy, built once per number of groups with ``cp.Parameter``s
+(DPP), so re-solves only update values. Every solve starts cold (a warm start
+from the problem's previous solve made its answer to the same inputs depend,
+by about 1e-7, on what was solved before), so solutions are memoised on their
+inputs: a controller re-planning an unchanged structure each slot, or the
+same structure in several device subsets, asks again. cvxpy is imported when
+the first problem is built, not with this module. Rounding then works on the *exact*
 makespans: floor the LP solution (keeping every group at >= 1 microbatch),
 hand out the remaining microbatches one at a time to the group whose makespan
 grows least, and finally move single microbatches off the slowest group while
@@ -36,7 +33,7 @@ import numpy as np
 
 from .errors import SolverError
 
-__all__ = ["AssignmentLP", "assign_microbatches", "lp_data", "lp_problem", "solve_lp"]
+__all__ = ["AssignmentLP", "assign_microbatches", "lp_problem", "solve_lp", "warm_up"]
 
 _SOLVERS = ("CLARABEL", "HIGHS")
 
@@ -115,6 +112,13 @@ def lp_problem(k: int) -> AssignmentLP:
     return AssignmentLP(k)
 
 
+def warm_up() -> None:
+    """Import cvxpy and compile a small problem now: what the first LP would pay
+    (about 0.7 s of CPU) before the first slot that needs it. A daemon calls this
+    at start."""
+    lp_problem(2).solve([0.0, 0.0], [1.0, 1.0], [2.0, 2.0], 2)
+
+
 def solve_lp(
     fill: Sequence[float],
     cycle: Sequence[float],
@@ -123,7 +127,7 @@ def solve_lp(
     count: Sequence[int] | None = None,
 ) -> np.ndarray:
     """:meth:`AssignmentLP.solve` for ``len(fill)`` classes; builds (and compiles) the
-    cvxpy problem only when the direct path cannot answer."""
+    problem for that size only when the memo cannot answer."""
     return _solve_memo(fill, cycle, cap, total, count,
                        lambda *args: lp_problem(len(fill))._solve(*args))
 
@@ -134,101 +138,21 @@ def _solve_memo(
     cap: Sequence[float],
     total: int,
     count: Sequence[int] | None,
-    fallback: Callable[..., np.ndarray],
+    solve: Callable[..., np.ndarray],
 ) -> np.ndarray:
     """Memoised on the inputs bit for bit (every solve starts cold, so the same inputs
-    give the same solution): a controller re-planning an unchanged structure each slot,
-    or the same structure in several device subsets, asks again."""
+    give the same solution)."""
     def bits(values: Sequence[float] | None) -> bytes | None:
         return None if values is None else np.asarray(values, dtype=float).tobytes()
 
     key = (len(fill), bits(fill), bits(cycle), bits(cap), float(total), bits(count))
     found = _SOLVED.get(key)
     if found is None:
-        found = _clarabel(fill, cycle, cap, total, count)
-        if found is None:
-            found = fallback(fill, cycle, cap, total, count)
+        found = solve(fill, cycle, cap, total, count)
         if len(_SOLVED) >= 4096:
             _SOLVED.clear()
         _SOLVED[key] = found
     return found.copy()
-
-
-class CSC:
-    """A compressed-sparse-column matrix as Clarabel's binding reads one (these
-    attributes of a canonical scipy CSC matrix), so the LP needs no scipy import."""
-
-    has_canonical_format = True
-
-    def __init__(self, data: np.ndarray, indices: np.ndarray, indptr: np.ndarray,
-                 shape: tuple[int, int]) -> None:
-        self.data = data
-        self.indices = indices
-        self.indptr = indptr
-        self.shape = shape
-        self.nnz = len(data)
-
-
-def lp_data(
-    fill: Sequence[float],
-    cycle: Sequence[float],
-    cap: Sequence[float],
-    total: int,
-    count: Sequence[int] | None = None,
-) -> tuple[CSC, np.ndarray, np.ndarray]:
-    """(A, b, c) of the conic form cvxpy gives :class:`AssignmentLP` for Clarabel:
-    variables (t, M_1..M_k); rows: sum count*M = total (zero cone), then, in the
-    nonnegative cone, t - fill - cycle*M >= 0, M >= 0 and cap - M >= 0. A test
-    holds it to cvxpy's ``get_problem_data`` byte for byte."""
-    k = len(fill)
-    a = np.asarray(fill, dtype=float)
-    n = np.ones(k) if count is None else np.asarray(count, dtype=float)
-    cols = np.arange(k, dtype=np.int64)
-    data = np.concatenate((np.full(k, -1.0), np.stack(
-        (n, np.asarray(cycle, dtype=float), np.full(k, -1.0), np.full(k, 1.0)), axis=1).ravel()))
-    rows = np.concatenate((1 + cols, np.stack(
-        (np.zeros(k, dtype=np.int64), 1 + cols, 1 + k + cols, 1 + 2 * k + cols), axis=1).ravel()))
-    starts = np.concatenate(([0], k + 4 * np.arange(k + 1, dtype=np.int64)))
-    A = CSC(data, rows, starts, (1 + 3 * k, 1 + k))
-    b = np.concatenate(([float(total)], 0.0 - a, np.zeros(k), np.asarray(cap, dtype=float)))
-    c = np.zeros(1 + k)
-    c[0] = 1.0
-    return A, b, c
-
-
-def _clarabel(
-    fill: Sequence[float],
-    cycle: Sequence[float],
-    cap: Sequence[float],
-    total: int,
-    count: Sequence[int] | None,
-) -> np.ndarray | None:
-    """The LP solved by Clarabel as cvxpy would call it (same data, default settings),
-    or None where cvxpy must answer: a parameter it would reject or hold as an
-    explicit zero, Clarabel not importable, or not solved."""
-    k = len(fill)
-    values = np.concatenate([np.asarray(v, dtype=float) for v in (fill, cycle, cap)]
-                            + [np.asarray([float(total)])]
-                            + ([] if count is None else [np.asarray(count, dtype=float)]))
-    if k < 1 or not np.all(np.isfinite(values)) or np.any(values < 0):
-        return None
-    if np.any(np.asarray(cycle, dtype=float) == 0) or (count is not None and min(count) == 0):
-        return None
-    try:
-        import clarabel
-
-        A, b, c = lp_data(fill, cycle, cap, total, count)
-        no_index = np.zeros(0, dtype=np.int32)
-        P = CSC(np.zeros(0), no_index, np.zeros(k + 2, dtype=np.int32), (k + 1, k + 1))  # an LP
-        settings = clarabel.DefaultSettings()
-        settings.verbose = False
-        cones = [clarabel.ZeroConeT(1), clarabel.NonnegativeConeT(3 * k)]
-        solution = clarabel.DefaultSolver(P, c, A, b, cones, settings).solve()
-    except Exception:  # pragma: no cover - a Clarabel that reads matrices otherwise: cvxpy answers
-        return None
-    if str(solution.status) not in ("Solved", "AlmostSolved") or solution.x is None:
-        return None
-    return np.clip(np.asarray(solution.x, dtype=float)[1:1 + k], 0.0, None)
 
 
 def assign_microbatches(
