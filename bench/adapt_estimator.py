@@ -126,6 +126,14 @@ def main() -> None:
             ok = m & np.isfinite(t)
             table[name][k] = round(mape(t[ok], te.measured_s[ok]), 1)
     out["mape_pct"] = table
+    bands: dict[str, dict[str, float]] = {}
+    for lo, hi in ((1.0, 1.2), (1.2, 1.5), (1.5, np.inf), (1.3, np.inf)):
+        m = (te.injected > 0) & (te.slowdown >= lo) & (te.slowdown < hi)
+        if m.any():
+            bands[f"slowdown {lo:g}-{hi:g}"] = {"rows": int(m.sum()), **{
+                name: round(mape(preds[name][m] * te.quiet_s[m], te.measured_s[m]), 1)
+                for name in ("estimator (online)", "last value")}}
+    out["under_load_by_slowdown"] = bands
     out["online_self_reported"] = {k: round(v, 1) for k, v in online_err.items()}
     out["importance"] = dict(sorted(
         ((f, round(v, 3)) for f, v in est.importances().items()), key=lambda kv: -kv[1])[:8])
