@@ -229,11 +229,16 @@ def test_baseline_cuts() -> None:
     assert balanced_cuts([1, 1, 1, 1, 4], 2) == [0, 4, 5]
 
 
+def _run_python(code: str) -> None:
+    """Run ``code`` in a fresh interpreter (nothing imported yet); fail with its output."""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_planner_does_not_import_torch_or_grpc() -> None:
     code = ("import sys, hetpilot.planner.search, hetpilot.planner.cli; "
             "bad = [m for m in ('torch', 'grpc') if m in sys.modules]; print(bad); sys.exit(bool(bad))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run_python(code)
 
 
 def test_cvxpy_is_imported_by_the_first_lp_not_by_the_planner() -> None:
@@ -247,8 +252,7 @@ def test_cvxpy_is_imported_by_the_first_lp_not_by_the_planner() -> None:
             "cluster = catalog.make_cluster([('A100', 2), ('V100', 2), ('T4', 2)])\n"
             "make_plan(cluster, catalog.MODELS['gpt2-small'](), Job(global_batch=64, microbatch_size=4))\n"
             "assert 'cvxpy' in sys.modules, 'the LP did not go through cvxpy'\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run_python(code)
 
 
 def test_warm_up_imports_cvxpy_and_compiles_the_smallest_problem() -> None:
@@ -257,8 +261,7 @@ def test_warm_up_imports_cvxpy_and_compiles_the_smallest_problem() -> None:
             "assert 'cvxpy' not in sys.modules\n"
             "assign.warm_up()\n"
             "assert 'cvxpy' in sys.modules and assign.lp_problem.cache_info().currsize == 1\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
-    assert out.returncode == 0, out.stdout + out.stderr
+    _run_python(code)
 
 
 def test_pairs_restrict_the_search_to_those_structures_on_all_devices() -> None:
