@@ -37,7 +37,6 @@ PLAN_B = {  # 2 ranks, other cut, gpipe
 
 
 def _trainer(rank: int, plan: dict, out: Path) -> Trainer:
-    torch.set_default_dtype(torch.float64)
     return Trainer(
         make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
         _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
@@ -45,6 +44,20 @@ def _trainer(rank: int, plan: dict, out: Path) -> Trainer:
         plan_source=StaticPlanSource([plan_from_dict(plan)]), seed=CFG["seed"],
         dtype=torch.float64, reporter=JsonlReporter(out / f"report{rank}.jsonl"),
     )
+
+
+def reference_states() -> list[dict[str, torch.Tensor]]:
+    """One process taking the same steps: PLAN_A for epoch 0, PLAN_B for epoch 1."""
+    from .reference import ReferenceRun, build_layers
+
+    ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
+                       nn.functional.mse_loss, _adam,
+                       _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+                       CFG["batch"], seed=CFG["seed"])
+    for plan in (PLAN_A, PLAN_B):
+        for _ in range(CFG["iterations"]):
+            ref.step(plan_from_dict(plan))
+    return ref.states()
 
 
 def _save_held(trainer: Trainer, path: Path) -> None:
@@ -70,3 +83,30 @@ def _bad_device_run(rank: int, world: int, out: str) -> None:
     bad["groups"][0]["stages"][1]["device"] = "local:9"
     trainer = _trainer(rank, bad, Path(out))
     trainer.fit(1)
+
+
+def _activation_round_trip(rank: int, world: int, out: str) -> None:
+    """Rank 0 sends a nested activation forward, rank 1 sends gradients back."""
+    from .activations import grad_leaves, recv_activation, recv_grads, send_activation, send_grads
+
+    w = torch.ones(3, requires_grad=True)
+    if rank == 0:
+        value = {"seq": (w * 2, torch.arange(4)), "meta": ["x", 7], "h": torch.zeros(2, 2),
+                 "half": w.to(torch.bfloat16) * 3}
+        for work, _ in send_activation(value, 1, k=5):
+            work.wait()
+        outs = grad_leaves(value)
+        grads = recv_grads(outs, 1, k=5)
+        torch.autograd.backward(outs, grads)
+        assert w.grad is not None
+        torch.save({"w_grad": w.grad}, Path(out) / "grad.pt")
+    else:
+        got = recv_activation(0, k=5, device=torch.device("cpu"))
+        v = got.value
+        torch.save({"ids_dtype": str(v["seq"][1].dtype), "meta": v["meta"],
+                    "half_dtype": str(v["half"].dtype), "needs": len(got.grad_inputs),
+                    "h_requires": v["h"].requires_grad}, Path(out) / "recv.pt")
+        loss = (v["seq"][0] * 5).sum() + v["half"].float().sum()  # "half" via bf16
+        loss.backward()
+        for work, _ in send_grads(got.grad_inputs, 0, k=5):
+            work.wait()

@@ -1,35 +1,71 @@
-"""``hetpilot train-check``: the runtime against single-process full-batch training, float64.
+"""``hetpilot train-check``: the runtime against one process taking the same steps, float64.
 
-Draws a random valid plan per epoch (several groups, uneven samples,
-different cuts, recompute on some stages, one schedule per epoch so gpipe,
-1f1b and custom all run, one device left idle in the last epoch), checks
-each before any rank starts, runs them on N spawned gloo ranks with a live
-switch at every epoch boundary, and compares every replica of every layer
-with the same steps taken by one process on the full batch. Exit 0 when the
-largest absolute parameter difference is at most ``--tolerance`` (1e-9).
+Takes a job (``--job MODULE:FN``, the same job function ``hetpilot train``
+runs; default: a small tanh MLP) and draws random valid plans for N local
+ranks until every layer boundary has been cut at least once (after
+tuple/dict-output layers and between tied layers included): several groups,
+uneven samples, every schedule (gpipe, 1f1b, custom), recompute on and off,
+one device idle in the last plan. Each plan is checked before any rank
+starts, then the N spawned gloo ranks run it for a few iterations and switch
+live to the next (layers, tied parameters and optimizer state move between
+ranks). After each plan every replica of every layer (parameters and
+buffers) and the mean loss are compared with
+:class:`~hetpilot.trainer.reference.ReferenceRun`, which takes the same steps
+in one process on the same microbatches, accumulating gradients in float64.
+Exit 0 when the largest absolute difference is at most ``--tolerance``
+(1e-9); otherwise the report names the layer and tensor that differ most.
+
+The job must be deterministic in training mode (no dropout, or dropout 0):
+random ops draw different numbers on different ranks than in one process.
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 import random
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import Plan
 from torch import nn
 
 from .launch import spawn
-from .plans import StaticPlanSource, check_plan, random_plan
-from .runtime import Trainer, layer_seed
+from .plans import check_plan, random_plan
 
-__all__ = ["make_layers", "run_check", "summarize_plan"]
+__all__ = ["BUILTIN_JOB", "Difference", "load_job", "make_layers", "run_check", "summarize_plan"]
 
 SCHEDULE_CYCLE = ("1f1b", "custom", "gpipe")
+BUILTIN_JOB = "hetpilot.trainer.examples:mlp"
+"""The job train-check runs without ``--job``."""
+
+
+def load_job(target: str, field: str = "--job") -> dict[str, Any]:
+    """Call ``MODULE:FN`` (importable from the working directory too, as with ``python -m``)."""
+    module_name, _, fn_name = target.partition(":")
+    if not module_name or not fn_name:
+        raise ValidationError(field, f"must be MODULE:FN, got {target!r}")
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except (ImportError, AttributeError) as exc:
+        raise ValidationError(field, f"cannot load {target!r}: {exc}") from exc
+    spec = fn()
+    if not isinstance(spec, dict):
+        raise ValidationError(field, f"{target} must return a dict, got {type(spec).__name__}")
+    missing = [k for k in ("layers", "loss", "optimizer", "dataset", "global_batch")
+               if k not in spec]
+    if missing:
+        raise ValidationError(field, f"{target}() returned no {', '.join(map(repr, missing))}")
+    return spec
 
 
 def make_layers(num_layers: int, width: int = 6, d_in: int = 4, d_out: int = 2) -> list[Any]:
@@ -69,134 +105,150 @@ def summarize_plan(plan: Plan) -> str:
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    torch.set_default_dtype(torch.float64)
+    from .runtime import Trainer
+
+    spec = load_job(cfg["job"])
     plans = [plan_from_dict(p) for p in cfg["plans"]]
     trainer = Trainer(
-        make_layers(cfg["num_layers"]),
-        nn.functional.mse_loss,
-        _adam,
-        _dataset(cfg["batch"] * cfg["iterations"], cfg["seed"]),
-        global_batch=cfg["batch"],
-        device_id=f"local:{rank}",
-        plan_source=StaticPlanSource(plans),
-        seed=cfg["seed"],
+        spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
+        global_batch=spec["global_batch"], device_id=f"local:{rank}", seed=cfg["seed"],
         dtype=torch.float64,
     )
     out = Path(cfg["out"])
-    for epoch in range(len(plans)):
-        trainer.poll_plan()
-        trainer.train_epoch()
+    if rank == 0:  # rank 0's modules are the runtime's starting point: the reference's too
+        torch.save({layer: module.state_dict() for layer, module in enumerate(spec["layers"])
+                    if isinstance(module, nn.Module)}, out / "init.pt")
+    for i, plan in enumerate(plans):
+        trainer.switch(plan, i + 1)
+        record = trainer.train_epoch(max_iterations=cfg["iterations"])
         state = {layer: {k: v.detach().clone() for k, v in mod.state_dict().items()}
                  for layer, mod in trainer.held_layers.items()}
-        torch.save(state, out / f"epoch{epoch}_rank{rank}.pt")
+        torch.save(state, out / f"plan{i}_rank{rank}.pt")
         if rank == 0:
-            (out / f"switch{epoch}.txt").write_text(str(trainer.last_switch))
+            torch.save({"iterations": record["iterations"], "loss": record["loss"],
+                        "switch": dict(trainer.last_switch)}, out / f"plan{i}.pt")
 
 
-def _reference(cfg: dict[str, Any], epochs: int) -> list[list[dict[str, torch.Tensor]]]:
-    """Full-batch training in one process; per epoch, each layer's state.
-
-    Runs in the caller's process (train-check, tests): the float64 default dtype
-    it needs is restored afterwards so nothing else in the process inherits it.
-    """
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        return _reference_float64(cfg, epochs)
-    finally:
-        torch.set_default_dtype(previous)
+def _microbatch(global_batch: int, ranks: int) -> int:
+    """The largest microbatch size leaving at least two microbatches per rank."""
+    fits = [m for m in range(1, global_batch + 1)
+            if global_batch % m == 0 and global_batch // m >= 2 * ranks]
+    return max(fits) if fits else 1
 
 
-def _reference_float64(cfg: dict[str, Any], epochs: int) -> list[list[dict[str, torch.Tensor]]]:
-    layers = []
-    for i, build in enumerate(make_layers(cfg["num_layers"])):
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(layer_seed(cfg["seed"], i))
-            layers.append(build().to(torch.float64))
-    model = nn.Sequential(*layers)
-    optim = _adam(list(model.parameters()))
-    data = _dataset(cfg["batch"] * cfg["iterations"], cfg["seed"])
-    b = cfg["batch"]
-    states = []
-    for epoch in range(epochs):
-        gen = torch.Generator().manual_seed(cfg["seed"] * 1_000_003 + epoch)
-        perm = torch.randperm(len(data), generator=gen)
-        for it in range(cfg["iterations"]):
-            idx = perm[it * b : (it + 1) * b]
-            x, y = data[idx]
-            loss = nn.functional.mse_loss(model(x), y)
-            optim.zero_grad()
-            loss.backward()
-            optim.step()
-        states.append([{k: v.detach().clone() for k, v in layer.state_dict().items()}
-                       for layer in layers])
-    return states
+def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: int,
+               microbatch: int) -> list[Plan]:
+    """Random valid plans until every layer boundary has been a cut (at least three plans;
+    schedules in turn, recompute on in every other plan, the last leaves one device idle)."""
+    devices = [f"local:{r}" for r in range(ranks)]
+    uncovered = set(range(1, num_layers))
+    schedules = list(SCHEDULE_CYCLE)
+    rng.shuffle(schedules)
+    plans: list[Plan] = []
+    limit = max(3, 4 * num_layers)
+    while len(plans) < 3 or (uncovered and len(plans) < limit):
+        i = len(plans)
+        groups = (rng.randint(min(2, ranks), ranks) if i == 0 else max(1, ranks // 2)
+                  if i == 1 else 1 if uncovered else None)
+        plans.append(random_plan(
+            rng, devices, num_layers, global_batch, microbatch, schedules[i % len(schedules)],
+            groups=groups, prefer_cuts=uncovered, recompute_p=0.5 if i % 2 == 0 else 0.0))
+    last = plans[-1]
+    plans.append(random_plan(rng, devices, num_layers, global_batch, microbatch,
+                             schedules[len(plans) % len(schedules)], leave_idle=True,
+                             recompute_p=0.0 if any(s.recompute for g in last.groups
+                                                    for s in g.stages) else 0.5))
+    return plans
+
+
+@dataclass
+class Difference:
+    """The largest absolute difference found, and where."""
+
+    value: float = 0.0
+    where: str = "nothing compared"
+
+    def update(self, value: float, where: str) -> None:
+        if value > self.value or self.where == "nothing compared":
+            self.value, self.where = value, where
+
+
+def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    if a.numel() == 0:
+        return 0.0
+    return float((a.double() - b.double()).abs().max())
 
 
 def run_check(
     ranks: int,
     *,
+    job: str = BUILTIN_JOB,
     seed: int = 0,
-    num_layers: int = 6,
-    batch: int = 16,
-    microbatch: int = 2,
     iterations: int = 2,
-    timeout_s: float = 120.0,
+    timeout_s: float = 300.0,
     log: Any = print,
-) -> float:
-    """Run the check; return the largest absolute parameter difference."""
+) -> Difference:
+    """Run the check (module docstring); return the largest difference and where it is."""
+    from .reference import ReferenceRun, build_layers
+
+    spec = load_job(job)
+    num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
+    microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
     rng = random.Random(seed)
+    plans = draw_plans(rng, ranks, num_layers, batch, microbatch)
     devices = [f"local:{r}" for r in range(ranks)]
-    schedules = list(SCHEDULE_CYCLE)
-    rng.shuffle(schedules)
-    plans = [
-        random_plan(rng, devices, num_layers, batch, microbatch, schedules[0],
-                    groups=rng.randint(min(2, ranks), ranks)),
-        random_plan(rng, devices, num_layers, batch, microbatch, schedules[1],
-                    groups=max(1, ranks // 2)),
-        random_plan(rng, devices, num_layers, batch, microbatch, schedules[2], leave_idle=True),
-    ]
     for plan in plans:  # refused here, before any rank starts
         check_plan(plan, devices, num_layers, batch)
-    cfg = {
-        "plans": [plan_to_dict(p) for p in plans],
-        "num_layers": num_layers,
-        "batch": batch,
-        "iterations": iterations,
-        "seed": seed,
-    }
-    worst = 0.0
+    cfg = {"plans": [plan_to_dict(p) for p in plans], "job": job, "iterations": iterations,
+           "seed": seed}
+    worst = Difference()
     with tempfile.TemporaryDirectory(prefix="hetpilot-train-check-") as tmp:
         cfg["out"] = tmp
         started = time.monotonic()
         spawn(_worker, ranks, (cfg,), timeout_s)
         took = time.monotonic() - started
-        reference = _reference(cfg, len(plans))
-        for epoch, plan in enumerate(plans):
-            diff = 0.0
+        layers = build_layers(list(spec["layers"]), seed, torch.float64)
+        for layer, state in torch.load(Path(tmp) / "init.pt", weights_only=True).items():
+            layers[layer].load_state_dict(state)
+        ref = ReferenceRun(layers, spec["loss"], spec["optimizer"], spec["dataset"], batch,
+                           seed=seed)
+        for i, plan in enumerate(plans):
+            info = torch.load(Path(tmp) / f"plan{i}.pt", weights_only=False)
+            losses = [ref.step(plan) for _ in range(info["iterations"])]
+            expected = ref.states()
+            here = Difference()
             replicas = 0
             for rank in range(ranks):
-                held = torch.load(Path(tmp) / f"epoch{epoch}_rank{rank}.pt", weights_only=True)
+                held = torch.load(Path(tmp) / f"plan{i}_rank{rank}.pt", weights_only=True)
                 for layer, state in held.items():
                     replicas += 1
+                    name = type(layers[layer]).__name__
                     for key, value in state.items():
-                        ref = reference[epoch][layer][key]
-                        diff = max(diff, float((value - ref).abs().max()))
-            switch = (Path(tmp) / f"switch{epoch}.txt").read_text()
-            log(f"epoch {epoch} plan v{epoch + 1}: {summarize_plan(plan)}")
-            log(f"  {replicas} layer replicas vs full batch: max |diff| = {diff:.3e}  "
-                f"(switch: {switch})")
-            worst = max(worst, diff)
-    log(f"{ranks} ranks, {len(plans)} plans, {iterations} iterations each, {took:.1f} s")
+                        here.update(_max_abs(value, expected[layer][key]),
+                                    f"layer {layer} ({name}) {key!r} on rank {rank}")
+            loss_diff = abs(info["loss"] - sum(losses) / len(losses))
+            here.update(loss_diff, "the mean loss")
+            log(f"plan v{i + 1} ({info['iterations']} it): {summarize_plan(plan)}")
+            log(f"  {replicas} layer replicas, loss {info['loss']:.6g}: max |diff| = "
+                f"{here.value:.3e} at {here.where}  (switch: {info['switch']})")
+            worst.update(here.value, f"plan v{i + 1}, {here.where}")
+    log(f"{ranks} ranks, {len(plans)} plans, microbatch {microbatch}, {took:.1f} s")
     return worst
 
 
-def main(ranks: int, seed: int, tolerance: float, timeout_s: float) -> int:
+def main(ranks: int, seed: int, tolerance: float, timeout_s: float,
+         job: str = BUILTIN_JOB, iterations: int = 2) -> int:
     try:
-        worst = run_check(ranks, seed=seed, timeout_s=timeout_s)
+        worst = run_check(ranks, job=job, seed=seed, iterations=iterations, timeout_s=timeout_s)
+    except ValidationError as exc:
+        print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
+        return 2
     except TimeoutError as exc:
         print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
         return 1
-    verdict = "ok" if worst <= tolerance else "FAIL"
-    print(f"largest absolute parameter difference: {worst:.3e} (tolerance {tolerance:g}) {verdict}")
-    return 0 if worst <= tolerance else 1
+    ok = worst.value <= tolerance
+    print(f"largest absolute difference: {worst.value:.3e} at {worst.where} "
+          f"(tolerance {tolerance:g}) {'ok' if ok else 'FAIL'}")
+    return 0 if ok else 1

@@ -21,6 +21,11 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "train-check":
+        parser.add_argument("--job", default=None, metavar="MODULE:FN",
+                            help="your job function (as for `hetpilot train --model`); default: "
+                                 "a small tanh MLP")
+        parser.add_argument("--iterations", type=int, default=2, metavar="K",
+                            help="iterations per random plan")
         parser.add_argument("--ranks", type=int, default=2, metavar="N")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--tolerance", type=float, default=1e-9)
@@ -91,9 +96,12 @@ def run(args: argparse.Namespace) -> int:
     if args.command == "train-check":
         if args.ranks < 2:
             return _fail(f"--ranks: must be >= 2, got {args.ranks}")
-        from .check import main
+        if args.iterations < 1:
+            return _fail(f"--iterations: must be >= 1, got {args.iterations}")
+        from .check import BUILTIN_JOB, main
 
-        return main(args.ranks, args.seed, args.tolerance, args.timeout)
+        return main(args.ranks, args.seed, args.tolerance, args.timeout,
+                    job=args.job or BUILTIN_JOB, iterations=args.iterations)
     try:
         spec = _load_spec(args.model)
     except ValidationError as exc:

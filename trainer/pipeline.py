@@ -7,13 +7,19 @@ of spec section 5.2: an op waits for its input, never for its consumer. Each
 message is tagged with its microbatch and direction, so custom orders that
 forward microbatches in different orders on neighbouring stages still match.
 
-Activations are single tensors of the training dtype. A forward message is a
-small int64 header (the shape) and then the data; a backward message is the
-gradient, whose shape the receiver knows from its own forward.
+Each layer is called with one argument, the previous layer's output, which
+may be any pytree of tensors and other values; what crosses a cut is sent
+leaf by leaf in each leaf's own dtype (:mod:`hetpilot.trainer.activations`).
+The first stage casts floating input leaves (and the last stage floating
+target leaves) to ``input_dtype`` only when it is given; integer token ids are
+never cast. A stage whose output needs no gradient (parameter-free layers on
+an input that needs none) runs no backward and sends nothing back.
 
 A stage with ``recompute`` runs each layer under
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant): it keeps each layer's
 input and runs the forward again in the backward (spec sections 5.1, 5.4).
+The recomputation restores the layer's buffers afterwards, so BatchNorm's
+running statistics are updated once per microbatch, as without recompute.
 
 NCCL: the same calls work with tensors on the rank's CUDA device, but this
 path has only been run over gloo on CPU.
@@ -21,19 +27,26 @@ path has only been run over gloo on CPU.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from .activations import (
+    grad_leaves,
+    map_tensors,
+    recv_activation,
+    recv_grads,
+    send_activation,
+    send_grads,
+)
+
 __all__ = ["StageRunner", "StageStats"]
-
-_HEADER = 8  # ndim + up to 7 dims
-
 
 @dataclass
 class StageStats:
@@ -58,8 +71,21 @@ class StageStats:
         self.microbatches += other.microbatches
 
 
-def _tag(k: int, backward: bool, header: bool = False) -> int:
-    return 4 * k + (2 if backward else 0) + (1 if header else 0)
+def _restore_buffers(layer: nn.Module) -> Callable[[], tuple[Any, Any]]:
+    """``context_fn`` for checkpoint: the recomputation leaves the layer's buffers as it found
+    them (BatchNorm would otherwise update its running statistics a second time)."""
+
+    @contextlib.contextmanager
+    def restoring() -> Iterator[None]:
+        saved = [b.detach().clone() for b in layer.buffers()]
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, value in zip(layer.buffers(), saved, strict=True):
+                    buf.copy_(value)
+
+    return lambda: (contextlib.nullcontext(), restoring())
 
 
 class StageRunner:
@@ -72,10 +98,10 @@ class StageRunner:
         prev_rank: int | None,
         next_rank: int | None,
         recompute: bool,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_scale: float,
-        dtype: torch.dtype,
         device: torch.device,
+        input_dtype: torch.dtype | None = None,
         slowdown: float = 1.0,
         fwd_target_s: float = 0.0,
         bwd_target_s: float = 0.0,
@@ -86,17 +112,35 @@ class StageRunner:
         self.recompute = recompute
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
-        self.dtype = dtype
+        self.input_dtype = input_dtype
         self.device = device
         self.slowdown = slowdown
         self.fwd_target_s = fwd_target_s
         """EMULATION (target-time mode): a forward of one microbatch lasts at least this long."""
         self.bwd_target_s = bwd_target_s
+        self._contexts = [_restore_buffers(layer) if any(True for _ in layer.buffers())
+                          else None for layer in self.layers]
 
-    def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = checkpoint(layer, x, use_reentrant=False) if self.recompute else layer(x)
+    def _forward(self, x: Any) -> Any:
+        for layer, context in zip(self.layers, self._contexts, strict=True):
+            if not self.recompute:
+                x = layer(x)
+            elif context is None:
+                x = checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = checkpoint(layer, x, use_reentrant=False, context_fn=context)
         return x
+
+    def _to_device(self, value: Any) -> Any:
+        """Move tensor leaves here; cast floating ones to ``input_dtype`` when it is set."""
+        dtype = self.input_dtype
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if dtype is not None and t.is_floating_point():
+                return t.to(self.device, dtype)
+            return t.to(self.device)
+
+        return map_tensors(move, value)
 
     def _slow(self, started: float, stats: StageStats, target_s: float) -> float:
         """EMULATION: sleep-ratio mode stretches the op by ``slowdown``; target-time mode
@@ -113,78 +157,98 @@ class StageRunner:
             took = time.perf_counter() - started
         return took
 
-    def _recv(
-        self, shape: Sequence[int], src: int, tag: int, stats: StageStats,
-        dtype: torch.dtype | None = None,
-    ) -> torch.Tensor:
+    def _receive(self, k: int, stats: StageStats) -> tuple[Any, list[torch.Tensor]]:
+        assert self.prev_rank is not None
         started = time.perf_counter()
-        buf = torch.empty(tuple(shape), dtype=dtype or self.dtype, device=self.device)
-        dist.recv(buf, src=src, tag=tag)
+        got = recv_activation(self.prev_rank, k, self.device)
         stats.wait_s += time.perf_counter() - started
-        return buf
+        return got.value, got.grad_inputs
 
     def run(
         self,
         ops: Sequence[tuple[bool, int]],
-        inputs: Callable[[int], torch.Tensor],
-        targets: Callable[[int], torch.Tensor],
+        inputs: Callable[[int], Any],
+        targets: Callable[[int], Any],
     ) -> tuple[StageStats, float]:
         """Run one iteration's ops; return the stats and the sum of scaled losses (last stage)."""
         stats = StageStats()
-        saved: dict[int, tuple[torch.Tensor | None, torch.Tensor]] = {}
-        pending: list[tuple[dist.Work, torch.Tensor]] = []
+        # k -> (received leaves needing a gradient, output leaves needing one, or the loss)
+        saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        pending: list[tuple[Any, torch.Tensor]] = []
         loss_sum = 0.0
         first, last = self.prev_rank is None, self.next_rank is None
         for is_bwd, k in ops:
             if not is_bwd:
+                x_in: list[torch.Tensor] = []
                 if first:
-                    x = inputs(k).to(self.device, self.dtype)
-                    x_in: torch.Tensor | None = None
+                    x = self._to_device(inputs(k))
                 else:
-                    assert self.prev_rank is not None
-                    header = self._recv(
-                        (_HEADER,), self.prev_rank, _tag(k, False, True), stats, torch.int64
-                    )
-                    shape = [int(v) for v in header[1 : 1 + int(header[0])].tolist()]
-                    x = self._recv(shape, self.prev_rank, _tag(k, False), stats)
-                    x.requires_grad_(True)
-                    x_in = x
+                    x, x_in = self._receive(k, stats)
                 started = time.perf_counter()
                 y = self._forward(x)
                 if last:
-                    y = self.loss_fn(y, targets(k).to(self.device)) * self.loss_scale
+                    y = self.loss_fn(y, self._to_device(targets(k))) * self.loss_scale
                     loss_sum += float(y.detach())
                 stats.fwd_s += self._slow(started, stats, self.fwd_target_s)
-                saved[k] = (x_in, y)
+                saved[k] = (x_in, grad_leaves(y))
                 if not last:
                     assert self.next_rank is not None
-                    out = y.detach().contiguous()
-                    header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
-                    header[0] = out.dim()
-                    header[1 : 1 + out.dim()] = torch.tensor(out.shape, dtype=torch.int64)
-                    for tensor, tag in ((header, _tag(k, False, True)), (out, _tag(k, False))):
-                        work = dist.isend(tensor, dst=self.next_rank, tag=tag)
-                        assert work is not None
-                        pending.append((work, tensor))
+                    pending.extend(send_activation(y, self.next_rank, k))
             else:
-                x_in, y = saved.pop(k)
-                if last:
-                    grad = None
-                else:
+                x_in, outs = saved.pop(k)
+                grads: list[torch.Tensor] | None = None
+                if not last and outs:
                     assert self.next_rank is not None
-                    grad = self._recv(y.shape, self.next_rank, _tag(k, True), stats)
+                    started = time.perf_counter()
+                    grads = recv_grads(outs, self.next_rank, k)
+                    stats.wait_s += time.perf_counter() - started
                 started = time.perf_counter()
-                torch.autograd.backward(y, grad)
+                if outs:
+                    torch.autograd.backward(outs, grads)
                 stats.bwd_s += self._slow(started, stats, self.bwd_target_s)
-                if x_in is not None:
-                    assert self.prev_rank is not None and x_in.grad is not None
-                    g = x_in.grad.contiguous()
-                    work = dist.isend(g, dst=self.prev_rank, tag=_tag(k, True))
-                    assert work is not None
-                    pending.append((work, g))
+                if x_in:
+                    assert self.prev_rank is not None
+                    pending.extend(send_grads(x_in, self.prev_rank, k))
                 stats.microbatches += 1
         started = time.perf_counter()
         for work, _ in pending:
             work.wait()
         stats.wait_s += time.perf_counter() - started
         return stats, loss_sum
+
+    def evaluate(
+        self,
+        sizes: Sequence[int],
+        inputs: Callable[[int], Any],
+        targets: Callable[[int], Any],
+        metric: Callable[[Any, Any], Any],
+    ) -> float:
+        """Forward microbatches of ``sizes`` samples without gradients (layers in eval mode);
+        return ``sum_k sizes[k] * metric_k`` on the last stage (0 elsewhere)."""
+        first, last = self.prev_rank is None, self.next_rank is None
+        total = 0.0
+        pending: list[tuple[Any, torch.Tensor]] = []
+        modes = [layer.training for layer in self.layers]
+        for layer in self.layers:
+            layer.eval()
+        try:
+            with torch.no_grad():
+                for k, size in enumerate(sizes):
+                    if first:
+                        x = self._to_device(inputs(k))
+                    else:
+                        assert self.prev_rank is not None
+                        x = recv_activation(self.prev_rank, k, self.device).value
+                    for layer in self.layers:
+                        x = layer(x)
+                    if last:
+                        total += size * float(metric(x, self._to_device(targets(k))))
+                    else:
+                        assert self.next_rank is not None
+                        pending.extend(send_activation(x, self.next_rank, k))
+            for work, _ in pending:
+                work.wait()
+        finally:
+            for layer, mode in zip(self.layers, modes, strict=True):
+                layer.train(mode)
+        return total

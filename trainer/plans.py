@@ -175,6 +175,18 @@ def _random_custom_orders(rng: random.Random, stages: int, micro: int) -> list[l
         orders[j].append(("B" if is_bwd else "F") + str(k))
 
 
+def _draw_cuts(rng: random.Random, num_layers: int, count: int,
+               prefer: set[int] | None) -> list[int]:
+    preferred = sorted(prefer or ())
+    rng.shuffle(preferred)
+    cuts = preferred[:count]
+    others = [c for c in range(1, num_layers) if c not in cuts]
+    cuts += rng.sample(others, count - len(cuts))
+    if prefer is not None:
+        prefer.difference_update(cuts)
+    return sorted(cuts)
+
+
 def random_plan(
     rng: random.Random,
     device_ids: Sequence[str],
@@ -185,9 +197,13 @@ def random_plan(
     *,
     groups: int | None = None,
     leave_idle: bool = False,
+    prefer_cuts: set[int] | None = None,
+    recompute_p: float = 0.3,
 ) -> Plan:
     """A random valid plan: ``groups`` groups (random if None), uneven samples, random cuts
-    and recompute; with ``leave_idle`` one device is left out."""
+    and recompute (each stage with probability ``recompute_p``); with ``leave_idle`` one
+    device is left out. Cuts are drawn from ``prefer_cuts`` first (boundaries not yet tried;
+    each one drawn is removed from the set)."""
     devices = list(device_ids)
     rng.shuffle(devices)
     if leave_idle and len(devices) > 1:
@@ -211,7 +227,7 @@ def random_plan(
     for g in range(k):
         stage_devices = devices[pos : pos + sizes[g]]
         pos += sizes[g]
-        cuts = sorted(rng.sample(range(1, num_layers), len(stage_devices) - 1))
+        cuts = _draw_cuts(rng, num_layers, len(stage_devices) - 1, prefer_cuts)
         bounds = [0, *cuts, num_layers]
         orders: list[tuple[str, ...] | None] = (
             [tuple(o) for o in _random_custom_orders(rng, len(stage_devices), counts[g])]
@@ -222,7 +238,7 @@ def random_plan(
             Stage(
                 device=d,
                 layers=(bounds[j], bounds[j + 1]),
-                recompute=rng.random() < 0.3,
+                recompute=rng.random() < recompute_p,
                 order=orders[j],
             )
             for j, d in enumerate(stage_devices)

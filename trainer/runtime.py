@@ -49,16 +49,19 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import Plan
 from torch import nn
+from torch.utils.data import default_collate
 
 from hetpilot.emulation import EmulationFile, allreduce_s
 
 from .pipeline import StageRunner, StageStats
 from .plans import PlanSource, check_plan
+from .replicas import Tie, find_ties, reconcile_buffers, snapshot_buffers, tie_param
 
 __all__ = ["JsonlReporter", "Trainer", "layer_seed"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+Metric = Callable[[Any, Any], Any]
 Reporter = Callable[[dict[str, Any]], None]
 
 log = logging.getLogger("hetpilot.trainer")
@@ -86,7 +89,7 @@ class Trainer:
     def __init__(
         self,
         layers: Sequence[LayerSpec] | nn.Sequential,
-        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        loss_fn: Callable[[Any, Any], torch.Tensor],
         optimizer: OptimizerFactory,
         dataset: Any,
         *,
@@ -103,6 +106,8 @@ class Trainer:
         report_from_rank0: bool = False,
         keep_plan_on_refusal: bool = False,
         emulate_file: str | Path | None = None,
+        eval_dataset: Any = None,
+        metric: Metric | None = None,
     ) -> None:
         """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
         sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
@@ -118,6 +123,14 @@ class Trainer:
         re-read before every iteration: this rank's device speed there replaces
         ``emulate_tflops`` (target-time mode, needs ``layer_gflop``), and each gradient
         all-reduce lasts at least spec 5.3's time over the file's host links.
+
+        ``dtype``: None keeps every parameter, buffer and input in the dtype it has; a
+        floating dtype casts the layers' floating parameters and buffers and the floating
+        input and target leaves to it (integer token ids are never cast).
+        ``eval_dataset`` and ``metric``: at the end of each epoch, group 0's pipeline runs
+        the held-out set forward (layers in ``eval()`` mode, no gradients) and the epoch
+        record's ``eval_metric`` is the sample-weighted mean of ``metric(output, target)``
+        over its microbatches (``metric`` returns the mean over one microbatch).
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
@@ -150,7 +163,9 @@ class Trainer:
         if self.iterations_per_epoch < 1:
             raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch")
         self.seed = seed
-        self.dtype = dtype or torch.get_default_dtype()
+        if dtype is not None and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
+        self.dtype = dtype
         self.device = torch.device(device)
         self.slowdown = slowdown
         self.emulate_tflops = emulate_tflops
@@ -163,12 +178,30 @@ class Trainer:
         self._refused_version = 0
         self.source = plan_source
         self.device_id = device_id
+        if (eval_dataset is None) != (metric is None):
+            raise ValueError("eval_dataset and metric go together: give both or neither")
+        self.eval_dataset = eval_dataset
+        self.metric = metric
         ids: list[Any] = [None] * self.world
         dist.all_gather_object(ids, device_id)
         self.device_ids: list[str] = [str(i) for i in ids]
         if len(set(self.device_ids)) != self.world:
             raise ValueError(f"two ranks report the same device id: {self.device_ids}")
         self.rank_of = {d: r for r, d in enumerate(self.device_ids)}
+        self.ties: list[Tie] = find_ties(self._specs)
+        """Parameters shared between layers (see :mod:`hetpilot.trainer.replicas`)."""
+        found: list[Any] = [None] * self.world
+        dist.all_gather_object(found, [t.uses for t in self.ties])
+        if any(f != found[0] for f in found):
+            raise ValueError("ranks found different tied parameters in the model; the job "
+                             "function must build the same modules on every rank")
+        self._tie_of: dict[int, list[int]] = {}
+        """layer -> indices of the ties it uses."""
+        for t, tie in enumerate(self.ties):
+            for layer in tie.layers:
+                self._tie_of.setdefault(layer, []).append(t)
+        self._tie_optims: dict[int, torch.optim.Optimizer] = {}
+        """The ties this rank holds (any of their layers), each with its own optimizer."""
 
         self.plan: Plan | None = None
         self.version = 0
@@ -187,11 +220,16 @@ class Trainer:
             if self.rank == 0:
                 for layer in range(self.num_layers):
                     self._install(layer)
+                for t in range(len(self.ties)):
+                    self._install_tie(t)
         self._ckpt_dir: Path | None = None
         self._runner: StageRunner | None = None
         self._ops: tuple[tuple[bool, int], ...] = ()
         self._role: tuple[int, int] | None = None
         self._buckets: list[tuple[int, int, Any]] = []  # (first, end, process group) I take part in
+        self._tie_groups: list[tuple[int, Any]] = []  # (tie, process group of its holders)
+        self._loss_sum = 0.0
+        """Sum of this rank's scaled microbatch losses since the last epoch record."""
         self._groups_made: list[Any] = []
         self.last_switch: dict[str, Any] = {}
 
@@ -205,7 +243,11 @@ class Trainer:
     def held_layers(self) -> dict[int, nn.Module]:
         return dict(self._held)
 
+    def _tied_names(self, layer: int) -> set[str]:
+        return {name for t in self._tie_of.get(layer, ()) for name in self.ties[t].names_in(layer)}
+
     def _install(self, layer: int, state: dict[str, Any] | None = None) -> None:
+        """Hold ``layer``: its module, moved here, with an optimizer over its untied parameters."""
         spec = self._specs[layer]
         if isinstance(spec, nn.Module):
             module = spec
@@ -213,26 +255,70 @@ class Trainer:
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(layer_seed(self.seed, layer))
                 module = spec()
-        module.to(device=self.device, dtype=self.dtype)
-        params = list(module.parameters())
+            self._refuse_hidden_ties(layer, module)
+        module.to(device=self.device)
+        if self.dtype is not None:
+            module.to(dtype=self.dtype)
+        tied = {id(module.get_parameter(n)) for n in self._tied_names(layer)}
+        params = [p for p in module.parameters() if id(p) not in tied]
         optim = self._opt_factory(params) if params else None
         if state is not None:
-            module.load_state_dict(state["module"])
+            missing, unexpected = module.load_state_dict(state["module"], strict=False)
+            if unexpected or set(missing) - self._tied_names(layer):
+                raise ValueError(f"layer {layer}: the saved state does not fit the module "
+                                 f"(missing {missing}, unexpected {unexpected})")
             if optim is not None and state.get("optim") is not None:
                 optim.load_state_dict(state["optim"])
         self._held[layer] = module
         self._optims[layer] = optim
 
+    def _refuse_hidden_ties(self, layer: int, module: nn.Module) -> None:
+        others = {id(p) for at, m in self._held.items() if at != layer for p in m.parameters()}
+        if any(id(p) in others for p in module.parameters()):
+            raise ValueError(f"layer {layer}: its factory returned a module sharing a parameter "
+                             "with another layer; pass tied layers as modules, not factories")
+
     def _layer_state(self, layer: int) -> dict[str, Any]:
+        """The layer's module and optimizer state, without tied parameters (moved once, apart)."""
         optim = self._optims[layer]
+        tied = self._tied_names(layer)
         return {
-            "module": self._held[layer].state_dict(),
+            "module": {k: v for k, v in self._held[layer].state_dict().items() if k not in tied},
             "optim": optim.state_dict() if optim is not None else None,
         }
 
-    def _send_state(self, layer: int, dst: int) -> int:
+    def _install_tie(self, t: int, state: dict[str, Any] | None = None) -> None:
+        """Hold tie ``t`` (a layer of it is held here): its value and its own optimizer."""
+        param = tie_param(self.ties[t], self._held)
+        optim = self._opt_factory([param])
+        if state is not None:
+            with torch.no_grad():
+                param.copy_(state["param"])
+            if state.get("optim") is not None:
+                optim.load_state_dict(state["optim"])
+        self._tie_optims[t] = optim
+
+    def _tie_state(self, t: int) -> dict[str, Any]:
+        return {
+            "keys": list(self.ties[t].keys),
+            "param": tie_param(self.ties[t], self._held).detach(),
+            "optim": self._tie_optims[t].state_dict(),
+        }
+
+    def _tie_holders(self, owners: list[list[int]], t: int) -> list[int]:
+        return sorted({r for layer in self.ties[t].layers for r in owners[layer]})
+
+    def _ckpt_tie_state(self, t: int) -> dict[str, Any] | None:
+        """Tie ``t`` from the checkpoint being resumed (None: keep the module's own value)."""
+        if self._ckpt_dir is None:
+            return None
+        state: dict[str, Any] = torch.load(self._ckpt_dir / f"tied{t:05d}.pt",
+                                           map_location=self.device, weights_only=True)
+        return state
+
+    def _send_state(self, state: dict[str, Any], dst: int) -> int:
         buf = io.BytesIO()
-        torch.save(self._layer_state(layer), buf)
+        torch.save(state, buf)
         data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(self.device)
         dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst=dst)
         dist.send(data, dst=dst)
@@ -304,9 +390,23 @@ class Trainer:
                 if dst in old:
                     continue
                 if self.rank == old[0]:
-                    moved += self._send_state(layer, dst)
+                    moved += self._send_state(self._layer_state(layer), dst)
                 elif self.rank == dst:
                     self._install(layer, self._recv_state(old[0]))
+        for t in range(len(self.ties)):  # after the layers: a tie needs one of its layers here
+            was, now = self._tie_holders(self._owners, t), self._tie_holders(new, t)
+            for dst in now:
+                if dst in was:
+                    continue
+                if not was:
+                    if self.rank == dst:
+                        self._install_tie(t, self._ckpt_tie_state(t))
+                elif self.rank == was[0]:
+                    moved += self._send_state(self._tie_state(t), dst)
+                elif self.rank == dst:
+                    self._install_tie(t, self._recv_state(was[0]))
+            if self.rank in was and self.rank not in now:
+                del self._tie_optims[t]
         for layer in list(self._held):
             if self.rank not in new[layer]:
                 del self._held[layer]
@@ -329,11 +429,11 @@ class Trainer:
     def _rebuild(self, plan: Plan, orders: list[list[tuple[tuple[bool, int], ...]]]) -> None:
         for pg in self._groups_made:
             dist.destroy_process_group(pg)
-        self._groups_made, self._buckets = [], []
+        self._groups_made, self._buckets, self._tie_groups = [], [], []
         self._runner, self._role, self._ops = None, None, ()
+        made: dict[tuple[int, ...], Any] = {}
         # buckets of spec 5.3: maximal runs of layers with the same owner tuple
         if len(plan.groups) > 1:
-            made: dict[tuple[int, ...], Any] = {}
             layer = 0
             while layer < self.num_layers:
                 owners = tuple(self._owners[layer])
@@ -347,6 +447,15 @@ class Trainer:
                 if self.rank in owners:
                     self._buckets.append((layer, end, made[key]))
                 layer = end
+        for t in range(len(self.ties)):  # every rank creates the same groups in the same order
+            key = tuple(self._tie_holders(self._owners, t))
+            if len(key) < 2:
+                continue
+            if key not in made:
+                made[key] = dist.new_group(ranks=list(key))
+                self._groups_made.append(made[key])
+            if self.rank in key:
+                self._tie_groups.append((t, made[key]))
         for gi, group in enumerate(plan.groups):
             for si, stage in enumerate(group.stages):
                 if self.rank_of[stage.device] != self.rank:
@@ -362,7 +471,7 @@ class Trainer:
                     recompute=stage.recompute,
                     loss_fn=self._loss_fn,
                     loss_scale=plan.microbatch_size / self.global_batch,
-                    dtype=self.dtype,
+                    input_dtype=self.dtype,
                     device=self.device,
                     slowdown=self.slowdown,
                     fwd_target_s=fwd_t,
@@ -390,12 +499,12 @@ class Trainer:
         b = self.global_batch
         return self._epoch_order(epoch)[iteration * b : (iteration + 1) * b].tolist()
 
-    def _collate(self, indices: Sequence[int], which: int) -> torch.Tensor:
-        items = [self.dataset[i][which] for i in indices]
-        out = torch.stack([torch.as_tensor(t) for t in items])
-        if which == 0 and out.is_floating_point():
-            out = out.to(self.dtype)
-        return out
+    @staticmethod
+    def _collate(dataset: Any, indices: Sequence[int], which: int) -> Any:
+        """Inputs (``which`` 0) or targets (1) of ``indices``, batched as a DataLoader would
+        (``default_collate``: tensors stacked, numbers to tensors, tuples and dicts kept);
+        dtypes are the dataset's (the stage casts floating leaves when ``dtype`` is set)."""
+        return default_collate([dataset[i][which] for i in indices])
 
     def train_step(self) -> tuple[StageStats | None, float]:
         """One iteration of the current plan; returns this rank's stage stats and wall time."""
@@ -411,18 +520,21 @@ class Trainer:
             mine = self.batch_indices(self.epoch, self.iteration)[
                 offset : offset + self.plan.groups[gi].samples
             ]
-            stats, _ = self._runner.run(
+            buffers_before = self._snapshot_replica_buffers()
+            stats, loss = self._runner.run(
                 self._ops,
-                lambda k: self._collate(mine[k * m : (k + 1) * m], 0),
-                lambda k: self._collate(mine[k * m : (k + 1) * m], 1),
+                lambda k: self._collate(self.dataset, mine[k * m : (k + 1) * m], 0),
+                lambda k: self._collate(self.dataset, mine[k * m : (k + 1) * m], 1),
             )
+            self._loss_sum += loss
             sync_started = time.perf_counter()
             self._sync_grads()
             stats.sync_s = time.perf_counter() - sync_started
-            for optim in self._optims.values():
+            for optim in [*self._optims.values(), *self._tie_optims.values()]:
                 if optim is not None:
                     optim.step()
                     optim.zero_grad(set_to_none=True)
+            self._reconcile_buffers(buffers_before)
         self.iteration += 1
         self.step += 1
         return stats, time.perf_counter() - started
@@ -441,9 +553,29 @@ class Trainer:
             self._runner.fwd_target_s, self._runner.bwd_target_s = self._targets(
                 self.plan.microbatch_size, stage.layers, stage.recompute)
 
+    def _untied_params(self, first: int, end: int) -> list[nn.Parameter]:
+        tied = {id(tie_param(self.ties[t], self._held)) for t in self._tie_optims}
+        return [p for layer in range(first, end) for p in self._held[layer].parameters()
+                if id(p) not in tied]
+
+    def _snapshot_replica_buffers(self) -> list[list[torch.Tensor]]:
+        return [snapshot_buffers([self._held[la] for la in range(first, end)])
+                for first, end, _ in self._buckets]
+
+    def _reconcile_buffers(self, before: list[list[torch.Tensor]]) -> None:
+        """Replicas' buffers after the step, by the rule of :mod:`hetpilot.trainer.replicas`."""
+        if self.plan is None or self._role is None:
+            return
+        share = self.plan.groups[self._role[0]].samples / self.global_batch
+        for (first, end, pg), saved in zip(self._buckets, before, strict=True):
+            if saved:
+                reconcile_buffers([self._held[la] for la in range(first, end)], saved, share, pg)
+
     def _sync_grads(self) -> None:
+        """Sum gradients over groups (one all-reduce per bucket, layer order), then each tied
+        parameter's over its holders; every rank runs them in this one global order."""
         for first, end, pg in self._buckets:
-            params = [p for layer in range(first, end) for p in self._held[layer].parameters()]
+            params = self._untied_params(first, end)
             if not params:
                 continue
             started = time.perf_counter()
@@ -465,6 +597,11 @@ class Trainer:
                 left = (target or 0.0) - (time.perf_counter() - started)
                 if left > 0:
                     time.sleep(left)
+        for t, pg in self._tie_groups:
+            param = tie_param(self.ties[t], self._held)
+            if param.grad is None:
+                param.grad = torch.zeros_like(param)
+            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)
 
     def train_epoch(self, max_iterations: int | None = None) -> dict[str, Any]:
         """Run the rest of the current epoch (or ``max_iterations`` of it); report; advance."""
@@ -480,7 +617,15 @@ class Trainer:
                 total.add(stats)
         wall = time.perf_counter() - started
         record = self._record(total, steps, wall)
-        if self.iteration >= self.iterations_per_epoch:
+        ended = self.iteration >= self.iterations_per_epoch
+        evaluated = self._evaluate() if ended and self.metric is not None else 0.0
+        sums = torch.tensor([self._loss_sum, evaluated], dtype=torch.float64)
+        dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # last stages and group 0's last stage
+        self._loss_sum = 0.0
+        record["loss"] = float(sums[0]) / steps if steps else None
+        if ended and self.metric is not None:
+            record["eval_metric"] = float(sums[1]) / len(self.eval_dataset)
+        if ended:
             self.epoch += 1
             self.iteration = 0
         if self.report_from_rank0:
@@ -492,6 +637,20 @@ class Trainer:
         elif self.reporter is not None:
             self.reporter(record)
         return record
+
+    def _evaluate(self) -> float:
+        """Group 0 runs the held-out set forward; its last stage returns the weighted sum."""
+        if self._runner is None or self._role is None or self._role[0] != 0:
+            return 0.0
+        assert self.plan is not None and self.metric is not None
+        m, n = self.plan.microbatch_size, len(self.eval_dataset)
+        sizes = [min(m, n - start) for start in range(0, n, m)]
+
+        def batch(k: int, which: int) -> Any:
+            return self._collate(self.eval_dataset, range(k * m, k * m + sizes[k]), which)
+
+        return self._runner.evaluate(sizes, lambda k: batch(k, 0), lambda k: batch(k, 1),
+                                     self.metric)
 
     def _record(self, total: StageStats, steps: int, wall: float) -> dict[str, Any]:
         per_mb = max(total.microbatches, 1)

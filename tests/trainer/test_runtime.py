@@ -8,8 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
-from hetpilot.trainer._rankfns import CFG, PLAN_A, _bad_device_run, _first_run, _resumed_run
-from hetpilot.trainer.check import _reference
+from hetpilot.trainer._rankfns import (
+    PLAN_A,
+    _bad_device_run,
+    _first_run,
+    _resumed_run,
+    reference_states,
+)
 from hetpilot.trainer.launch import spawn
 
 
@@ -19,7 +24,7 @@ def test_resume_under_other_plan_and_world_size(tmp_path: Path) -> None:
     spawn(_first_run, 3, (str(tmp_path),), timeout_s=90)
     assert (tmp_path / "ckpt" / "meta.json").exists()
     spawn(_resumed_run, 2, (str(tmp_path),), timeout_s=90)
-    reference = _reference(CFG, 2)[1]
+    reference = reference_states()
     for rank in range(2):
         held = torch.load(tmp_path / f"held{rank}.pt", weights_only=True)
         assert held, f"rank {rank} holds no layer"

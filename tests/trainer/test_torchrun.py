@@ -54,7 +54,7 @@ def test_target_time_emulation_paces_each_op() -> None:
     """Each op lasts at least its target (a lower bound the sleep guarantees)."""
     runner = StageRunner(
         [nn.Linear(3, 2)], prev_rank=None, next_rank=None, recompute=False,
-        loss_fn=nn.functional.mse_loss, loss_scale=1.0, dtype=torch.float32,
+        loss_fn=nn.functional.mse_loss, loss_scale=1.0,
         device=torch.device("cpu"), fwd_target_s=0.02, bwd_target_s=0.03)
     ops = [(False, 0), (False, 1), (True, 0), (True, 1)]
     stats, _ = runner.run(ops, lambda k: torch.randn(2, 3), lambda k: torch.randn(2, 2))

@@ -1,18 +1,78 @@
-"""train-check: random plans on N real gloo ranks vs full-batch float64 training."""
+"""train-check: random plans on N real gloo ranks against one process taking the same steps.
+
+Each tiny job isolates one thing real models need (issue 12's items 1-5):
+integer inputs, a parameter-free first stage, a tied parameter, BatchNorm
+buffers under recompute and across replicas, tuple and dict activations with
+integer and non-tensor leaves. Every layer boundary is cut in some plan.
+"""
 
 from __future__ import annotations
+
+import re
+import subprocess
+import sys
 
 import pytest
 from hetpilot.trainer.check import run_check
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(150)
-@pytest.mark.parametrize("ranks", [2, 3, 4])
-def test_train_check_matches_full_batch(ranks: int) -> None:
+def _check(job: str, ranks: int, seed: int = 0) -> list[str]:
     lines: list[str] = []
-    worst = run_check(ranks, seed=ranks, timeout_s=120, log=lines.append)
-    assert worst <= 1e-9, "\n".join(lines)
+    worst = run_check(ranks, job=job, seed=seed, timeout_s=150, log=lines.append)
+    assert worst.value <= 1e-9, "\n".join(lines)
+    return lines
+
+
+def _cuts(lines: list[str]) -> set[int]:
+    """Layer boundaries cut by the plans train-check ran (from its plan summaries)."""
+    return {int(a) for line in lines for a in re.findall(r"\[(\d+),\d+\)", line)} - {0}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+def test_builtin_mlp_matches_one_process(ranks: int) -> None:
+    lines = _check("hetpilot.trainer.examples:mlp", ranks, seed=ranks)
     text = "\n".join(lines)
     for schedule in ("gpipe", "1f1b", "custom"):
         assert schedule in text
+    assert _cuts(lines) == set(range(1, 6))
+    assert re.search(r"\)R", text), "no plan ran with recompute"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    ("job", "layers"),
+    [
+        ("norm_first", 3),  # item 5: a first stage of parameter-free layers
+        ("tied_tiny", 5),  # items 1 and 3: integer ids, embedding tied to the head
+        ("bn_tiny", 3),  # item 4: BatchNorm under recompute and across replicas
+        ("pytree_tiny", 4),  # item 2: tuple/dict activations, int and non-tensor leaves
+    ],
+)
+def test_mechanisms_match_one_process(job: str, layers: int) -> None:
+    lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
+    assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_cli_names_the_differing_layer_and_exits_1() -> None:
+    """A negative tolerance always fails: exit 1 and the layer that differs most."""
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job",
+         "hetpilot.trainer._jobfns:tied_tiny", "--ranks", "2", "--tolerance", "-1"],
+        capture_output=True, text=True, timeout=110)
+    assert res.returncode == 1, res.stderr[-2000:]
+    assert re.search(r"at plan v\d+, (layer \d+ \(\w+\) '[\w.]+' on rank \d|the mean loss)",
+                     res.stdout), res.stdout
+    assert "FAIL" in res.stdout
+
+
+def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job", "nocolon", "--ranks", "2"],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2
+    assert "--job" in res.stderr and "MODULE:FN" in res.stderr

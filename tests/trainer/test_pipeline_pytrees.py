@@ -1,0 +1,66 @@
+"""Pipeline mechanics real models need: pytree activations across a cut, and recompute
+that leaves BatchNorm's running statistics as one forward does."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hetpilot.trainer._rankfns import _activation_round_trip
+from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.pipeline import StageRunner
+from torch import nn
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_nested_activation_and_its_gradients_cross_a_cut(tmp_path: Path) -> None:
+    spawn(_activation_round_trip, 2, (str(tmp_path),), timeout_s=45)
+    got = torch.load(tmp_path / "recv.pt", weights_only=False)
+    assert got["ids_dtype"] == "torch.int64"  # integer ids stay integers
+    assert got["half_dtype"] == "torch.bfloat16"  # each leaf keeps its dtype
+    assert got["meta"] == ["x", 7]  # non-tensor leaves arrive as metadata
+    assert got["needs"] == 2 and got["h_requires"] is False  # only leaves that needed grads
+    grad = torch.load(tmp_path / "grad.pt", weights_only=True)["w_grad"]
+    assert torch.equal(grad, torch.full((3,), 2 * 5 + 3.0))  # d/dw (10 w + 3 w)
+
+
+def _bn_stage(recompute: bool) -> tuple[StageRunner, nn.Module]:
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    runner = StageRunner([layer], prev_rank=None, next_rank=None, recompute=recompute,
+                         loss_fn=nn.functional.mse_loss, loss_scale=0.5,
+                         device=torch.device("cpu"))
+    return runner, layer
+
+
+def test_recompute_updates_batchnorm_statistics_once() -> None:
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    ys = [torch.randn(4, 4, generator=gen) for _ in range(2)]
+    ops = [(False, 0), (False, 1), (True, 0), (True, 1)]
+    results = []
+    for recompute in (False, True):
+        runner, layer = _bn_stage(recompute)
+        runner.run(ops, lambda k: xs[k], lambda k: ys[k])
+        results.append(layer)
+    plain, recomputed = results
+    bn_plain, bn_recomputed = plain[1], recomputed[1]
+    assert isinstance(bn_plain, nn.BatchNorm1d) and isinstance(bn_recomputed, nn.BatchNorm1d)
+    assert int(bn_recomputed.num_batches_tracked) == 2
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(bn_plain, name), getattr(bn_recomputed, name)), name
+    for p, q in zip(plain.parameters(), recomputed.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(p.grad, q.grad, atol=1e-7)
+
+
+def test_a_stage_of_parameter_free_layers_on_raw_input_runs() -> None:
+    """Nothing needs a gradient: the stage runs its backward ops without autograd."""
+    runner = StageRunner([nn.LayerNorm(3, elementwise_affine=False)], prev_rank=None,
+                         next_rank=None, recompute=False, loss_fn=nn.functional.mse_loss,
+                         loss_scale=1.0, device=torch.device("cpu"))
+    stats, loss = runner.run([(False, 0), (True, 0)], lambda k: torch.randn(2, 3),
+                             lambda k: torch.zeros(2, 3))
+    assert stats.microbatches == 1 and loss > 0

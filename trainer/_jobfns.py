@@ -1,0 +1,138 @@
+"""Tiny job functions for the trainer's tests, one per thing real models need.
+
+Each isolates one case (an integer input, a parameter-free first layer, a
+tied parameter, BatchNorm buffers, tuple and dict activations with
+non-tensor leaves) so that a failing test names the mechanism. They live in
+the package because spawned ranks import them by module name. The realistic
+models are in :mod:`hetpilot.trainer.examples`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+__all__ = ["bn_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
+
+
+def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
+         batch: int = 12) -> dict[str, Any]:
+    return {
+        "layers": layers,
+        "sample": x[:3],
+        "loss": loss,
+        "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
+        "dataset": torch.utils.data.TensorDataset(x, y),
+        "global_batch": batch,
+    }
+
+
+class Standardize(nn.Module):
+    """No parameters: a first stage of only this must still run (nothing to backpropagate)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x - x.mean(dim=1, keepdim=True)) / (x.std(dim=1, keepdim=True) + 1e-5)
+
+
+def norm_first() -> dict[str, Any]:
+    torch.manual_seed(1)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [Standardize(), nn.Sequential(nn.Linear(5, 6), nn.Tanh()), nn.Linear(6, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+class Embed(nn.Module):
+    def __init__(self, vocab: int, d: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.tok(ids)
+
+
+class Head(nn.Module):
+    """Logits with the embedding's weight (tied by identity, as GPT-2 does)."""
+
+    def __init__(self, embed: Embed) -> None:
+        super().__init__()
+        self.weight = embed.tok.weight
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h @ self.weight.t()
+
+
+def _lm_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def tied_tiny() -> dict[str, Any]:
+    """Integer token ids in, embedding and head tied, two layers in between."""
+    torch.manual_seed(2)
+    vocab, d = 11, 6
+    embed = Embed(vocab, d)
+    layers = [embed, nn.Sequential(nn.Linear(d, d), nn.Tanh()), nn.LayerNorm(d),
+              nn.Sequential(nn.Linear(d, d), nn.Tanh()), Head(embed)]
+    gen = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, vocab, (48, 5), generator=gen)
+    return _job(layers, ids, torch.roll(ids, -1, dims=1), _lm_loss)
+
+
+def bn_tiny() -> dict[str, Any]:
+    torch.manual_seed(3)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(48, 4, generator=gen) * 3 + 1
+    y = torch.randint(0, 3, (48,), generator=gen)
+    # no bias before BatchNorm (as in ResNets): its gradient is zero in exact arithmetic, and
+    # Adam would turn the rounding noise in it into steps of lr * 1e-8 (train-check names it)
+    layers = [nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU()),
+              nn.Sequential(nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8, momentum=None),
+                            nn.ReLU()),
+              nn.Linear(8, 3)]
+    return _job(layers, x, y, nn.functional.cross_entropy, batch=24)  # BatchNorm: m >= 2
+
+
+class Split(nn.Module):
+    """Returns a tuple holding a nested tuple, an integer tensor and a plain number."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 6)
+        self.b = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        counts = (x > 0).sum(dim=1)  # int64, crosses the cut as an integer
+        return self.a(x).tanh(), (self.b(x), counts), 0.5
+
+
+class Merge(nn.Module):
+    """Takes Split's tuple, returns a dict (one leaf is never used downstream)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(9, 5)
+
+    def forward(self, value: Any) -> dict[str, Any]:
+        h, (g, counts), scale = value
+        out = self.lin(torch.cat([h, g], dim=1)) * scale + counts.unsqueeze(1).to(h.dtype) * 0.1
+        return {"h": out.tanh(), "unused": g * 2, "tag": "merged"}
+
+
+class Out(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(5, 2)
+
+    def forward(self, value: dict[str, Any]) -> torch.Tensor:
+        assert value["tag"] == "merged"
+        return self.lin(value["h"])
+
+
+def pytree_tiny() -> dict[str, Any]:
+    torch.manual_seed(4)
+    gen = torch.Generator().manual_seed(4)
+    x, y = torch.randn(48, 4, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [Split(), Merge(), nn.Identity(), Out()]
+    return _job(layers, x, y, nn.functional.mse_loss)

@@ -1,0 +1,195 @@
+"""Activations as pytrees across a pipeline cut: flatten, describe, send, rebuild.
+
+A layer may return any nesting of tuples, lists and dicts (``nn.LSTM`` returns
+``(out, (h, c))``, HuggingFace-style blocks return dicts); the next stage's
+first layer gets exactly that structure back. Following
+``torch.distributed.pipelining``, the value is flattened with
+``torch.utils._pytree`` into tensor leaves and everything else; a small
+header carries the tree spec, each tensor's shape, dtype and whether it needs
+a gradient, and the non-tensor leaves (metadata), then each tensor leaf goes
+as its own message in its own dtype (integer token ids stay integers).
+
+The backward message is one gradient per floating leaf that required a
+gradient, in leaf order; the sender of the forward knows which from its own
+output, so no header is needed. A leaf whose gradient autograd left ``None``
+(an output the next stage never used) is sent as zeros.
+
+Tags: ``(2 * k + direction) << LEAF_BITS | slot``; slot 0 is the header,
+slot 1 an overflow of a long header, slots from 2 the leaves. That allows
+``2**LEAF_BITS - 2`` tensor leaves per activation and about ``2**20``
+microbatches per iteration within a 31-bit tag.
+"""
+
+from __future__ import annotations
+
+import pickle
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+
+__all__ = [
+    "LEAF_BITS",
+    "Received",
+    "flatten",
+    "grad_leaves",
+    "map_tensors",
+    "nbytes",
+    "recv_activation",
+    "recv_grads",
+    "send_activation",
+    "send_grads",
+    "tag",
+]
+
+LEAF_BITS = 10
+_HEADER_BYTES = 512
+"""Fixed header message; a longer description spills into one overflow message."""
+
+
+def tag(k: int, backward: bool, slot: int) -> int:
+    return ((2 * k + (1 if backward else 0)) << LEAF_BITS) | slot
+
+
+def flatten(value: Any) -> tuple[list[Any], Any]:
+    return pytree.tree_flatten(value)
+
+
+def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
+    """``fn`` on every tensor leaf of ``value``, other leaves unchanged."""
+    return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def nbytes(value: Any) -> int:
+    """Bytes of all tensor leaves (what a cut after this value moves)."""
+    leaves, _ = flatten(value)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def grad_leaves(value: Any) -> list[torch.Tensor]:
+    """The tensor leaves autograd can send a gradient to, in leaf order."""
+    leaves, _ = flatten(value)
+    return [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+@dataclass
+class Received:
+    value: Any
+    """The rebuilt activation; floating leaves that needed a gradient require one."""
+    grad_inputs: list[torch.Tensor]
+    """Those leaves, in leaf order (their ``.grad`` goes back after the backward)."""
+
+
+def _describe(leaves: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            out.append(("t", tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
+                        bool(leaf.requires_grad)))
+        else:
+            out.append(("v", leaf))
+    return out
+
+
+def _dump_spec(spec: Any) -> tuple[str, Any]:
+    """The tree spec as torch's JSON form; pickled only for node types it cannot name
+    (a namedtuple not registered for serialisation)."""
+    try:
+        return "json", pytree.treespec_dumps(spec)
+    except (TypeError, NotImplementedError):
+        return "pickle", pickle.dumps(spec)
+
+
+def _load_spec(dumped: tuple[str, Any]) -> Any:
+    kind, data = dumped
+    if kind == "json":
+        return pytree.treespec_loads(data)
+    with warnings.catch_warnings():  # unpickling a spec warns about torch-internal names
+        warnings.simplefilter("ignore", FutureWarning)
+        return pickle.loads(data)
+
+
+def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
+    """Start sending ``value`` (non-blocking); returns (work, buffer) pairs to wait on."""
+    leaves, spec = flatten(value)
+    blob = pickle.dumps((_dump_spec(spec), _describe(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
+    device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+    head = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
+    n = len(blob)
+    head[:8] = torch.tensor(list(n.to_bytes(8, "little")), dtype=torch.uint8)
+    first = blob[: _HEADER_BYTES - 8]
+    if first:
+        head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
+    messages = [(head.to(device), tag(k, False, 0))]
+    if n > _HEADER_BYTES - 8:
+        rest = torch.frombuffer(bytearray(blob[_HEADER_BYTES - 8 :]), dtype=torch.uint8)
+        messages.append((rest.to(device), tag(k, False, 1)))
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    if len(tensors) > (1 << LEAF_BITS) - 2:
+        raise ValueError(f"an activation has {len(tensors)} tensor leaves; at most "
+                         f"{(1 << LEAF_BITS) - 2} can cross a pipeline cut")
+    for i, t in enumerate(tensors):
+        messages.append((t.detach().contiguous(), tag(k, False, 2 + i)))
+    pending = []
+    for tensor, message_tag in messages:
+        work = dist.isend(tensor, dst=dst, tag=message_tag)
+        assert work is not None
+        pending.append((work, tensor))
+    return pending
+
+
+def recv_activation(src: int, k: int, device: torch.device) -> Received:
+    """Receive what :func:`send_activation` sent (blocking) and rebuild it."""
+    head = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=device)
+    dist.recv(head, src=src, tag=tag(k, False, 0))
+    raw = bytes(head.cpu().numpy().tobytes())
+    n = int.from_bytes(raw[:8], "little")
+    blob = raw[8 : 8 + min(n, _HEADER_BYTES - 8)]
+    if n > _HEADER_BYTES - 8:
+        rest = torch.empty(n - (_HEADER_BYTES - 8), dtype=torch.uint8, device=device)
+        dist.recv(rest, src=src, tag=tag(k, False, 1))
+        blob += bytes(rest.cpu().numpy().tobytes())
+    dumped, described = pickle.loads(blob)  # from our own peer rank of the same job
+    spec = _load_spec(dumped)
+    leaves: list[Any] = []
+    needs_grad: list[torch.Tensor] = []
+    slot = 2
+    for item in described:
+        if item[0] == "v":
+            leaves.append(item[1])
+            continue
+        _, shape, dtype, requires_grad = item
+        buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        dist.recv(buf, src=src, tag=tag(k, False, slot))
+        slot += 1
+        if requires_grad and buf.is_floating_point():
+            buf.requires_grad_(True)
+            needs_grad.append(buf)
+        leaves.append(buf)
+    return Received(pytree.tree_unflatten(leaves, spec), needs_grad)
+
+
+def send_grads(inputs: list[torch.Tensor], dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
+    """Send the gradient of each received leaf that needed one (zeros where autograd left none)."""
+    pending = []
+    for i, leaf in enumerate(inputs):
+        g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
+        g = g.contiguous()
+        work = dist.isend(g, dst=dst, tag=tag(k, True, 2 + i))
+        assert work is not None
+        pending.append((work, g))
+    return pending
+
+
+def recv_grads(outputs: list[torch.Tensor], src: int, k: int) -> list[torch.Tensor]:
+    """The gradients of this stage's output leaves that required one, in leaf order."""
+    grads = []
+    for i, leaf in enumerate(outputs):
+        g = torch.empty_like(leaf, memory_format=torch.contiguous_format)
+        dist.recv(g, src=src, tag=tag(k, True, 2 + i))
+        grads.append(g)
+    return grads

@@ -1,0 +1,153 @@
+"""What a plan's training must equal: the same steps taken by one process, in float64.
+
+The reference is what a user would write in one process: one optimizer over
+the model's parameters (tied ones once), and each iteration's global batch
+cut into the plan's microbatches, their mean-reduced losses scaled by
+``m / B`` and their gradients accumulated. The runtime must reproduce it to
+rounding, whatever the plan: groups, uneven samples, cuts, schedules,
+recompute, live switches.
+
+Two things depend on the plan by design and are reproduced here, not
+ignored: the order in which each stage runs its forwards (BatchNorm's running
+statistics are updated in that order), and the replica rule for buffers
+after each iteration (:mod:`hetpilot.trainer.replicas`): every group starts
+from the same buffers, and the groups' results are merged by samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hetpilot.planner.types import Plan
+from torch import nn
+from torch.utils.data import default_collate
+
+from .activations import map_tensors
+from .plans import check_plan
+from .runtime import layer_seed
+
+__all__ = ["ReferenceRun", "build_layers"]
+
+
+def build_layers(specs: Sequence[Any], seed: int, dtype: torch.dtype | None) -> list[nn.Module]:
+    """The layers as the runtime builds them: modules as given, factories under
+    :func:`~hetpilot.trainer.runtime.layer_seed`; floating state cast to ``dtype``."""
+    out = []
+    for layer, spec in enumerate(specs):
+        if isinstance(spec, nn.Module):
+            module = spec
+        else:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(layer_seed(seed, layer))
+                module = spec()
+        if dtype is not None:
+            module.to(dtype=dtype)
+        out.append(module)
+    return out
+
+
+def _unique_params(layers: Sequence[nn.Module]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for layer in layers:
+        for p in layer.parameters():
+            seen.setdefault(id(p), p)
+    return list(seen.values())
+
+
+def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    return [b for layer in layers for b in layer.buffers()]
+
+
+@dataclass
+class ReferenceRun:
+    """One process stepping ``layers`` through plans, iteration by iteration, like the runtime."""
+
+    layers: list[nn.Module]
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+    dataset: Any
+    global_batch: int
+    seed: int = 0
+    dtype: torch.dtype | None = torch.float64
+    epoch: int = 0
+    iteration: int = 0
+    losses: list[float] = field(default_factory=list)
+    """Mean loss of each iteration (the sum of its scaled microbatch losses)."""
+
+    def __post_init__(self) -> None:
+        self._optim = self.optimizer(_unique_params(self.layers))
+        self._per_epoch = len(self.dataset) // self.global_batch
+
+    def _cast(self, value: Any) -> Any:
+        dtype = self.dtype
+        if dtype is None:
+            return value
+        return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+    def _batch(self, indices: Sequence[int], which: int) -> Any:
+        return self._cast(default_collate([self.dataset[i][which] for i in indices]))
+
+    def indices(self) -> list[int]:
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        perm = torch.randperm(len(self.dataset), generator=gen)
+        b = self.global_batch
+        return perm[self.iteration * b : (self.iteration + 1) * b].tolist()
+
+    def step(self, plan: Plan) -> float:
+        """One iteration under ``plan``; returns its mean loss."""
+        devices = sorted({s.device for g in plan.groups for s in g.stages})
+        orders = check_plan(plan, devices, len(self.layers), self.global_batch)
+        batch = self.indices()
+        m, b = plan.microbatch_size, self.global_batch
+        buffers = _buffers(self.layers)
+        start = [t.detach().clone() for t in buffers]
+        ends: list[list[torch.Tensor]] = []
+        loss_total = 0.0
+        offset = 0
+        for gi, group in enumerate(plan.groups):
+            with torch.no_grad():
+                for t, value in zip(buffers, start, strict=True):
+                    t.copy_(value)
+            mine = batch[offset : offset + group.samples]
+            offset += group.samples
+            micro = group.samples // m
+            acts = {k: self._batch(mine[k * m : (k + 1) * m], 0) for k in range(micro)}
+            for si, stage in enumerate(group.stages):
+                for is_bwd, k in orders[gi][si]:
+                    if is_bwd:
+                        continue
+                    x = acts[k]
+                    for layer in range(*stage.layers):
+                        x = self.layers[layer](x)
+                    acts[k] = x
+            for k in range(micro):
+                target = self._batch(mine[k * m : (k + 1) * m], 1)
+                loss = self.loss_fn(acts[k], target) * (m / b)
+                loss_total += float(loss.detach())
+                if loss.requires_grad:
+                    loss.backward()
+            ends.append([t.detach().clone() for t in buffers])
+        with torch.no_grad():
+            for i, t in enumerate(buffers):
+                if len(plan.groups) == 1:
+                    continue  # one group: nothing to merge (the runtime merges nothing either)
+                if t.is_floating_point():
+                    t.copy_(start[i] + sum((g.samples / b) * (end[i] - start[i])
+                                           for g, end in zip(plan.groups, ends, strict=True)))
+                elif not t.is_complex() and t.dtype != torch.bool:
+                    t.copy_(start[i] + sum(end[i] - start[i] for end in ends))
+        self._optim.step()
+        self._optim.zero_grad(set_to_none=True)
+        self.iteration += 1
+        if self.iteration >= self._per_epoch:
+            self.epoch, self.iteration = self.epoch + 1, 0
+        self.losses.append(loss_total)
+        return loss_total
+
+    def states(self) -> list[dict[str, torch.Tensor]]:
+        """Each layer's ``state_dict`` (parameters and buffers), detached copies."""
+        return [{k: v.detach().clone() for k, v in layer.state_dict().items()}
+                for layer in self.layers]
