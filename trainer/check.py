@@ -21,8 +21,6 @@ random ops draw different numbers on different ranks than in one process.
 
 from __future__ import annotations
 
-import importlib
-import os
 import random
 import sys
 import tempfile
@@ -37,35 +35,15 @@ from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.planner.types import Plan
 from torch import nn
 
+from .jobspec import load_job
 from .launch import spawn
 from .plans import check_plan, random_plan
 
-__all__ = ["BUILTIN_JOB", "Difference", "load_job", "make_layers", "run_check", "summarize_plan"]
+__all__ = ["BUILTIN_JOB", "Difference", "make_layers", "run_check", "summarize_plan"]
 
 SCHEDULE_CYCLE = ("1f1b", "custom", "gpipe")
 BUILTIN_JOB = "hetpilot.trainer.examples:mlp"
 """The job train-check runs without ``--job``."""
-
-
-def load_job(target: str, field: str = "--job") -> dict[str, Any]:
-    """Call ``MODULE:FN`` (importable from the working directory too, as with ``python -m``)."""
-    module_name, _, fn_name = target.partition(":")
-    if not module_name or not fn_name:
-        raise ValidationError(field, f"must be MODULE:FN, got {target!r}")
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValidationError(field, f"cannot load {target!r}: {exc}") from exc
-    spec = fn()
-    if not isinstance(spec, dict):
-        raise ValidationError(field, f"{target} must return a dict, got {type(spec).__name__}")
-    missing = [k for k in ("layers", "loss", "optimizer", "dataset", "global_batch")
-               if k not in spec]
-    if missing:
-        raise ValidationError(field, f"{target}() returned no {', '.join(map(repr, missing))}")
-    return spec
 
 
 def make_layers(num_layers: int, width: int = 6, d_in: int = 4, d_out: int = 2) -> list[Any]:
@@ -107,7 +85,7 @@ def summarize_plan(plan: Plan) -> str:
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     from .runtime import Trainer
 
-    spec = load_job(cfg["job"])
+    spec = load_job(cfg["job"], "--job")
     plans = [plan_from_dict(p) for p in cfg["plans"]]
     trainer = Trainer(
         spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
@@ -193,7 +171,7 @@ def run_check(
     """Run the check (module docstring); return the largest difference and where it is."""
     from .reference import ReferenceRun, build_layers
 
-    spec = load_job(job)
+    spec = load_job(job, "--job")
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
     microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
     rng = random.Random(seed)

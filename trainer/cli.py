@@ -7,7 +7,6 @@ line on stderr naming the field, before any rank computes).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -56,6 +55,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", action="store_true",
                         help="do not send the model profile on Attach (--daemon)")
     parser.add_argument("--epochs", type=int, required=True)
+    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
+                        help="cast the model's floating parameters and buffers and the floating "
+                             "inputs and targets to this dtype (default: keep the job's own; "
+                             "integer inputs are never cast)")
     parser.add_argument("--device-id", default=None,
                         help="this rank's device id (default $HETPILOT_DEVICE_ID or "
                              "host:local_rank); {rank} and {local_rank} are replaced")
@@ -80,16 +83,10 @@ def _fail(message: str, code: int = 2) -> int:
     return code
 
 
-def _load_spec(target: str) -> dict[str, Any]:
-    module_name, _, fn_name = target.partition(":")
-    if not fn_name:
-        raise ValidationError("--model", f"must be MODULE:FN, got {target!r}")
-    try:
-        fn = getattr(importlib.import_module(module_name), fn_name)
-    except (ImportError, AttributeError) as exc:
-        raise ValidationError("--model", f"cannot load {target!r}: {exc}") from exc
-    spec: dict[str, Any] = fn()
-    return spec
+def _load_spec(target: str, command: str) -> dict[str, Any]:
+    from .jobspec import TRAIN_KEYS, load_job
+
+    return load_job(target, "--model", ("layers", "sample") if command == "profile" else TRAIN_KEYS)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
                     job=args.job or BUILTIN_JOB, iterations=args.iterations)
     try:
-        spec = _load_spec(args.model)
+        spec = _load_spec(args.model, args.command)
     except ValidationError as exc:
         return _fail(str(exc))
     if args.command == "profile":
@@ -286,6 +283,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             reporter=report if reporters else None,
             report_from_rank0=daemon, keep_plan_on_refusal=daemon,
             emulate_file=args.emulate_file,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+            eval_dataset=spec.get("eval_dataset"), metric=spec.get("metric"),
         )
         if args.resume and args.checkpoint and (Path(args.checkpoint) / "meta.json").exists():
             trainer.load_checkpoint(args.checkpoint)
