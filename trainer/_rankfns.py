@@ -110,3 +110,29 @@ def _activation_round_trip(rank: int, world: int, out: str) -> None:
         loss.backward()
         for work, _ in send_grads(got.grad_inputs, 0, k=5):
             work.wait()
+
+
+def _eval_hook_run(rank: int, world: int, out: str) -> None:
+    """bn_tiny on a 2-stage pipeline with an evaluation hook; rank 0 saves what it needs."""
+    from ._jobfns import bn_tiny
+
+    spec = bn_tiny()
+    gen = torch.Generator().manual_seed(9)
+    held_out = torch.utils.data.TensorDataset(torch.randn(7, 4, generator=gen),
+                                              torch.randint(0, 3, (7,), generator=gen))
+    plan = {"microbatch_size": 2, "schedule": "1f1b", "groups": [
+        {"samples": 24, "stages": [{"device": "local:0", "layers": [0, 2]},
+                                   {"device": "local:1", "layers": [2, 3]}]}]}
+    trainer = Trainer(spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
+                      global_batch=spec["global_batch"], device_id=f"local:{rank}",
+                      plan_source=StaticPlanSource([plan_from_dict(plan)]),
+                      eval_dataset=held_out, metric=nn.functional.cross_entropy)
+    records = trainer.fit(1)
+    states = {k: m.state_dict() for k, m in trainer.held_layers.items()}
+    gathered: list[Any] = [None] * world
+    torch.distributed.all_gather_object(gathered, states)
+    if rank == 0:
+        merged = {k: v for part in gathered for k, v in part.items()}
+        torch.save({"record": records[-1], "states": merged, "held_out": held_out,
+                    "training": all(m.training for m in trainer.held_layers.values())},
+                   Path(out) / "eval.pt")

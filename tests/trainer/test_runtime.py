@@ -48,3 +48,27 @@ def test_unknown_device_is_refused_on_every_rank(tmp_path: Path) -> None:
 
 def test_plan_dicts_round_trip() -> None:
     assert plan_to_dict(plan_from_dict(PLAN_A))["groups"][0]["samples"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_epoch_record_has_loss_and_the_eval_hook_metric(tmp_path: Path) -> None:
+    """The held-out metric equals the trained model evaluated in one process (eval mode:
+    BatchNorm uses its running statistics), over 4 microbatches of 2, 2, 2, 1 samples."""
+    from hetpilot.trainer._jobfns import bn_tiny
+    from hetpilot.trainer._rankfns import _eval_hook_run
+    from torch import nn
+
+    spawn(_eval_hook_run, 2, (str(tmp_path),), timeout_s=45)
+    saved = torch.load(tmp_path / "eval.pt", weights_only=False)
+    record = saved["record"]
+    assert record["loss"] > 0 and record["epoch"] == 0
+    layers = bn_tiny()["layers"]
+    for i, layer in enumerate(layers):
+        layer.load_state_dict(saved["states"][i])
+    model = nn.Sequential(*layers).eval()
+    x, y = saved["held_out"].tensors
+    with torch.no_grad():
+        expected = float(nn.functional.cross_entropy(model(x), y))
+    assert abs(record["eval_metric"] - expected) < 1e-6
+    assert saved["training"], "the hook left rank 0's layers in eval mode"
