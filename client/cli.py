@@ -5,6 +5,11 @@ token from ``--token-file`` or $HETPILOT_TOKEN. Every call has a deadline
 (``--timeout``); idempotent calls are retried on UNAVAILABLE by the channel's
 service config, and ``watch`` resumes from the last version it printed.
 
+``job``, ``jobs`` and ``watch`` show the training progress the trainer last
+reported: the loss and the step it belongs to, and the held-out metric for
+jobs with an evaluation hook. A diverged run shows "nan" (JSON: the string
+"NaN", as proto3 JSON writes non-finite doubles).
+
 Exit codes: 0 ok; 1 other failure; 2 bad input (a bad job file or argument,
 or INVALID_ARGUMENT / RESOURCE_EXHAUSTED from the daemon); 3 no such job
 (NOT_FOUND: also another owner's job); 4 not authenticated; 5 daemon
@@ -15,8 +20,11 @@ forbids it (FAILED_PRECONDITION, e.g. a cancelled job's budget).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import queue
 import sys
+import threading
 import time
 import tomllib
 import uuid
@@ -68,6 +76,8 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="start after this plan version")
         parser.add_argument("--count", type=int, default=0,
                             help="exit after this many versions (0: until the job ends)")
+        parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+                            help="how often to fetch the job's training progress (loss)")
     elif name == "budget":
         parser.add_argument("job_id")
         parser.add_argument("settings", nargs="+", metavar="KIND=VALUE",
@@ -137,7 +147,8 @@ def _job_dict(info: job_pb2.JobInfo) -> dict[str, Any]:
 
 def _ints(out: dict[str, Any]) -> dict[str, Any]:
     """MessageToDict writes 64-bit integers as strings (proto3 JSON); scripts want numbers."""
-    for key in ("slot", "plan_version", "version", "created_unix_ms"):
+    for key in ("slot", "plan_version", "version", "created_unix_ms", "loss_step", "eval_step",
+                "loss_unix_ms"):
         if key in out:
             out[key] = int(out[key])
     return out
@@ -148,6 +159,39 @@ def _plan_dict(pv: common_pb2.PlanVersion) -> dict[str, Any]:
                         always_print_fields_with_no_presence=True)
     out["plan"] = json.loads(out.pop("plan_json") or "null")
     return _ints(out)
+
+
+def _fmt_value(value: float) -> str:
+    """4 significant digits; "nan" / "inf" for a diverged run."""
+    return f"{value:.4g}"
+
+
+def _fmt_loss(j: job_pb2.JobInfo) -> str:
+    return f"{_fmt_value(j.loss)} (step {j.loss_step})" if j.HasField("loss") else "-"
+
+
+def _fmt_eval(j: job_pb2.JobInfo) -> str:
+    return f"{_fmt_value(j.eval_metric)} (step {j.eval_step})" if j.HasField("eval_metric") else "-"
+
+
+def _progress_line(j: job_pb2.JobInfo) -> str:
+    if not j.HasField("loss") and not j.HasField("eval_metric"):
+        return "loss: none reported yet"
+    parts = []
+    if j.HasField("loss"):
+        parts.append(f"loss {_fmt_value(j.loss)} at step {j.loss_step}")
+    if j.HasField("eval_metric"):
+        parts.append(f"eval metric {_fmt_value(j.eval_metric)} at step {j.eval_step}")
+    return ", ".join(parts)
+
+
+_PROGRESS_KEYS = ("loss", "loss_step", "loss_unix_ms", "eval_metric", "eval_step")
+
+
+def _progress_dict(j: job_pb2.JobInfo) -> dict[str, Any]:
+    """The training-progress keys of ``job --json`` (loss and eval_metric only when set)."""
+    out = _job_dict(j)
+    return {k: out[k] for k in _PROGRESS_KEYS if k in out}
 
 
 def _fmt_costs(costs: Any, budgets: Any) -> str:
@@ -167,7 +211,7 @@ def _print_jobs(jobs: list[job_pb2.JobInfo]) -> None:
 
     table = Table(title="hetpilot jobs")
     table.add_column("id", no_wrap=True)
-    for col in ("name", "state", "model", "batch", "plan v", "iter s",
+    for col in ("name", "state", "model", "batch", "plan v", "iter s", "loss",
                 "avg cost / budget", "devices"):
         table.add_column(col)
     for j in jobs:
@@ -177,6 +221,7 @@ def _print_jobs(jobs: list[job_pb2.JobInfo]) -> None:
         table.add_row(j.job_id, j.name, _STATE.get(j.state, "?"), j.model_name or "-",
                       f"{j.global_batch}/{j.microbatch_size}", str(j.plan_version),
                       f"{j.iteration_s:.3f}" if j.plan_version else "-",
+                      _fmt_value(j.loss) if j.HasField("loss") else "-",
                       _fmt_costs(j.average_costs, j.budgets), devices or "-")
     Console().print(table)
 
@@ -193,6 +238,8 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             ("V", f"{j.v:g}"), ("slot", f"{j.slot} x {j.slot_s:g} s"),
             ("plan version", str(j.plan_version)),
             ("iteration", f"{j.iteration_s:.4f} s"),
+            ("loss", _fmt_loss(j)),
+            *([("eval metric", _fmt_eval(j))] if j.HasField("eval_metric") else []),
             ("cost now / budget", _fmt_costs(j.costs, j.budgets)),
             ("average cost / budget", _fmt_costs(j.average_costs, j.budgets)),
             ("queues", ", ".join(f"{k} {v:.2f}" for k, v in sorted(j.queues.items())) or "-"),
@@ -272,12 +319,76 @@ def _budget(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     return 0
 
 
+def _progress_key(j: job_pb2.JobInfo) -> tuple[Any, ...]:
+    """What tells one progress from the next (repr: NaN equals NaN here)."""
+    return (repr(j.loss) if j.HasField("loss") else None, j.loss_step, j.loss_unix_ms,
+            repr(j.eval_metric) if j.HasField("eval_metric") else None, j.eval_step)
+
+
+class _PlanStream:
+    """Follows WatchPlans in a thread, resuming after the last version on UNAVAILABLE or
+    DEADLINE_EXCEEDED (up to 10 failures in a row), so that the caller can fetch the
+    job's progress between plan versions. Puts ("plan", pv), ("end", None) when the
+    job ends, or ("error", exc) on ``events``."""
+
+    def __init__(self, stub: job_pb2_grpc.JobServiceStub, md: Md, job_id: str,
+                 after: int) -> None:
+        self.stub, self.md, self.job_id, self.last = stub, md, job_id, after
+        self.events: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._thread = threading.Thread(target=self._run, name="hetpilot-watch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        failures = 0
+        try:
+            while not self._stop.is_set():
+                try:
+                    self._call = self.stub.WatchPlans(
+                        job_pb2.WatchPlansRequest(job_id=self.job_id, after_version=self.last),
+                        metadata=self.md)
+                    for pv in self._call:
+                        failures = 0
+                        self.last = pv.version
+                        self.events.put(("plan", pv))
+                    self.events.put(("end", None))  # the job ended
+                    return
+                except grpc.RpcError as exc:
+                    if self._stop.is_set():
+                        return
+                    if exc.code() not in (grpc.StatusCode.UNAVAILABLE,  # type: ignore[attr-defined]
+                                          grpc.StatusCode.DEADLINE_EXCEEDED) or failures >= 10:
+                        raise
+                    failures += 1
+                    self._stop.wait(min(0.2 * 2 ** failures, 5.0))
+        except BaseException as exc:  # handed to the main thread, which raises it
+            self.events.put(("error", exc))
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+        self._thread.join(timeout=2)
+
+
 def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
-    """Plan versions as they come; reconnects (resuming after the last one) while
-    the daemon is away, for up to 10 deadlines in a row."""
-    last, seen, failures = args.after, 0, 0
+    """Plan versions as they come, and the job's training progress (fetched with GetJob
+    every ``--interval`` seconds) when it changes. Reconnects (resuming after the last
+    version) while the daemon is away, for up to 10 failures in a row.
+
+    ``--json`` prints one line per plan version (it has "version") and, whenever the
+    progress changes, a line ``{"job_id": ..., "progress": {"loss": ..., "loss_step": ...,
+    "loss_unix_ms": ..., "eval_metric": ..., "eval_step": ...}}`` (no "version")."""
+    if args.interval <= 0:
+        raise InputError(f"--interval: must be > 0, got {args.interval:g}")
+    seen = 0
     info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
                        timeout=args.timeout)
+    shown: tuple[Any, ...] | None = None
     live = None
     table_rows: list[tuple[str, ...]] = []
     if not args.json:
@@ -285,47 +396,78 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
 
         live = Live(auto_refresh=False)
         live.start()
-    def show(pv: common_pb2.PlanVersion) -> None:
+
+    def render() -> None:
+        from rich.table import Table
+
+        assert live is not None
+        table = Table(title=f"job {args.job_id}: plan versions",
+                      caption=_progress_line(info), caption_justify="left")
+        for col in ("version", "slot", "iter s", "cost / budget", "devices", "groups"):
+            table.add_column(col)
+        for row in table_rows[-20:]:
+            table.add_row(*row)
+        live.update(table, refresh=True)
+
+    def show_progress(new: job_pb2.JobInfo) -> None:
+        nonlocal info, shown
+        info = new
+        key = _progress_key(new)
+        if key == shown:
+            return
+        shown = key
+        if not args.json:
+            render()
+        elif new.HasField("loss") or new.HasField("eval_metric"):
+            print(json.dumps({"job_id": new.job_id, "progress": _progress_dict(new)}),
+                  flush=True)
+
+    def show_plan(pv: common_pb2.PlanVersion) -> None:
         if args.json:
             print(json.dumps(_plan_dict(pv)), flush=True)
             return
-        from rich.table import Table
-
         plan = json.loads(pv.plan_json)
         table_rows.append((str(pv.version), str(pv.slot), f"{pv.iteration_s:.4f}",
                            _fmt_costs(pv.costs, info.budgets),
                            str(sum(len(g["stages"]) for g in plan["groups"])),
                            str(len(plan["groups"]))))
-        table = Table(title=f"job {args.job_id}: plan versions")
-        for col in ("version", "slot", "iter s", "cost / budget", "devices", "groups"):
-            table.add_column(col)
-        for row in table_rows[-20:]:
-            table.add_row(*row)
-        assert live is not None
-        live.update(table, refresh=True)
+        render()
 
+    def poll() -> None:
+        # A short deadline: the display must not wait on an absent daemon. Failures are
+        # skipped: the plan stream reconnects, or reports what is wrong for good.
+        with contextlib.suppress(grpc.RpcError):
+            show_progress(stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
+                                      timeout=min(args.timeout, max(1.0, args.interval))))
+
+    stream = _PlanStream(stub, md, args.job_id, args.after)
     try:
+        show_progress(info)
+        stream.start()
+        next_poll = time.monotonic() + args.interval
         while True:
             try:
-                for pv in stub.WatchPlans(job_pb2.WatchPlansRequest(job_id=args.job_id,
-                                                                    after_version=last),
-                                          metadata=md):
-                    failures = 0
-                    last = pv.version
-                    show(pv)
-                    seen += 1
-                    if args.count and seen >= args.count:
-                        return 0
-                return 0  # the job ended
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.UNAVAILABLE,  # type: ignore[attr-defined]
-                                      grpc.StatusCode.DEADLINE_EXCEEDED) or failures >= 10:
-                    raise
-                failures += 1
-                time.sleep(min(0.2 * 2 ** failures, 5.0))
+                kind, item = stream.events.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                poll()
+                next_poll = time.monotonic() + args.interval
+                continue
+            if kind == "plan":
+                show_plan(item)
+                seen += 1
+                if args.count and seen >= args.count:
+                    return 0
+            elif kind == "end":
+                poll()  # the last loss of a job that ended
+                return 0
+            else:
+                raise item
     finally:
+        stream.stop()
         if live is not None:
             live.stop()
+            if not live.console.is_terminal:  # Live ends its last frame only on a terminal
+                live.console.line()
 
 
 _COMMANDS: dict[str, Callable[[job_pb2_grpc.JobServiceStub, Md, argparse.Namespace], int]] = {

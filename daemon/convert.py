@@ -10,6 +10,7 @@ import json
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Literal
 
 from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.types import COST_KINDS
@@ -24,6 +25,7 @@ from .records import (
     AgentReport,
     DeviceInfo,
     DeviceReport,
+    JobProgress,
     JobRecord,
     JobStatus,
     LinkReport,
@@ -39,6 +41,7 @@ __all__ = [
     "attach_from_proto",
     "budgets_from_proto",
     "job_to_proto",
+    "metric",
     "peers_to_proto",
     "plan_to_proto",
     "report_from_proto",
@@ -133,10 +136,11 @@ def _model_name(model_json: str) -> str:
         return ""
 
 
-def job_to_proto(rec: JobRecord, status: JobStatus,
-                 emulated: Iterable[str] = ()) -> job_pb2.JobInfo:
+def job_to_proto(rec: JobRecord, status: JobStatus, emulated: Iterable[str] = (),
+                 progress: JobProgress | None = None) -> job_pb2.JobInfo:
     emu = set(emulated)
-    return job_pb2.JobInfo(
+    progress = progress or JobProgress()
+    info = job_pb2.JobInfo(
         job_id=rec.job_id, owner=rec.owner, name=rec.name, state=_STATES[rec.state],
         global_batch=rec.global_batch, microbatch_size=rec.microbatch_size,
         schedules=list(rec.schedules), budgets=dict(rec.budgets), v=rec.V, slot_s=rec.slot_s,
@@ -146,7 +150,14 @@ def job_to_proto(rec: JobRecord, status: JobStatus,
         costs=dict(status.costs), average_costs=status.average_costs(),
         queues=dict(status.queues), devices=list(status.devices),
         emulated_devices=[d for d in status.devices if d in emu],
-        created_unix_ms=rec.created_ms, warnings=list(status.warnings))
+        created_unix_ms=rec.created_ms, warnings=list(status.warnings),
+        loss_step=progress.loss_step, eval_step=progress.eval_step,
+        loss_unix_ms=progress.loss_unix_ms)
+    if progress.loss is not None:  # optional fields: unset means "no loss reported yet"
+        info.loss = progress.loss
+    if progress.eval_metric is not None:
+        info.eval_metric = progress.eval_metric
+    return info
 
 
 def plan_to_proto(plan: PlanRecord) -> common_pb2.PlanVersion:
@@ -234,6 +245,19 @@ def attach_from_proto(req: trainer_pb2.AttachRequest) -> tuple[str, int, str, st
             req.model_json)
 
 
+def metric(req: trainer_pb2.StageTimingsReport,
+           field: Literal["loss", "eval_metric"]) -> float | None:
+    """An optional training metric (``loss``, ``eval_metric``) of a report; None when unset.
+
+    Any double is accepted, NaN and infinity included: a diverged run reports NaN,
+    and the job owner must see that (``hetpilot job`` shows "nan") rather than the
+    report being refused, which would also drop its stage timings and leave the
+    last finite loss on show as if all were well. Losses may be negative
+    (log-likelihoods), so there is no range either.
+    """
+    return float(getattr(req, field)) if req.HasField(field) else None
+
+
 def timings_from_proto(req: trainer_pb2.StageTimingsReport, unix_ms: int) -> TimingsRecord:
     count(req.stages, "stages")
     stages = []
@@ -246,4 +270,5 @@ def timings_from_proto(req: trainer_pb2.StageTimingsReport, unix_ms: int) -> Tim
             samples_per_s=number(s.samples_per_s, f"{f}.samples_per_s")))
     return TimingsRecord(job_id=name(req.job_id, "job_id"), rank=req.rank,
                          plan_version=req.plan_version, iteration=req.iteration,
-                         stages=tuple(stages), unix_ms=unix_ms)
+                         stages=tuple(stages), unix_ms=unix_ms, loss=metric(req, "loss"),
+                         eval_metric=metric(req, "eval_metric"))

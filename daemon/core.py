@@ -31,7 +31,7 @@ from .records import (
     AgentRecord,
     AgentReport,
     JobRecord,
-    JobStatus,
+    JobView,
     PlanRecord,
     TimingsRecord,
 )
@@ -162,15 +162,18 @@ class ControlPlane:
             raise NotFound(f"job {job_id!r} not found")
         return rec
 
-    def get(self, owner: str | None, job_id: str) -> tuple[JobRecord, JobStatus]:
-        rec = self._own(owner, job_id)
-        return rec, self.store.job_status(job_id)[0]
+    def _view(self, rec: JobRecord) -> JobView:
+        return JobView(rec, self.store.job_status(rec.job_id)[0],
+                       self.store.progress(rec.job_id))
 
-    def list_jobs(self, owner: str, include_cancelled: bool = False) -> list[tuple[JobRecord, JobStatus]]:
-        return [(r, self.store.job_status(r.job_id)[0]) for r in self.store.list_jobs(owner)
+    def get(self, owner: str | None, job_id: str) -> JobView:
+        return self._view(self._own(owner, job_id))
+
+    def list_jobs(self, owner: str, include_cancelled: bool = False) -> list[JobView]:
+        return [self._view(r) for r in self.store.list_jobs(owner)
                 if include_cancelled or r.state != JOB_CANCELLED]
 
-    async def cancel(self, owner: str, job_id: str) -> tuple[JobRecord, JobStatus]:
+    async def cancel(self, owner: str, job_id: str) -> JobView:
         rec = self._own(owner, job_id)
         if rec.state != JOB_CANCELLED:
             rec = rec.with_changes(state=JOB_CANCELLED)
@@ -180,10 +183,10 @@ class ControlPlane:
                 await loop.stop()
             self.metrics.jobs.set(len(self._loops))
             self.notify(job_id)
-        return rec, self.store.job_status(job_id)[0]
+        return self._view(rec)
 
     def update_budgets(self, owner: str, job_id: str, budgets: Mapping[str, float],
-                       V: float | None) -> tuple[JobRecord, JobStatus]:
+                       V: float | None) -> JobView:
         rec = self._own(owner, job_id)
         if rec.state == JOB_CANCELLED:
             raise FailedPrecondition(f"job {job_id} is cancelled")
@@ -196,7 +199,7 @@ class ControlPlane:
         loop = self._loops.get(job_id)
         if loop is not None:
             loop.set_budgets(new.budgets, new.V)
-        return new, self.store.job_status(job_id)[0]
+        return self._view(new)
 
     def notify(self, job_id: str) -> None:
         ev = self._plan_events.pop(job_id, None)
@@ -365,8 +368,12 @@ class ControlPlane:
         return plans[-1] if plans else None
 
     def stage_timings(self, timings: TimingsRecord) -> None:
+        """Keep a rank's stage timings and, when they carry a loss or an eval metric, the
+        job's training progress (in the same transaction); then feed the estimator."""
         rec = self._own(None, timings.job_id)
-        self.store.put_timings(timings)
+        current = self.store.progress(timings.job_id)
+        progress = current.updated(timings)  # `current` itself when nothing changed
+        self.store.put_timings(timings, None if progress is current else progress)
         try:
             self._learn(rec, timings)
         except Exception:  # learning must never fail the trainer's report

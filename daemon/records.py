@@ -8,8 +8,9 @@ here imports grpc.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, ClassVar, Self
+from typing import Any, ClassVar, NamedTuple, Self
 
 __all__ = [
     "JOB_CANCELLED",
@@ -19,8 +20,10 @@ __all__ = [
     "AgentReport",
     "DeviceInfo",
     "DeviceReport",
+    "JobProgress",
     "JobRecord",
     "JobStatus",
+    "JobView",
     "LinkReport",
     "PlanRecord",
     "StageTiming",
@@ -189,4 +192,54 @@ class TimingsRecord(_Json):
     iteration: int
     stages: tuple[StageTiming, ...]
     unix_ms: int = 0
+    loss: float | None = None
+    """Mean training loss over the iterations the report covers; None when none ran."""
+    eval_metric: float | None = None
+    """Held-out metric at the end of an epoch (jobs with an evaluation hook)."""
     _nested: ClassVar[dict[str, type]] = {"stages": StageTiming}
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobProgress(_Json):
+    """Training progress as the trainer last reported it (one per job).
+
+    The loss and the eval metric are tracked apart: a report without an eval
+    metric (a partial epoch) leaves the last one in place. The latest report
+    wins, not the highest step, so a trainer restarted from scratch shows its
+    own losses at once. NaN and infinity are kept (JSON ``NaN``/``Infinity``,
+    which :mod:`json` reads back): a diverged run must be visible.
+    """
+
+    loss: float | None = None
+    loss_step: int = 0
+    loss_unix_ms: int = 0
+    eval_metric: float | None = None
+    eval_step: int = 0
+
+    def updated(self, timings: TimingsRecord) -> JobProgress:
+        """This progress after ``timings``; ``self`` itself when nothing changes (a report
+        without loss or eval metric, or another rank's report of the same step and value:
+        every rank reports the epoch's loss, and the first report's time is kept)."""
+        new = self
+        if timings.loss is not None and not (
+                timings.iteration == self.loss_step and _same(timings.loss, self.loss)):
+            new = replace(new, loss=timings.loss, loss_step=timings.iteration,
+                          loss_unix_ms=timings.unix_ms)
+        if timings.eval_metric is not None and not (
+                timings.iteration == self.eval_step and _same(timings.eval_metric,
+                                                              self.eval_metric)):
+            new = replace(new, eval_metric=timings.eval_metric, eval_step=timings.iteration)
+        return new
+
+
+def _same(a: float, b: float | None) -> bool:
+    """Equal, NaN equal to NaN (``float('nan') != float('nan')``)."""
+    return b is not None and (a == b or (math.isnan(a) and math.isnan(b)))
+
+
+class JobView(NamedTuple):
+    """What the job owner's calls return: the job, its last slot, its training progress."""
+
+    job: JobRecord
+    status: JobStatus
+    progress: JobProgress

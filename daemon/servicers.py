@@ -24,6 +24,7 @@ from . import convert
 from .auth import Authenticator
 from .core import ControlPlane
 from .errors import FailedPrecondition, NotFound, TooLarge
+from .records import JobView
 
 __all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
 
@@ -80,8 +81,9 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
         assert owner is not None  # the interceptor refused everyone else
         return owner
 
-    def _info(self, pair: tuple[Any, Any]) -> job_pb2.JobInfo:
-        return convert.job_to_proto(pair[0], pair[1], self.plane.emulated_devices())
+    def _info(self, view: JobView) -> job_pb2.JobInfo:
+        return convert.job_to_proto(view.job, view.status, self.plane.emulated_devices(),
+                                    view.progress)
 
     @_unary
     async def SubmitJob(self, request: job_pb2.SubmitJobRequest,

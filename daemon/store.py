@@ -5,7 +5,12 @@ Two implementations pass the same contract test
 tests and :class:`SqliteStore` (WAL) for the daemon. A slot's status, the
 controller's state (virtual queues included) and a new plan version are
 written in one transaction, so kill -9 leaves either the slot before or the
-slot after, never half of one.
+slot after, never half of one; so are a trainer's stage timings and the job's
+training progress they update.
+
+The SQLite schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`):
+opening a database runs the migrations it lacks in one transaction, and a
+database written by a newer daemon is refused rather than half understood.
 """
 
 from __future__ import annotations
@@ -17,9 +22,17 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from .records import AgentRecord, AgentReport, JobRecord, JobStatus, PlanRecord, TimingsRecord
+from .records import (
+    AgentRecord,
+    AgentReport,
+    JobProgress,
+    JobRecord,
+    JobStatus,
+    PlanRecord,
+    TimingsRecord,
+)
 
-__all__ = ["MemoryStore", "SqliteStore", "Store"]
+__all__ = ["SCHEMA_VERSION", "MemoryStore", "SchemaError", "SqliteStore", "Store"]
 
 
 class Store(ABC):
@@ -65,11 +78,16 @@ class Store(ABC):
     def latest_reports(self) -> dict[str, AgentReport]: ...
 
     @abstractmethod
-    def put_timings(self, timings: TimingsRecord) -> None:
-        """Keep the latest stage timings of each (job, rank)."""
+    def put_timings(self, timings: TimingsRecord, progress: JobProgress | None = None) -> None:
+        """Keep the latest stage timings of each (job, rank); atomically with them, when
+        given, replace the job's training progress."""
 
     @abstractmethod
     def latest_timings(self, job_id: str) -> list[TimingsRecord]: ...
+
+    @abstractmethod
+    def progress(self, job_id: str) -> JobProgress:
+        """The job's training progress; an empty one before the first."""
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release; the memory store has nothing to do."""
@@ -83,6 +101,7 @@ class MemoryStore(Store):
         self._agents: dict[str, AgentRecord] = {}
         self._reports: dict[str, AgentReport] = {}
         self._timings: dict[tuple[str, int], TimingsRecord] = {}
+        self._progress: dict[str, JobProgress] = {}
 
     def create_job(self, job: JobRecord) -> JobRecord:
         if job.request_id:
@@ -130,31 +149,50 @@ class MemoryStore(Store):
     def latest_reports(self) -> dict[str, AgentReport]:
         return dict(self._reports)
 
-    def put_timings(self, timings: TimingsRecord) -> None:
+    def put_timings(self, timings: TimingsRecord, progress: JobProgress | None = None) -> None:
         self._timings[(timings.job_id, timings.rank)] = timings
+        if progress is not None:
+            self._progress[timings.job_id] = progress
 
     def latest_timings(self, job_id: str) -> list[TimingsRecord]:
         return sorted((t for (j, _), t in self._timings.items() if j == job_id),
                       key=lambda t: t.rank)
 
+    def progress(self, job_id: str) -> JobProgress:
+        return self._progress.get(job_id, JobProgress())
 
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-  seq INTEGER PRIMARY KEY AUTOINCREMENT,
-  job_id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL, request_id TEXT NOT NULL,
-  body TEXT NOT NULL);
-CREATE INDEX IF NOT EXISTS jobs_owner_request ON jobs(owner, request_id);
-CREATE TABLE IF NOT EXISTS job_status (
-  job_id TEXT PRIMARY KEY, status TEXT NOT NULL, controller_state TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS plans (
-  job_id TEXT NOT NULL, version INTEGER NOT NULL, body TEXT NOT NULL,
-  PRIMARY KEY (job_id, version));
-CREATE TABLE IF NOT EXISTS agents (host TEXT PRIMARY KEY, body TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS reports (agent_id TEXT PRIMARY KEY, body TEXT NOT NULL);
-CREATE TABLE IF NOT EXISTS timings (
-  job_id TEXT NOT NULL, rank INTEGER NOT NULL, body TEXT NOT NULL,
-  PRIMARY KEY (job_id, rank));
-"""
+
+#: ``_MIGRATIONS[v]`` takes a database from schema version v to v + 1. Only ever
+#: append: a released step never changes, because databases out there ran it.
+_MIGRATIONS: tuple[tuple[str, ...], ...] = (
+    # 0 -> 1: the original tables. Databases from before versioning have them and
+    # user_version 0; IF NOT EXISTS leaves their rows alone.
+    ("""CREATE TABLE IF NOT EXISTS jobs (
+          seq INTEGER PRIMARY KEY AUTOINCREMENT,
+          job_id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL, request_id TEXT NOT NULL,
+          body TEXT NOT NULL)""",
+     "CREATE INDEX IF NOT EXISTS jobs_owner_request ON jobs(owner, request_id)",
+     """CREATE TABLE IF NOT EXISTS job_status (
+          job_id TEXT PRIMARY KEY, status TEXT NOT NULL, controller_state TEXT NOT NULL)""",
+     """CREATE TABLE IF NOT EXISTS plans (
+          job_id TEXT NOT NULL, version INTEGER NOT NULL, body TEXT NOT NULL,
+          PRIMARY KEY (job_id, version))""",
+     "CREATE TABLE IF NOT EXISTS agents (host TEXT PRIMARY KEY, body TEXT NOT NULL)",
+     "CREATE TABLE IF NOT EXISTS reports (agent_id TEXT PRIMARY KEY, body TEXT NOT NULL)",
+     """CREATE TABLE IF NOT EXISTS timings (
+          job_id TEXT NOT NULL, rank INTEGER NOT NULL, body TEXT NOT NULL,
+          PRIMARY KEY (job_id, rank))"""),
+    # 1 -> 2: each job's training progress (latest loss and eval metric). Stored
+    # timings need no change: their JSON bodies gained optional keys, and the old
+    # bodies read back with loss and eval_metric None.
+    ("CREATE TABLE IF NOT EXISTS progress (job_id TEXT PRIMARY KEY, body TEXT NOT NULL)",),
+)
+SCHEMA_VERSION = len(_MIGRATIONS)
+"""The schema version this code writes (``PRAGMA user_version``)."""
+
+
+class SchemaError(RuntimeError):
+    """The database was written by a newer daemon (a higher schema version)."""
 
 
 class SqliteStore(Store):
@@ -168,7 +206,30 @@ class SqliteStore(Store):
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute("PRAGMA synchronous=NORMAL")
         self._db.execute("PRAGMA busy_timeout=5000")
-        self._db.executescript(_SCHEMA)
+        self._migrate(str(path))
+
+    def _migrate(self, path: str) -> None:
+        self._db.execute("BEGIN IMMEDIATE")  # one daemon migrates; a second waits, then sees it
+        try:
+            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            if version > SCHEMA_VERSION:
+                raise SchemaError(
+                    f"{path} has schema version {version}, newer than this daemon's "
+                    f"{SCHEMA_VERSION}: run the daemon release that wrote it (or a newer one)")
+            for step in _MIGRATIONS[version:]:
+                for statement in step:
+                    self._db.execute(statement)
+            if version != SCHEMA_VERSION:
+                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION:d}")
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            self._db.close()
+            raise
+
+    @property
+    def schema_version(self) -> int:
+        return int(self._one("PRAGMA user_version", ())[0])
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
         with self._lock:
@@ -263,13 +324,28 @@ class SqliteStore(Store):
         reports = (AgentReport.from_json(r[0]) for r in self._all("SELECT body FROM reports"))
         return {r.agent_id: r for r in reports}
 
-    def put_timings(self, timings: TimingsRecord) -> None:
-        self._write("INSERT OR REPLACE INTO timings(job_id, rank, body) VALUES (?,?,?)",
+    def put_timings(self, timings: TimingsRecord, progress: JobProgress | None = None) -> None:
+        with self._lock:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                self._db.execute(
+                    "INSERT OR REPLACE INTO timings(job_id, rank, body) VALUES (?,?,?)",
                     (timings.job_id, timings.rank, timings.to_json()))
+                if progress is not None:
+                    self._db.execute("INSERT OR REPLACE INTO progress(job_id, body) VALUES (?,?)",
+                                     (timings.job_id, progress.to_json()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
 
     def latest_timings(self, job_id: str) -> list[TimingsRecord]:
         rows = self._all("SELECT body FROM timings WHERE job_id=? ORDER BY rank", (job_id,))
         return [TimingsRecord.from_json(r[0]) for r in rows]
+
+    def progress(self, job_id: str) -> JobProgress:
+        row = self._one("SELECT body FROM progress WHERE job_id=?", (job_id,))
+        return JobProgress.from_json(row[0]) if row else JobProgress()
 
     def close(self) -> None:
         with self._lock:

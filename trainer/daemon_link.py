@@ -248,7 +248,9 @@ class GrpcReporter:
 
     A record becomes one StageTiming: ``fwd_s``/``bwd_s`` per microbatch, ``comm_s`` the
     seconds per iteration blocked in receives plus gradient sync, ``samples_per_s`` the
-    group's samples per second. Records of ranks a plan leaves idle are not sent.
+    group's samples per second. The record's ``loss`` and ``eval_metric``, when present and
+    not None, go along as they are (NaN included: the job owner sees a diverged run).
+    Records of ranks a plan leaves idle are not sent.
     """
 
     def __init__(self, link: DaemonLink, *, max_queue: int = 256) -> None:
@@ -267,7 +269,7 @@ class GrpcReporter:
             return None
         it_s = float(record.get("iteration_s") or 0.0)
         samples = float(record.get("group_samples") or 0.0)
-        return trainer_pb2.StageTimingsReport(
+        req = trainer_pb2.StageTimingsReport(
             job_id=job_id, rank=int(record["rank"]), plan_version=int(record["plan_version"]),
             iteration=int(record["step"]),
             stages=[trainer_pb2.StageTiming(
@@ -275,6 +277,11 @@ class GrpcReporter:
                 fwd_s=float(record["fwd_s"]), bwd_s=float(record["bwd_s"]),
                 comm_s=float(record["transfer_wait_s"]) + float(record["sync_s"]),
                 samples_per_s=samples / it_s if it_s > 0 else 0.0)])
+        if record.get("loss") is not None:
+            req.loss = float(record["loss"])
+        if record.get("eval_metric") is not None:
+            req.eval_metric = float(record["eval_metric"])
+        return req
 
     def __call__(self, record: dict[str, Any]) -> None:
         req = self.to_proto(self.link.job_id, record)

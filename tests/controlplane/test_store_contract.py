@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+import math
+import sqlite3
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -11,6 +14,7 @@ from hetpilot.daemon.records import (
     AgentReport,
     DeviceInfo,
     DeviceReport,
+    JobProgress,
     JobRecord,
     JobStatus,
     LinkReport,
@@ -18,7 +22,7 @@ from hetpilot.daemon.records import (
     StageTiming,
     TimingsRecord,
 )
-from hetpilot.daemon.store import MemoryStore, SqliteStore, Store
+from hetpilot.daemon.store import SCHEMA_VERSION, MemoryStore, SchemaError, SqliteStore, Store
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -102,3 +106,93 @@ def test_sqlite_survives_reopen(tmp_path: Path) -> None:
     assert s2.job_status("j1") == (JobStatus(slot=3), {"x": 1})
     assert [p.version for p in s2.plans("j1")] == [1]
     s2.close()
+
+
+def test_timings_and_progress(store: Store) -> None:
+    assert store.progress("j") == JobProgress()
+    t = TimingsRecord(job_id="j", rank=1, plan_version=1, iteration=8, stages=(), unix_ms=7,
+                      loss=0.25, eval_metric=-1.5)
+    progress = JobProgress(loss=0.25, loss_step=8, loss_unix_ms=7, eval_metric=-1.5,
+                           eval_step=8)
+    store.put_timings(t, progress)
+    assert store.latest_timings("j") == [t] and store.progress("j") == progress
+    t2 = TimingsRecord(job_id="j", rank=1, plan_version=1, iteration=9, stages=())
+    store.put_timings(t2)  # no progress: the stored one stays
+    assert store.latest_timings("j") == [t2] and store.progress("j") == progress
+    assert store.progress("other") == JobProgress()
+    # a diverged run's NaN / inf round-trips
+    store.put_timings(t2, JobProgress(loss=math.nan, loss_step=9, eval_metric=math.inf))
+    got = store.progress("j")
+    assert math.isnan(got.loss or 0.0) and got.eval_metric == math.inf and got.loss_step == 9
+
+
+# The schema of the daemon before schema versions (user_version 0), verbatim.
+_UNVERSIONED_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+  seq INTEGER PRIMARY KEY AUTOINCREMENT,
+  job_id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL, request_id TEXT NOT NULL,
+  body TEXT NOT NULL);
+CREATE INDEX IF NOT EXISTS jobs_owner_request ON jobs(owner, request_id);
+CREATE TABLE IF NOT EXISTS job_status (
+  job_id TEXT PRIMARY KEY, status TEXT NOT NULL, controller_state TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS plans (
+  job_id TEXT NOT NULL, version INTEGER NOT NULL, body TEXT NOT NULL,
+  PRIMARY KEY (job_id, version));
+CREATE TABLE IF NOT EXISTS agents (host TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS reports (agent_id TEXT PRIMARY KEY, body TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS timings (
+  job_id TEXT NOT NULL, rank INTEGER NOT NULL, body TEXT NOT NULL,
+  PRIMARY KEY (job_id, rank));
+"""
+
+
+def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    old.executescript(_UNVERSIONED_SCHEMA)
+    job, status = _job("j1"), JobStatus(slot=3, plan_version=1)
+    agent = AgentRecord(host="a", probe_address="", devices=(
+        DeviceInfo(index="0", name="x", kind="cpu", tflops=1.0, memory_gb=2.0),))
+    # a timings body as the old daemon wrote it: no loss, no eval_metric
+    old_timings = {"job_id": "j1", "rank": 0, "plan_version": 1, "iteration": 4, "unix_ms": 9,
+                   "stages": [{"stage_index": 0, "device_id": "a:0", "fwd_s": 1.0,
+                               "bwd_s": 2.0, "comm_s": 0.0, "samples_per_s": 3.0}]}
+    with old:
+        old.execute("INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
+                    ("j1", "alice", "", job.to_json()))
+        old.execute("INSERT INTO job_status VALUES (?,?,?)", ("j1", status.to_json(), '{"x": 1}'))
+        old.execute("INSERT INTO plans VALUES (?,?,?)", ("j1", 1, _plan("j1", 1).to_json()))
+        old.execute("INSERT INTO agents VALUES (?,?)", ("a", agent.to_json()))
+        old.execute("INSERT INTO reports VALUES (?,?)",
+                    ("a", AgentReport(agent_id="a", seq=5, unix_ms=1).to_json()))
+        old.execute("INSERT INTO timings VALUES (?,?,?)", ("j1", 0, json.dumps(old_timings)))
+    old.close()
+
+    s = SqliteStore(path)
+    assert s.schema_version == SCHEMA_VERSION == 2
+    # nothing stored before is lost
+    assert s.get_job("j1") == job and s.job_status("j1") == (status, {"x": 1})
+    assert s.plans("j1") == [_plan("j1", 1)] and s.agents() == [agent]
+    assert s.latest_reports()["a"].seq == 5
+    [t] = s.latest_timings("j1")
+    assert (t.iteration, t.stages[0].fwd_s, t.loss, t.eval_metric) == (4, 1.0, None, None)
+    assert s.progress("j1") == JobProgress()
+    # and the new table works
+    progress = JobProgress(loss=0.5, loss_step=5)
+    s.put_timings(TimingsRecord(job_id="j1", rank=0, plan_version=1, iteration=5, stages=(),
+                                loss=0.5), progress)
+    s.close()
+    s = SqliteStore(path)  # opening a current database again changes nothing
+    assert s.schema_version == SCHEMA_VERSION and s.progress("j1") == progress
+    assert s.get_job("j1") == job and s.latest_timings("j1")[0].loss == 0.5
+    s.close()
+
+
+def test_sqlite_refuses_a_newer_schema(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    SqliteStore(path).close()
+    db = sqlite3.connect(path)
+    db.execute(f"PRAGMA user_version={SCHEMA_VERSION + 1}")
+    db.close()
+    with pytest.raises(SchemaError, match=f"schema version {SCHEMA_VERSION + 1}, newer"):
+        SqliteStore(path)

@@ -161,6 +161,9 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
     # the profile the trainer sent on Attach became the job's model
     info = daemon.job(job_id)
     assert info.model_name == "mlp" and info.plan_version >= 1
+    # the last epoch's loss reached the job's status (mlp has no eval hook)
+    assert info.HasField("loss") and info.loss == pytest.approx(records[-1]["loss"])
+    assert info.loss_step == records[-1]["step"] and not info.HasField("eval_metric")
     # the daemon stored each working rank's latest stage timings
     store = SqliteStore(daemon.state / "state.db")
     try:
@@ -176,6 +179,28 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
     # --report on rank 0 got every rank's record (gathered)
     reported = [json.loads(line) for line in (tmp_path / "report.jsonl").read_text().splitlines()]
     assert sorted({r["rank"] for r in reported}) == [0, 1]
+
+
+def test_to_proto_carries_loss_and_eval_metric_when_present() -> None:
+    from hetpilot.trainer.daemon_link import GrpcReporter
+
+    record: dict[str, Any] = {
+        "rank": 1, "plan_version": 3, "step": 12, "stage": 0, "device_id": f"{HOST}:1",
+        "fwd_s": 0.01, "bwd_s": 0.02, "transfer_wait_s": 0.001, "sync_s": 0.002,
+        "iteration_s": 0.5, "group_samples": 16}
+    req = GrpcReporter.to_proto("job1", record)  # a record from before the keys existed
+    assert req is not None and req.iteration == 12 and req.stages[0].samples_per_s == 32.0
+    assert not req.HasField("loss") and not req.HasField("eval_metric")
+    req = GrpcReporter.to_proto("job1", {**record, "loss": None})  # no iteration ran
+    assert req is not None and not req.HasField("loss")
+    req = GrpcReporter.to_proto("job1", {**record, "loss": 0.25})
+    assert req is not None and req.loss == 0.25 and not req.HasField("eval_metric")
+    req = GrpcReporter.to_proto("job1", {**record, "loss": 0.25, "eval_metric": -1.5})
+    assert req is not None and (req.loss, req.eval_metric) == (0.25, -1.5)
+    req = GrpcReporter.to_proto("job1", {**record, "loss": float("nan")})  # diverged: sent
+    assert req is not None and req.HasField("loss") and req.loss != req.loss
+    # an idle rank sends nothing, loss or not
+    assert GrpcReporter.to_proto("job1", {**record, "stage": None, "loss": 0.25}) is None
 
 
 @pytest.mark.timeout(60)

@@ -234,6 +234,11 @@ class JobInfo(_message.Message):
     EMULATED_DEVICES_FIELD_NUMBER: _builtins.int
     CREATED_UNIX_MS_FIELD_NUMBER: _builtins.int
     WARNINGS_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    LOSS_STEP_FIELD_NUMBER: _builtins.int
+    EVAL_METRIC_FIELD_NUMBER: _builtins.int
+    EVAL_STEP_FIELD_NUMBER: _builtins.int
+    LOSS_UNIX_MS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     owner: _builtins.str
     name: _builtins.str
@@ -249,6 +254,17 @@ class JobInfo(_message.Message):
     """Latest plan version (0 before the first)."""
     iteration_s: _builtins.float
     created_unix_ms: _builtins.int
+    loss: _builtins.float
+    """Training progress as the trainer last reported it (TrainerService
+    ReportStageTimings): the latest loss and the trainer step it belongs to,
+    and the latest held-out metric (jobs with an evaluation hook) and its step.
+    Unset until a report carries one; NaN or infinity when the run diverged.
+    """
+    loss_step: _builtins.int
+    eval_metric: _builtins.float
+    eval_step: _builtins.int
+    loss_unix_ms: _builtins.int
+    """When the daemon received the report that carried `loss`."""
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -297,12 +313,24 @@ class JobInfo(_message.Message):
         emulated_devices: _abc.Iterable[_builtins.str] | None = ...,
         created_unix_ms: _builtins.int = ...,
         warnings: _abc.Iterable[_builtins.str] | None = ...,
+        loss: _builtins.float | None = ...,
+        loss_step: _builtins.int = ...,
+        eval_metric: _builtins.float | None = ...,
+        eval_step: _builtins.int = ...,
+        loss_unix_ms: _builtins.int = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_s", b"slot_s", "state", b"state", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_s", b"slot_s", "state", b"state", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
+    _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015
+    _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
+    _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_metric) -> _WhichOneofReturnType__eval_metric | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___JobInfo: _TypeAlias = JobInfo  # noqa: Y015
 

@@ -149,10 +149,21 @@ class StageTimingsReport(_message.Message):
     PLAN_VERSION_FIELD_NUMBER: _builtins.int
     ITERATION_FIELD_NUMBER: _builtins.int
     STAGES_FIELD_NUMBER: _builtins.int
+    LOSS_FIELD_NUMBER: _builtins.int
+    EVAL_METRIC_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     rank: _builtins.int
     plan_version: _builtins.int
     iteration: _builtins.int
+    loss: _builtins.float
+    """Mean training loss over the iterations this report covers (the same on
+    every rank); unset when none ran. Non-finite values are accepted and shown
+    as they are: a diverged run is what the job owner needs to see.
+    """
+    eval_metric: _builtins.float
+    """Held-out metric at the end of an epoch, for jobs with an evaluation hook;
+    unset otherwise.
+    """
     @_builtins.property
     def stages(self) -> _containers.RepeatedCompositeFieldContainer[Global___StageTiming]: ...
     def __init__(
@@ -163,12 +174,21 @@ class StageTimingsReport(_message.Message):
         plan_version: _builtins.int = ...,
         iteration: _builtins.int = ...,
         stages: _abc.Iterable[Global___StageTiming] | None = ...,
+        loss: _builtins.float | None = ...,
+        eval_metric: _builtins.float | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["iteration", b"iteration", "job_id", b"job_id", "plan_version", b"plan_version", "rank", b"rank", "stages", b"stages"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "iteration", b"iteration", "job_id", b"job_id", "loss", b"loss", "plan_version", b"plan_version", "rank", b"rank", "stages", b"stages"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
-    def WhichOneof(self, oneof_group: _Never) -> None: ...
+    _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
+    _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015
+    _WhichOneofReturnType__loss: _TypeAlias = _typing.Literal["loss"]  # noqa: Y015
+    _WhichOneofArgType__loss: _TypeAlias = _typing.Literal["_loss", b"_loss"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__eval_metric) -> _WhichOneofReturnType__eval_metric | None: ...
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__loss) -> _WhichOneofReturnType__loss | None: ...
 
 Global___StageTimingsReport: _TypeAlias = StageTimingsReport  # noqa: Y015
 
