@@ -1,16 +1,37 @@
 """Model profile (spec v1 section 2) measured on a sample microbatch, no hand-written numbers.
 
-Per layer, run on a sample microbatch of ``m`` samples and divided by ``m``:
+The layers are run one at a time, each on the previous layer's output, on a
+sample microbatch of ``m`` samples; the numbers are divided by ``m``. A
+layer's input and output may be any pytree (tensors, tuples, lists, dicts,
+nested, non-tensor leaves), flattened with ``torch.utils._pytree`` as the
+runtime does at a cut. Per layer:
 
 * ``fwd_gflop`` / ``bwd_gflop``: ``torch.utils.flop_counter.FlopCounterMode``
-  around the layer's forward and around its backward (the backward includes
-  the input gradient except for layer 0, whose input needs none). The counter
-  knows matmuls and convolutions; element-wise ops count as 0;
-* ``out_mb``: the output's bytes;
+  around the layer's forward and around its backward. The backward starts
+  from ones-like gradients on every floating output leaf that requires one
+  and includes the input gradient of every input leaf that needs one: a
+  floating leaf that required a gradient in the previous layer's output (so
+  never layer 0's input nor integer token ids, and nothing after a run of
+  parameter-free layers on the raw input; a layer whose output needs no
+  gradient has ``bwd_gflop`` 0). The counter knows matmuls, convolutions and
+  attention (CPU flash attention included, with torch's own SDPA formulas,
+  which count the full score matrix even for causal attention), and the CPU
+  oneDNN LSTM/GRU kernel (its matmuls; backward counted as twice the
+  forward); element-wise ops count as 0;
+* ``out_mb``: the bytes of all tensor leaves of the output (what a cut after
+  the layer moves);
 * ``act_mb``: the bytes of the tensors autograd saves for the backward
   (``torch.autograd.graph.saved_tensors_hooks``, each tensor counted once,
   parameters excluded);
-* ``param_mb``: the layer's parameter and buffer bytes (not per sample).
+* ``param_mb``: the layer's parameter and buffer bytes (not per sample). A
+  parameter tied between layers (an embedding and an LM head sharing one
+  weight) counts on every layer that holds it, since every stage holding one
+  of those layers stores a copy.
+
+Profiling runs on copies of the layers given as modules (one
+``copy.deepcopy`` over all of them, so tied parameters stay tied within the
+copy): the user's modules keep their parameters, gradients and buffers
+(BatchNorm running statistics) as they were. Factories are called.
 
 :func:`layer_times` also measures seconds per layer (median of repeats),
 which the benchmark turns into a reference-model prediction.
@@ -18,87 +39,202 @@ which the benchmark turns into a reference-model prediction.
 
 from __future__ import annotations
 
+import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import nn
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["layer_times", "profile_model"]
+__all__ = ["flop_counter", "layer_times", "profile_model"]
+
+LayerSpec = nn.Module | Callable[[], nn.Module]
+
+_aten = torch.ops.aten
 
 
-def _build(spec: nn.Module | Callable[[], nn.Module]) -> nn.Module:
-    return spec if isinstance(spec, nn.Module) else spec()
+def _sdpa_cpu_flop(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                   out_shape: Any = None, **kwargs: Any) -> int:
+    return int(sdpa_flop_count(query_shape, key_shape, value_shape))
+
+
+def _sdpa_cpu_backward_flop(grad_out_shape: Any, query_shape: Any, key_shape: Any,
+                            value_shape: Any, *args: Any, out_shape: Any = None,
+                            **kwargs: Any) -> int:
+    return int(sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape))
+
+
+def _mkldnn_rnn_flop(input_shape: Any, w_ih_shape: Any, w_hh_shape: Any, *args: Any,
+                     out_shape: Any = None, **kwargs: Any) -> int:
+    """One direction of one layer of a oneDNN RNN (CPU float32 ``nn.LSTM`` / ``nn.GRU``):
+    the input and hidden projections of every step, ``2 n G (I + H)`` for ``n``
+    steps times batch and ``G`` gate rows."""
+    gates, d_in = w_ih_shape
+    steps = 1
+    for size in input_shape:
+        steps *= size
+    return int(2 * (steps // d_in) * gates * (d_in + w_hh_shape[1]))
+
+
+def _mkldnn_rnn_backward_flop(input_shape: Any, w_ih_shape: Any, w_hh_shape: Any, *args: Any,
+                              out_shape: Any = None, **kwargs: Any) -> int:
+    """Input, hidden and weight gradients: twice the forward."""
+    return 2 * _mkldnn_rnn_flop(input_shape, w_ih_shape, w_hh_shape)
+
+
+def _custom_mapping() -> dict[Any, Any]:
+    """Formulas torch's counter lacks: the CPU flash attention kernels (same
+    signature prefix as the CUDA ones, so torch's SDPA formulas apply) and the
+    oneDNN RNN layer (other RNN paths decompose into counted matmuls)."""
+    mapping: dict[Any, Any] = {}
+    for name, formula in (("_scaled_dot_product_flash_attention_for_cpu", _sdpa_cpu_flop),
+                          ("_scaled_dot_product_flash_attention_for_cpu_backward",
+                           _sdpa_cpu_backward_flop),
+                          ("mkldnn_rnn_layer", _mkldnn_rnn_flop),
+                          ("mkldnn_rnn_layer_backward", _mkldnn_rnn_backward_flop)):
+        op = getattr(_aten, name, None)
+        if op is not None:
+            mapping[op] = formula
+    return mapping
+
+
+def flop_counter() -> FlopCounterMode:
+    """A silent ``FlopCounterMode`` that also counts CPU attention."""
+    return FlopCounterMode(display=False, custom_mapping=_custom_mapping())
+
+
+def _instantiate(layers: Sequence[LayerSpec]) -> list[nn.Module]:
+    """Copies of the modules (one memo, so parameters shared by identity stay
+    shared among the copies) and freshly built factories."""
+    memo: dict[int, Any] = {}
+    built = []
+    for spec in layers:
+        if isinstance(spec, nn.Module):
+            try:
+                built.append(copy.deepcopy(spec, memo))
+            except Exception as exc:
+                raise TypeError(f"layer {len(built)} ({type(spec).__name__}) cannot be copied "
+                                f"for profiling: {exc}") from exc
+        else:
+            built.append(spec())
+    return built
+
+
+def _leaves(value: Any) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
+
+
+def _nbytes(value: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in _leaves(value))
+
+
+def _microbatch_size(sample: Any) -> int:
+    for t in _leaves(sample):
+        if t.dim() > 0:
+            return int(t.shape[0])
+    raise ValueError("sample has no tensor with a batch dimension")
+
+
+def _layer_input(value: Any, first: bool) -> Any:
+    """``value`` detached; a floating leaf that required a gradient requires one again
+    (the runtime's rule at a cut). Layer 0 gets a private copy, so an in-place op
+    cannot touch the caller's sample."""
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if first:
+            return t.detach().clone()
+        return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+
+    return pytree.tree_map(leaf, value)
+
+
+def _backward(output: Any) -> None:
+    """Ones-like gradients into every floating output leaf that requires one."""
+    roots = [t for t in _leaves(output) if t.requires_grad and t.is_floating_point()]
+    if roots:
+        torch.autograd.backward(roots, [torch.ones_like(t) for t in roots])
+
+
+def _needs_backward(output: Any) -> bool:
+    return any(t.requires_grad and t.is_floating_point() for t in _leaves(output))
 
 
 def profile_model(
-    layers: Sequence[nn.Module | Callable[[], nn.Module]],
-    sample: torch.Tensor,
+    layers: Sequence[LayerSpec],
+    sample: Any,
     *,
     name: str = "model",
     optimizer_factor: float = 3.0,
 ) -> dict[str, Any]:
-    """The spec section 2 model dict of ``layers`` run on ``sample`` (a microbatch)."""
-    m = sample.shape[0]
-    x = sample
+    """The spec section 2 model dict of ``layers`` run on ``sample`` (a microbatch, any pytree
+    of tensors whose first dimension is the microbatch)."""
+    m = _microbatch_size(sample)
+    modules = _instantiate(layers)
+    x: Any = sample
     out_layers = []
-    for i, spec in enumerate(layers):
-        layer = _build(spec)
-        inp = x.detach().requires_grad_(i > 0 and x.is_floating_point())
-        param_ids = {p.data_ptr() for p in layer.parameters()}
-        saved: dict[int, int] = {}
+    with torch.enable_grad():
+        for i, layer in enumerate(modules):
+            inp = _layer_input(x, first=i == 0)
+            param_ptrs = {p.data_ptr() for p in layer.parameters()}
+            saved: dict[int, int] = {}
 
-        def pack(t: torch.Tensor, saved: dict[int, int] = saved,
-                 param_ids: set[int] = param_ids) -> torch.Tensor:
-            ptr = t.data_ptr()
-            if ptr not in param_ids:
-                saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
-            return t
+            def pack(t: torch.Tensor, saved: dict[int, int] = saved,
+                     param_ptrs: set[int] = param_ptrs) -> torch.Tensor:
+                ptr = t.data_ptr()
+                if ptr not in param_ptrs:
+                    saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
+                return t
 
-        with FlopCounterMode(display=False) as fwd_count, \
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = layer(inp)
-        bwd_flops = 0
-        if y.requires_grad:
-            with FlopCounterMode(display=False) as bwd_count:
-                y.backward(torch.ones_like(y))
-            bwd_flops = bwd_count.get_total_flops()
-        layer.zero_grad(set_to_none=True)  # a module the trainer will use must start clean
-        param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-        param_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
-        out_layers.append({
-            "name": f"{i}:{type(layer).__name__}",
-            "fwd_gflop": fwd_count.get_total_flops() / m / 1e9,
-            "bwd_gflop": bwd_flops / m / 1e9,
-            "out_mb": y.numel() * y.element_size() / m / 1e6,
-            "act_mb": sum(saved.values()) / m / 1e6,
-            "param_mb": param_bytes / 1e6,
-        })
-        x = y.detach()
+            with flop_counter() as fwd_count, \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = layer(inp)
+            bwd_flops = 0
+            if _needs_backward(y):
+                with flop_counter() as bwd_count:
+                    _backward(y)
+                bwd_flops = bwd_count.get_total_flops()
+            param_bytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+            param_bytes += sum(b.numel() * b.element_size() for b in layer.buffers())
+            out_layers.append({
+                "name": f"{i}:{type(layer).__name__}",
+                "fwd_gflop": fwd_count.get_total_flops() / m / 1e9,
+                "bwd_gflop": bwd_flops / m / 1e9,
+                "out_mb": _nbytes(y) / m / 1e6,
+                "act_mb": sum(saved.values()) / m / 1e6,
+                "param_mb": param_bytes / 1e6,
+            })
+            x = y
     return {"name": name, "optimizer_factor": optimizer_factor, "layers": out_layers}
 
 
 def layer_times(
-    layers: Sequence[nn.Module], sample: torch.Tensor, *, repeats: int = 5
+    layers: Sequence[LayerSpec], sample: Any, *, repeats: int = 5
 ) -> list[tuple[float, float]]:
-    """Median (forward, backward) seconds of each layer on ``sample``."""
+    """Median (forward, backward) seconds of each layer on ``sample`` (run on copies of
+    the modules, as :func:`profile_model`; a layer whose output needs no gradient
+    has backward 0)."""
     out = []
-    x = sample
-    for i, layer in enumerate(layers):
-        fwd, bwd = [], []
-        for _ in range(repeats):
-            inp = x.detach().requires_grad_(i > 0)
-            started = time.perf_counter()
-            y = layer(inp)
-            mid = time.perf_counter()
-            y.backward(torch.ones_like(y))
-            end = time.perf_counter()
-            fwd.append(mid - started)
-            bwd.append(end - mid)
-        layer.zero_grad(set_to_none=True)
-        out.append((statistics.median(fwd), statistics.median(bwd)))
-        x = y.detach()
+    modules = _instantiate(layers)
+    x: Any = sample
+    with torch.enable_grad():
+        for i, layer in enumerate(modules):
+            fwd, bwd = [], []
+            y: Any = None
+            for _ in range(repeats):
+                inp = _layer_input(x, first=i == 0)
+                started = time.perf_counter()
+                y = layer(inp)
+                mid = time.perf_counter()
+                _backward(y)
+                end = time.perf_counter()
+                fwd.append(mid - started)
+                bwd.append(end - mid)
+            out.append((statistics.median(fwd), statistics.median(bwd)))
+            x = y
     return out
