@@ -76,3 +76,17 @@ def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
         capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     assert "--job" in res.stderr and "MODULE:FN" in res.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("example", ["gpt", "resnet", "lstm"])
+def test_shipped_examples_match_one_process(example: str, ranks: int) -> None:
+    """A GPT-style LM with tied embeddings on integer ids, a ResNet with BatchNorm, an LSTM
+    whose tuple output crosses a cut: every boundary cut on 2, 3 and 4 ranks."""
+    from hetpilot.trainer import examples
+
+    layers = len(getattr(examples, example)()["layers"])
+    lines = _check(f"hetpilot.trainer.examples:{example}", ranks, seed=ranks)
+    assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
