@@ -49,11 +49,12 @@ def job() -> dict[str, Any]:
 
 
 def held_out_accuracy(checkpoint: str | Path) -> float:
-    """Accuracy on the held-out 20% of a checkpoint written by ``hetpilot train --checkpoint``."""
+    """Accuracy on the held-out 20% of a checkpoint written by ``hetpilot train --checkpoint``
+    (its latest commit, or the one commit directory given)."""
+    from hetpilot.trainer.checkpoint import export_state_dict
+
     net = model()
-    for i, layer in enumerate(net):
-        state = torch.load(Path(checkpoint) / f"layer{i:05d}.pt", weights_only=True)
-        layer.load_state_dict(state["module"])
+    net.load_state_dict(export_state_dict(checkpoint))
     _, _, xte, yte = _split()
     with torch.no_grad():
         return float((net(xte).argmax(1) == yte).float().mean())

@@ -314,21 +314,26 @@ cluster_token = "{cluster}"
     @staticmethod
     def _accuracy(ckpt: Path, seen: tuple[int, int] | None,
                   accuracy: dict[int, float]) -> tuple[int, int] | None:
-        """Score the newest checkpoint once (the trainer rewrites it after every epoch)."""
+        """Score the newest checkpoint once (the trainer commits a new one after every epoch)."""
+        from hetpilot.trainer.checkpoint import resolve
+
         from .digits import held_out_accuracy
 
-        meta = ckpt / "meta.json"
+        where = resolve(ckpt)
+        if where is None:
+            return seen
+        meta = where / "meta.json"
         try:
             st = meta.stat()
             stamp = (st.st_mtime_ns, st.st_size)
             if stamp == seen:
                 return seen
             epoch = int(json.loads(meta.read_text())["epoch"]) - 1
-            acc = held_out_accuracy(ckpt)
+            acc = held_out_accuracy(where)
             st2 = meta.stat()
         except (OSError, ValueError, KeyError, RuntimeError, EOFError):
             return seen
-        if (st2.st_mtime_ns, st2.st_size) == stamp:  # not rewritten while we read
+        if (st2.st_mtime_ns, st2.st_size) == stamp:  # not pruned and remade while we read
             accuracy[epoch] = acc
         return stamp
 

@@ -23,6 +23,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
                     "check the trainer against full-batch training on N local ranks (float64)"),
     "profile": ("hetpilot.trainer.cli", "measure a model's per-layer profile (spec section 2)"),
     "train": ("hetpilot.trainer.cli", "run a training job on a plan file (under torchrun)"),
+    "export": ("hetpilot.trainer.cli",
+               "write a training checkpoint as one state_dict of nn.Sequential(*layers)"),
     "daemon": ("hetpilot.daemon.cli", "run the control-plane daemon (head node)"),
     "agent": ("hetpilot.agents.cli", "run the node agent (one per GPU host)"),
     "submit": ("hetpilot.client.cli", "submit a job file (job.toml); prints the job id"),

@@ -1,4 +1,4 @@
-"""``hetpilot train-check``, ``hetpilot profile`` and ``hetpilot train``.
+"""``hetpilot train-check``, ``hetpilot profile``, ``hetpilot train`` and ``hetpilot export``.
 
 Exit codes: 0 ok; 1 a check failed or a run-time error; 2 bad input (one
 line on stderr naming the field, before any rank computes).
@@ -19,6 +19,12 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    if name == "export":
+        parser.add_argument("checkpoint", metavar="CKPT",
+                            help="a `hetpilot train --checkpoint` directory (its latest commit)")
+        parser.add_argument("--out", required=True, metavar="MODEL.pt",
+                            help="write the state_dict of nn.Sequential(*layers) here")
+        return
     if name == "train-check":
         parser.add_argument("--job", default=None, metavar="MODULE:FN",
                             help="your job function (as for `hetpilot train --model`); default: "
@@ -90,6 +96,8 @@ def _load_spec(target: str, command: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.command == "export":
+        return _export(args.checkpoint, args.out)
     if args.command == "train-check":
         if args.ranks < 2:
             return _fail(f"--ranks: must be >= 2, got {args.ranks}")
@@ -115,6 +123,32 @@ def run(args: argparse.Namespace) -> int:
             print(text)
         return 0
     return _train(args, spec)
+
+
+def _export(checkpoint: str, out: str) -> int:
+    """One ``state_dict`` (keys ``"{layer}.{name}"``) from the checkpoint's layer and tie files."""
+    import pickle
+
+    import torch
+
+    from .checkpoint import export_state_dict
+
+    try:
+        state = export_state_dict(checkpoint)
+    except (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError,
+            pickle.UnpicklingError) as exc:
+        return _fail(f"CKPT: {exc}")
+    path = Path(out)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with tmp.open("wb") as fh:
+            torch.save(state, fh)
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as exc:
+        tmp.unlink(missing_ok=True)
+        return _fail(f"--out: {exc}")
+    print(f"hetpilot: exported {len(state)} tensors to {out}", file=sys.stderr)
+    return 0
 
 
 def _emulated_tflops(text: str | None, rank: int, world: int) -> float | None:
@@ -175,6 +209,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     import torch
     import torch.distributed as dist
 
+    from .checkpoint import has_checkpoint
     from .plans import FilePlanSource, check_plan
     from .runtime import JsonlReporter, Trainer
 
@@ -232,7 +267,13 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     if cuda:
         torch.cuda.set_device(local)
     if "MASTER_ADDR" in os.environ:
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # Not plain env://: under torchrun (torch >= 2.5) the agent keeps one store for
+        # the whole job, and a restarted round would read the dead round's gloo/NCCL
+        # addresses from it ("connectFullMesh failed ... Connection refused", then a hang).
+        # The ranks agree on a fresh key prefix per round: see hetpilot.trainer.elastic.
+        from .elastic import init_process_group
+
+        init_process_group("nccl" if cuda else "gloo")
     else:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{_port()}",
                                 rank=0, world_size=1)
@@ -286,7 +327,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             dtype=getattr(torch, args.dtype) if args.dtype else None,
             eval_dataset=spec.get("eval_dataset"), metric=spec.get("metric"),
         )
-        if args.resume and args.checkpoint and (Path(args.checkpoint) / "meta.json").exists():
+        if args.resume and args.checkpoint and has_checkpoint(args.checkpoint):
             trainer.load_checkpoint(args.checkpoint)
         while trainer.epoch < args.epochs:
             if trainer.iteration == 0 or trainer.plan is None:

@@ -691,41 +691,74 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | Path) -> None:
-        """Each layer's owner in group 0 writes it; rank 0 writes the position (shared directory)."""
+    def save_checkpoint(self, directory: str | Path, keep: int = 2) -> None:
+        """Save atomically into ``directory`` (one all ranks see; every rank calls this).
+
+        Layout and crash safety: :mod:`hetpilot.trainer.checkpoint`. Rank 0 opens
+        a fresh staging directory; each layer's owner in group 0 writes the layer,
+        each tie's first holder the tie; rank 0 then writes the position, commits
+        (``step-NNNNNNNN``, ``latest``) and keeps the newest ``keep`` commits.
+        A failure on any rank raises on every rank, the previous commit intact.
+        """
+        from . import checkpoint as ckpt
+
         if self.plan is None:
             raise RuntimeError("nothing to save before the first plan")
-        path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        for stage in self.plan.groups[0].stages:
-            if self.rank_of[stage.device] == self.rank:
-                for layer in range(*stage.layers):
-                    torch.save(self._layer_state(layer), path / f"layer{layer:05d}.pt")
-        dist.barrier()
-        if self.rank == 0:
-            meta = {
-                "epoch": self.epoch,
-                "iteration": self.iteration,
-                "step": self.step,
-                "plan_version": self.version,
-                "num_layers": self.num_layers,
-                "global_batch": self.global_batch,
-                "seed": self.seed,
-                "plan": plan_to_dict(self.plan),
-            }
-            tmp = path / "meta.json.tmp"
-            tmp.write_text(json.dumps(meta, indent=1))
-            tmp.replace(path / "meta.json")
-        dist.barrier()
+        plan, root, step = self.plan, Path(directory), self.step
+        staging = ckpt.staging_dir(root, step)
+
+        def write() -> None:
+            for stage in plan.groups[0].stages:
+                if self.rank_of[stage.device] == self.rank:
+                    for layer in range(*stage.layers):
+                        ckpt.write_file(staging, ckpt.layer_file(layer), self._layer_state(layer))
+            for t in range(len(self.ties)):
+                if self._tie_holders(self._owners, t)[:1] == [self.rank]:
+                    ckpt.write_file(staging, ckpt.tied_file(t), self._tie_state(t))
+
+        meta = {
+            "epoch": self.epoch,
+            "iteration": self.iteration,
+            "step": step,
+            "plan_version": self.version,
+            "num_layers": self.num_layers,
+            "global_batch": self.global_batch,
+            "seed": self.seed,
+            "plan": plan_to_dict(plan),
+        }
+        self._ckpt_phase(root, lambda: ckpt.begin_save(root, step) if self.rank == 0 else None)
+        self._ckpt_phase(root, write)
+        self._ckpt_phase(root, lambda: ckpt.commit(root, step, meta, keep)
+                         if self.rank == 0 else None)
+
+    def _ckpt_phase(self, root: Path, work: Callable[[], Any]) -> None:
+        """Run this rank's part of a save phase; then, as a barrier, learn every rank's
+        outcome, so that all ranks raise (and none waits forever) if one failed."""
+        error: str | None = None
+        try:
+            work()
+        except Exception as exc:  # reported to every rank, raised below
+            error = f"{type(exc).__name__}: {exc}"
+        errors: list[Any] = [None] * self.world
+        dist.all_gather_object(errors, error)
+        failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+        if failed:
+            raise OSError(f"checkpoint {str(root)!r} not saved: "
+                          + "; ".join(f"rank {r}: {e}" for r, e in failed))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
-        """Resume from ``directory``, under any plan and world size.
+        """Resume from ``directory`` (its ``latest`` commit, or a legacy flat checkpoint:
+        :func:`hetpilot.trainer.checkpoint.resolve`), under any plan and world size.
 
         Before the first plan: the next :meth:`switch` loads each layer on its
         new owners. After it: held layers are reloaded now (every rank calls this).
         """
-        path = Path(directory)
-        meta: dict[str, Any] = json.loads((path / "meta.json").read_text())
+        from . import checkpoint as ckpt
+
+        path = ckpt.resolve(directory)
+        if path is None:
+            raise FileNotFoundError(f"no checkpoint in {str(directory)!r}")
+        meta: dict[str, Any] = ckpt.read_meta(path)
         if meta["num_layers"] != self.num_layers or meta["global_batch"] != self.global_batch:
             raise ValueError(
                 f"checkpoint {str(path)!r} is of {meta['num_layers']} layers and batch "
@@ -737,10 +770,13 @@ class Trainer:
         if self.plan is None:
             self._held.clear()
             self._optims.clear()
+            self._tie_optims.clear()
             self._owners = [[] for _ in self._specs]
         else:
             for layer in list(self._held):
                 self._install(layer, self._ckpt_state(layer))
+            for t in list(self._tie_optims):  # after the layers: the tie lives in them
+                self._install_tie(t, self._ckpt_tie_state(t))
             assert self.plan is not None
             self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
                                                 self.global_batch))
@@ -751,7 +787,8 @@ class Trainer:
     def _ckpt_state(self, layer: int) -> dict[str, Any] | None:
         if self._ckpt_dir is None:
             return None
-        state: dict[str, Any] = torch.load(
-            self._ckpt_dir / f"layer{layer:05d}.pt", map_location=self.device, weights_only=True
-        )
+        from . import checkpoint as ckpt
+
+        state: dict[str, Any] = ckpt.read_file(self._ckpt_dir, ckpt.layer_file(layer),
+                                               map_location=self.device)
         return state

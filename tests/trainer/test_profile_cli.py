@@ -71,4 +71,5 @@ def test_train_single_rank_reports_and_checkpoints(tmp_path: Path) -> None:
     assert "EMULATED" in res.stderr
     lines = [json.loads(x) for x in report.read_text().splitlines()]
     assert len(lines) == 2 and lines[0]["emulated_slowdown"] == 1.5
-    assert json.loads((tmp_path / "ck" / "meta.json").read_text())["epoch"] == 2
+    assert json.loads((tmp_path / "ck" / "step-00000008" / "meta.json").read_text())["epoch"] == 2
+    assert (tmp_path / "ck" / "latest").read_text().strip() == "step-00000008"

@@ -22,7 +22,8 @@ from hetpilot.trainer.launch import spawn
 @pytest.mark.timeout(120)
 def test_resume_under_other_plan_and_world_size(tmp_path: Path) -> None:
     spawn(_first_run, 3, (str(tmp_path),), timeout_s=90)
-    assert (tmp_path / "ckpt" / "meta.json").exists()
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
+    assert (tmp_path / "ckpt" / "step-00000002" / "meta.json").exists()
     spawn(_resumed_run, 2, (str(tmp_path),), timeout_s=90)
     reference = reference_states()
     for rank in range(2):

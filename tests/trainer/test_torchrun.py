@@ -44,9 +44,10 @@ def test_train_under_torchrun_two_ranks(tmp_path: Path) -> None:
     for r in records:
         assert r["plan_version"] == 1 and r["group"] == 0 and r["stage"] == r["rank"]
         assert r["iterations"] == 4 and r["emulated_tflops"] == [0.002, 0.001][r["rank"]]
-    meta = json.loads((tmp_path / "ckpt" / "meta.json").read_text())
-    assert meta["epoch"] == 2 and meta["step"] == 8
-    assert sorted(p.name for p in (tmp_path / "ckpt").glob("layer*.pt")) == [
+    commit = tmp_path / "ckpt" / (tmp_path / "ckpt" / "latest").read_text().strip()
+    meta = json.loads((commit / "meta.json").read_text())
+    assert commit.name == "step-00000008" and meta["epoch"] == 2 and meta["step"] == 8
+    assert sorted(p.name for p in commit.glob("layer*.pt")) == [
         f"layer{i:05d}.pt" for i in range(6)]
 
 
