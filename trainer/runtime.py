@@ -312,8 +312,10 @@ class Trainer:
         """Tie ``t`` from the checkpoint being resumed (None: keep the module's own value)."""
         if self._ckpt_dir is None:
             return None
-        state: dict[str, Any] = torch.load(self._ckpt_dir / f"tied{t:05d}.pt",
-                                           map_location=self.device, weights_only=True)
+        from . import checkpoint as ckpt
+
+        state: dict[str, Any] = ckpt.read_file(self._ckpt_dir, ckpt.tied_file(t),
+                                               map_location=self.device)
         return state
 
     def _send_state(self, state: dict[str, Any], dst: int) -> int:
