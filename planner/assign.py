@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import threading
 from collections.abc import Callable, Sequence
 from functools import lru_cache
 
@@ -63,6 +64,10 @@ class AssignmentLP:
             self.m <= self.cap,
         ]
         self.problem = cp.Problem(cp.Minimize(self.t), constraints)
+        # The parameters are this problem's inputs: setting them and solving must be
+        # one step, or a second thread (the daemon plans several jobs at once) swaps
+        # its values in between and each gets the other's answer.
+        self._lock = threading.Lock()
 
     def solve(
         self,
@@ -86,6 +91,17 @@ class AssignmentLP:
         cap: Sequence[float],
         total: int,
         count: Sequence[int] | None = None,
+    ) -> np.ndarray:
+        with self._lock:
+            return self._solve_locked(fill, cycle, cap, total, count)
+
+    def _solve_locked(
+        self,
+        fill: Sequence[float],
+        cycle: Sequence[float],
+        cap: Sequence[float],
+        total: int,
+        count: Sequence[int] | None,
     ) -> np.ndarray:
         import cvxpy as cp
 

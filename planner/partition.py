@@ -16,6 +16,7 @@ by moving single cut points while that lowers the exact makespan.
 
 from __future__ import annotations
 
+import contextlib
 from array import array
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -353,9 +354,11 @@ def exact_makespan(times: GroupTimes, schedule: str, microbatches: int) -> float
         trace = _trace_1f1b(times.fwd, times.bwd, times.comm, microbatches + 2)
         _TRACES[times] = trace
         if len(_TRACES) > _TRACES_SIZE:
-            _TRACES.popitem(last=False)
+            with contextlib.suppress(KeyError):  # another thread evicted it first
+                _TRACES.popitem(last=False)
     else:
-        _TRACES.move_to_end(times)
+        with contextlib.suppress(KeyError):  # evicted by another thread meanwhile
+            _TRACES.move_to_end(times)
     return _drain(trace, times.bwd, times.comm, microbatches)
 
 

@@ -28,6 +28,7 @@ import bisect
 import itertools
 import math
 import statistics
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
@@ -161,9 +162,19 @@ def _model_arrays(model: Model) -> ModelArrays:
 _MODEL_TOKENS: dict[Model, int] = {}
 
 
+_MODEL_TOKENS_LOCK = threading.Lock()
+
+
 def _model_token(model: Model) -> int:
-    """A small int per distinct model: hashing the model itself in every memo key is slow."""
-    return _MODEL_TOKENS.setdefault(model, len(_MODEL_TOKENS))
+    """A small int per distinct model: hashing the model itself in every memo key is slow.
+
+    Under a lock: two threads planning two new models at once must not both get
+    ``len(_MODEL_TOKENS)``, which would make one model's memo entries the other's."""
+    found = _MODEL_TOKENS.get(model)
+    if found is None:
+        with _MODEL_TOKENS_LOCK:
+            found = _MODEL_TOKENS.setdefault(model, len(_MODEL_TOKENS))
+    return found
 
 
 class _Memo:
