@@ -108,6 +108,9 @@ class DaemonConfig:
     """Network defaults for pairs no probe has measured (spec v1 section 1)."""
     inter_host_gbps: float = 25.0
     latency_us: float = 5.0
+    planner_memory_mb: int = 8192
+    """Address-space limit of the planning process (RLIMIT_AS); a slot whose solve
+    needs more fails with an error in the job's warnings; 0: no limit."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
 
@@ -125,6 +128,8 @@ class DaemonConfig:
             raise ConfigError(f"latency_us: must be >= 0, got {self.latency_us!r}")
         if self.heartbeat_timeout_s < self.report_interval_s:
             raise ConfigError("heartbeat_timeout_s: must be >= report_interval_s")
+        if not (isinstance(self.planner_memory_mb, int) and self.planner_memory_mb >= 0):
+            raise ConfigError("planner_memory_mb: must be an integer >= 0 (0: no limit)")
         if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
             raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
 

@@ -3,8 +3,14 @@ controller, persist the slot (status, controller state, new plan version) in
 one transaction, and wake the plan watchers.
 
 The controller is ``hetpilot.planner.controller.Controller``, persisted with
-its ``to_state()`` and restored with ``from_state()``. The step runs in a
-worker thread so a slow solve never stalls the RPCs.
+its ``to_state()`` and restored with ``from_state()``. Everything but reading
+the live cluster table runs off the event loop: the solve and the controller's (de)serialisation in
+the planning process (:mod:`hetpilot.daemon.planning`), the store's reads and
+transaction in a worker thread; the event loop only awaits.
+
+A loop never dies of an error: a slot that fails (a solver error, the store
+full, a bug) is logged, shown in the job's warnings, and retried with
+exponential back-off from the controller state last stored.
 """
 
 from __future__ import annotations
@@ -14,20 +20,29 @@ import contextlib
 import logging
 import time
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from hetpilot.planner.controller import Controller, ControllerConfig
 from hetpilot.planner.errors import PlanningError
-from hetpilot.planner.serde import plan_to_dict
 
 from .records import JOB_CANCELLED, JobRecord, JobStatus, PlanRecord
 
 if TYPE_CHECKING:
     from .core import ControlPlane
 
-__all__ = ["JobLoop", "make_controller"]
+__all__ = ["MAX_BACKOFF_S", "JobLoop", "backoff_s", "make_controller"]
 
 log = logging.getLogger("hetpilot.daemon.control")
+
+MAX_BACKOFF_S = 300.0
+"""A failing loop retries at most this far apart (or one slot, if longer)."""
+
+
+def backoff_s(failures: int, slot_s: float) -> float:
+    """Delay before retry number ``failures`` (1, 2, ...): min(slot, 1 s), doubling."""
+    first = min(slot_s, 1.0)
+    return min(first * 2.0 ** min(failures - 1, 30), max(slot_s, MAX_BACKOFF_S))
 
 
 def make_controller(rec: JobRecord, state: Mapping[str, Any] | None) -> Controller:
@@ -53,7 +68,11 @@ class JobLoop:
         self.job_id = job_id
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
-        self._ctrl: Controller | None = None
+        self._generation = -1
+        """The planning process generation holding this job's controller (-1: none)."""
+        self._budgets: tuple[dict[str, float], float] | None = None
+        self.failures = 0
+        """Consecutive failed slots; 0 while the loop is healthy."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
@@ -68,8 +87,8 @@ class JobLoop:
         self._wake.set()
 
     def set_budgets(self, budgets: Mapping[str, float], V: float) -> None:
-        if self._ctrl is not None:
-            self._ctrl.set_budgets(dict(budgets), V)
+        """Sent with the next step to the controller in the planning process."""
+        self._budgets = (dict(budgets), V)
 
     async def _sleep(self, seconds: float) -> None:
         with contextlib.suppress(TimeoutError):
@@ -78,69 +97,91 @@ class JobLoop:
 
     async def _run(self) -> None:
         try:
-            while True:
-                rec = self.plane.store.get_job(self.job_id)
-                if rec is None or rec.state == JOB_CANCELLED:
-                    return
-                if not rec.model_json:  # waiting for the trainer's profile
-                    await self._sleep(rec.slot_s)
-                    continue
+            while (delay := await self._iteration()) is not None:
+                await self._sleep(delay)
+        finally:
+            self.plane.planner.forget(self.job_id)
+            self.plane.loop_done(self.job_id, self)
+
+    async def _iteration(self) -> float | None:
+        """One slot; the delay before the next, or None when the job has ended."""
+        slot_s = self.plane.config.slot_s
+        try:
+            rec = self.plane.store.get_job(self.job_id)
+            if rec is None or rec.state == JOB_CANCELLED:
+                return None
+            slot_s = rec.slot_s
+            if rec.model_json:  # else: waiting for the trainer's profile
                 await self._slot(rec)
-                await self._sleep(rec.slot_s)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("job %s: control loop failed", self.job_id)
-        finally:
-            self.plane.loop_done(self.job_id)
+        except Exception as exc:
+            self.failures += 1
+            self._generation = -1  # rebuilt from the last stored state on the retry
+            delay = backoff_s(self.failures, slot_s)
+            message = (f"control loop failed ({self.failures}x in a row): "
+                       f"{type(exc).__name__}: {exc}; retrying in {delay:.3g} s")
+            if self.failures == 1:
+                log.exception("job %s: %s", self.job_id, message)
+            else:  # the traceback was logged on the first failure
+                log.warning("job %s: %s", self.job_id, message)
+            self.plane.loop_failed(self.job_id, message[:500])
+            return delay
+        if self.failures:
+            log.info("job %s: control loop recovered after %d failed slots",
+                     self.job_id, self.failures)
+            self.failures = 0
+            self.plane.loop_failed(self.job_id, None)
+        return slot_s
 
     async def _slot(self, rec: JobRecord) -> None:
-        store, metrics = self.plane.store, self.plane.metrics
-        status, state = store.job_status(self.job_id)
-        if self._ctrl is None:
-            self._ctrl = make_controller(rec, state)
-        cluster = self.plane.observed_cluster(rec.allowed_hosts)
+        plane = self.plane
+        cluster = plane.observed_cluster(rec.allowed_hosts)  # live tables: on the loop
+        status, state = await asyncio.to_thread(plane.store.job_status, self.job_id)
         if not cluster.devices:
-            store.record_slot(self.job_id, status=JobStatus(
-                slot=status.slot, plan_version=status.plan_version,
-                iteration_s=status.iteration_s, costs=status.costs,
-                cost_sums=status.cost_sums, queues=status.queues, devices=status.devices,
-                warnings=("no devices are up",)), controller_state=state or {})
+            await self._keep(status, state, "no devices are up")
             return
+        budgets, self._budgets = self._budgets, None
         t0 = time.perf_counter()
         try:
-            decision = await asyncio.to_thread(self._ctrl.step, cluster)
+            out, self._generation = await plane.planner.step(
+                self.job_id, rec, state, self._generation, budgets, cluster)
         except PlanningError as exc:
-            store.record_slot(self.job_id, status=JobStatus(
-                slot=status.slot, plan_version=status.plan_version,
-                iteration_s=status.iteration_s, costs=status.costs,
-                cost_sums=status.cost_sums, queues=status.queues, devices=status.devices,
-                warnings=(f"no plan: {exc}",)), controller_state=state or {})
+            await self._keep(status, state, f"no plan: {exc}")
             return
+        except BaseException:
+            self._generation = -1  # rebuild the controller from the stored state
+            raise
         finally:
-            metrics.solve_s.observe(time.perf_counter() - t0)
-        costs = {k: float(v) for k, v in decision.costs.items()}
-        queues = {k: float(v) for k, v in decision.queues.items()}
+            plane.metrics.solve_s.observe(time.perf_counter() - t0)
         sums = dict(status.cost_sums)
-        for k, v in costs.items():
+        for k, v in out.costs.items():
             sums[k] = sums.get(k, 0.0) + v
         new_plan = None
-        if decision.version > status.plan_version:
+        if out.version > status.plan_version:
             new_plan = PlanRecord(
-                job_id=self.job_id, version=decision.version, slot=decision.slot,
-                plan=plan_to_dict(decision.plan), iteration_s=float(decision.iteration_s),
-                costs=costs, queues=queues, switch_cost_s=float(decision.switch_cost_s),
-                warnings=tuple(decision.warnings), created_ms=int(time.time() * 1000))
+                job_id=self.job_id, version=out.version, slot=out.slot, plan=out.plan,
+                iteration_s=out.iteration_s, costs=out.costs, queues=out.queues,
+                switch_cost_s=out.switch_cost_s, warnings=out.warnings,
+                created_ms=int(time.time() * 1000))
         new_status = JobStatus(
-            slot=decision.slot + 1, plan_version=max(decision.version, status.plan_version),
-            iteration_s=float(decision.iteration_s), costs=costs, cost_sums=sums,
-            queues=queues, devices=tuple(decision.plan.devices),
-            warnings=tuple(decision.warnings))
-        store.record_slot(self.job_id, status=new_status,
-                          controller_state=self._ctrl.to_state(),
-                          plan=new_plan)
-        for kind, q in queues.items():
-            metrics.queue.labels(job=self.job_id, kind=kind).set(q)
+            slot=out.slot + 1, plan_version=max(out.version, status.plan_version),
+            iteration_s=out.iteration_s, costs=out.costs, cost_sums=sums,
+            queues=out.queues, devices=out.devices, warnings=out.warnings)
+        try:
+            await asyncio.to_thread(plane.store.record_slot, self.job_id, status=new_status,
+                                    controller_state=out.state, plan=new_plan)
+        except BaseException:
+            self._generation = -1  # it stepped, the store did not: restart from what is stored
+            raise
+        plane.set_queues(self.job_id, out.queues)
         if new_plan is not None:
-            metrics.plan_versions.inc()
-            self.plane.notify(self.job_id)
+            plane.metrics.plan_versions.inc()
+            plane.notify(self.job_id)
+
+    async def _keep(self, status: JobStatus, state: dict[str, Any] | None,
+                    warning: str) -> None:
+        """Record a slot that decided nothing: the same status, with ``warning``."""
+        await asyncio.to_thread(self.plane.store.record_slot, self.job_id,
+                                status=replace(status, warnings=(warning,)),
+                                controller_state=state or {})

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import replace
 from typing import Any
 
 from hetpilot.adapt.online import Adapter
@@ -24,6 +25,7 @@ from hetpilot.planner.types import Cluster, Device, Job, Link, Model, Network
 from .config import DaemonConfig
 from .errors import FailedPrecondition, NotFound
 from .metrics import Metrics
+from .planning import PlannerProcess
 from .records import (
     JOB_CANCELLED,
     JOB_PENDING,
@@ -91,22 +93,16 @@ class ControlPlane:
         self._loops: dict[str, Any] = {}
         self._attached: dict[tuple[str, int], str] = {}
         self._tasks: list[asyncio.Task[None]] = []
+        self._loop_errors: dict[str, str] = {}
+        self._queues: dict[str, dict[str, float]] = {}
+        self.planner = PlannerProcess(config.planner_memory_mb)
         self.metrics.agents_up.set(len(self._up))
 
     # -- lifecycle ----------------------------------------------------------
 
     async def start(self) -> None:
-        from hetpilot.planner.assign import warm_up
-
         from .control import JobLoop
 
-        def warm() -> None:  # the first assignment LP imports cvxpy (~0.7 s): pay it now
-            try:
-                warm_up()
-            except Exception:  # the first real LP will say what is wrong
-                logging.getLogger("hetpilot.daemon").exception("assignment LP warm-up failed")
-
-        self._tasks.append(asyncio.create_task(asyncio.to_thread(warm), name="lp-warm-up"))
         for rec in self.store.list_jobs():
             if rec.state != JOB_CANCELLED:
                 self._start_loop(rec.job_id, JobLoop)
@@ -132,10 +128,38 @@ class ControlPlane:
                 await t
         for ev in self._plan_events.values():
             ev.set()  # wake watchers so they see the stop
+        self.planner.close()  # a solve under way is abandoned, its process killed
 
-    def loop_done(self, job_id: str) -> None:
-        self._loops.pop(job_id, None)
+    def loop_done(self, job_id: str, loop: Any) -> None:
+        if self._loops.get(job_id) is loop:
+            del self._loops[job_id]
+        self._loop_errors.pop(job_id, None)
+        self.set_queues(job_id, {})
         self.metrics.jobs.set(len(self._loops))
+        self.metrics.loops_failing.set(len(self._loop_errors))
+
+    def loop_failed(self, job_id: str, message: str | None) -> None:
+        """A job loop's slot failed (``message``) or it recovered (None): shown in the
+        job's warnings until the next good slot."""
+        if message is None:
+            self._loop_errors.pop(job_id, None)
+        else:
+            self._loop_errors[job_id] = message
+            self.metrics.loop_failures.inc()
+        self.metrics.loops_failing.set(len(self._loop_errors))
+
+    def set_queues(self, job_id: str, queues: Mapping[str, float]) -> None:
+        """Export the largest virtual-queue backlog of each cost kind over the jobs
+        (per-job labels would grow the metrics without bound)."""
+        if queues:
+            self._queues[job_id] = dict(queues)
+        else:
+            self._queues.pop(job_id, None)
+        kinds = {k for q in self._queues.values() for k in q}
+        for kind in kinds | self.metrics.queue_kinds:
+            self.metrics.queue.labels(kind=kind).set(
+                max((q.get(kind, 0.0) for q in self._queues.values()), default=0.0))
+        self.metrics.queue_kinds |= kinds
 
     # -- jobs ---------------------------------------------------------------
 
@@ -163,8 +187,11 @@ class ControlPlane:
         return rec
 
     def _view(self, rec: JobRecord) -> JobView:
-        return JobView(rec, self.store.job_status(rec.job_id)[0],
-                       self.store.progress(rec.job_id))
+        status = self.store.job_status(rec.job_id)[0]
+        error = self._loop_errors.get(rec.job_id)
+        if error is not None:
+            status = replace(status, warnings=(error, *status.warnings))
+        return JobView(rec, status, self.store.progress(rec.job_id))
 
     def get(self, owner: str | None, job_id: str) -> JobView:
         return self._view(self._own(owner, job_id))

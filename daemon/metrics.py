@@ -21,8 +21,15 @@ class Metrics:
                                  registry=r)
         self.plan_versions = Counter("hetpilot_plan_versions", "Plan versions decided",
                                      registry=r)
-        self.queue = Gauge("hetpilot_queue_backlog", "Virtual queue backlog",
-                           ["job", "kind"], registry=r)
+        self.queue = Gauge("hetpilot_queue_backlog",
+                           "Largest virtual queue backlog over the jobs, per cost kind",
+                           ["kind"], registry=r)
+        self.queue_kinds: set[str] = set()
+        self.loop_failures = Counter("hetpilot_job_loop_failures", "Job loop slots that failed",
+                                     registry=r)
+        self.loops_failing = Gauge("hetpilot_job_loops_failing",
+                                   "Job loops whose last slot failed (retrying with back-off)",
+                                   registry=r)
         self.agents_up = Gauge("hetpilot_agents_up", "Agents reporting within the timeout",
                                registry=r)
         self.jobs = Gauge("hetpilot_jobs_running", "Jobs with a control loop", registry=r)

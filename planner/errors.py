@@ -28,6 +28,11 @@ class ValidationError(PlanningError, ValueError):
         self.problem = problem
         super().__init__(f"{field}: {problem}")
 
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:
+        # pickled across processes (the daemon plans in its own); the default
+        # would call __init__ with the one formatted message
+        return type(self), (self.field, self.problem)
+
 
 class InvalidPlanError(ValidationError):
     """A well-formed plan that breaks a validity rule of spec section 4."""

@@ -41,7 +41,7 @@ def _in_threads(n: int, work: Callable[[int], object]) -> list[object]:
     def run(i: int) -> None:
         try:
             results[i] = work(i)
-        except BaseException as exc:  # noqa: BLE001 - reported below
+        except BaseException as exc:
             errors.append(exc)
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]

@@ -1,0 +1,166 @@
+"""The daemon's planning process: every job's controller lives and steps here.
+
+Why a process and not threads: a solve is Python, numpy and solver code that
+holds the GIL for long stretches (a compiled LP solve never lets go of it), so
+a solve in a thread of the daemon stalled its event loop for up to 0.65 s and
+health checks timed out. In its own process a solve costs the event loop
+nothing, uses the second core, cannot corrupt the daemon's memory, and runs
+under a memory limit (``RLIMIT_AS``): a job that asks for more than the limit
+fails its own slot with an error instead of taking the head node down; the
+process is then started again and every controller is rebuilt from the state
+the store holds. One process, one call at a time, in order: the planner's
+memo tables serve every job, and with more jobs than it can keep up with each
+loop still gets its turn (FIFO) rather than some starving.
+
+A stop does not wait for a solve under way: the process is killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import multiprocessing
+import resource
+from collections.abc import Mapping
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from dataclasses import dataclass
+from typing import Any
+
+from hetpilot.planner.types import Cluster
+
+from .records import JobRecord
+
+__all__ = ["PlannerCrashed", "PlannerProcess", "StepResult"]
+
+
+class PlannerCrashed(RuntimeError):
+    """The planning process died (killed, or out of its memory limit) during a step."""
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one controller step decided, in plain values (it crosses processes)."""
+
+    slot: int
+    version: int
+    plan: dict[str, Any]
+    """Spec v1 section 4 JSON of the plan."""
+    devices: tuple[str, ...]
+    iteration_s: float
+    costs: dict[str, float]
+    queues: dict[str, float]
+    switch_cost_s: float
+    warnings: tuple[str, ...]
+    state: dict[str, Any]
+    """The controller's to_state() after the step."""
+
+
+# -- in the planning process ------------------------------------------------------
+
+_CONTROLLERS: dict[str, Any] = {}
+
+
+def _start(memory_mb: int) -> None:
+    if memory_mb > 0:
+        limit = memory_mb * 1024 * 1024
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        if hard != resource.RLIM_INFINITY:
+            limit = min(limit, hard)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    from hetpilot.planner.assign import warm_up
+
+    with contextlib.suppress(Exception):  # the first real solve reports what is wrong
+        warm_up()  # import cvxpy and compile a small LP before the first real slot
+
+
+def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: bool,
+          budgets: tuple[dict[str, float], float] | None, cluster: Cluster) -> StepResult:
+    from hetpilot.planner.serde import plan_to_dict
+
+    from .control import make_controller
+
+    ctrl = None if reset else _CONTROLLERS.get(job_id)
+    if ctrl is None:
+        _CONTROLLERS.pop(job_id, None)
+        ctrl = make_controller(rec, state)  # the record's budgets are the newest
+    elif budgets is not None:
+        ctrl.set_budgets(*budgets)
+    try:
+        decision = ctrl.step(cluster)
+    except BaseException:
+        _CONTROLLERS.pop(job_id, None)  # rebuilt from the stored state next time
+        raise
+    _CONTROLLERS[job_id] = ctrl
+    return StepResult(
+        slot=decision.slot, version=decision.version, plan=plan_to_dict(decision.plan),
+        devices=tuple(decision.plan.devices), iteration_s=float(decision.iteration_s),
+        costs={k: float(v) for k, v in decision.costs.items()},
+        queues={k: float(v) for k, v in decision.queues.items()},
+        switch_cost_s=float(decision.switch_cost_s), warnings=tuple(decision.warnings),
+        state=ctrl.to_state())
+
+
+def _forget(job_id: str) -> None:
+    _CONTROLLERS.pop(job_id, None)
+
+
+# -- in the daemon ------------------------------------------------------------------
+
+class PlannerProcess:
+    """The planning process seen from the daemon's event loop; started on first use."""
+
+    def __init__(self, memory_mb: int = 0) -> None:
+        self.memory_mb = memory_mb
+        self.generation = 0
+        """Bumped each time a process starts: controllers of an older one are gone."""
+        self._pool: ProcessPoolExecutor | None = None
+
+    def _executor(self) -> ProcessPoolExecutor:
+        if self._pool is None:
+            # spawn, not fork: the daemon has grpc and sqlite threads a fork would copy
+            self._pool = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=_start, initargs=(self.memory_mb,))
+            self.generation += 1
+        return self._pool
+
+    async def step(self, job_id: str, rec: JobRecord, state: Mapping[str, Any] | None,
+                   generation: int, budgets: tuple[dict[str, float], float] | None,
+                   cluster: Cluster) -> tuple[StepResult, int]:
+        """One controller step of the job, and the process generation that now holds its
+        controller. The controller is rebuilt from ``state`` unless ``generation`` (what
+        the last step returned; -1 to force it) is the running process's.
+
+        Raises what the step raised (PlanningError, ValidationError, MemoryError, ...)
+        or PlannerCrashed when the process died; the next call starts a new one."""
+        pool = self._executor()
+        current = self.generation
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(
+                pool, _step, job_id, rec, state, generation != current, budgets, cluster)
+            return result, current
+        except BrokenProcessPool:
+            if self._pool is pool:
+                self._pool = None
+                pool.shutdown(wait=False, cancel_futures=True)
+            raise PlannerCrashed(
+                "the planning process died during this step (over its memory limit, "
+                f"{self.memory_mb} MB, or killed); it is being restarted") from None
+
+    def forget(self, job_id: str) -> None:
+        """Drop the job's controller (the job ended); nothing to do when none runs."""
+        if self._pool is not None:
+            with contextlib.suppress(BrokenProcessPool, RuntimeError):  # nothing kept then
+                self._pool.submit(_forget, job_id)
+
+    def close(self) -> None:
+        """Stop at once: a solve under way is abandoned and its process killed."""
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        processes = list(getattr(pool, "_processes", {}).values())  # no public accessor
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            if proc.is_alive():
+                proc.kill()
