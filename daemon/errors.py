@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from hetpilot.planner.errors import ValidationError
 
-__all__ = ["FailedPrecondition", "NotFound", "TooLarge", "ValidationError"]
+__all__ = [
+    "DamagedStore",
+    "FailedPrecondition",
+    "NotFound",
+    "StorageError",
+    "StorageFull",
+    "StorageUnavailable",
+    "TooLarge",
+    "ValidationError",
+]
 
 
 class NotFound(LookupError):
@@ -17,3 +26,21 @@ class TooLarge(ValueError):
 
 class FailedPrecondition(RuntimeError):
     """The request is well formed but the object's state forbids it (a cancelled job)."""
+
+
+class StorageError(RuntimeError):
+    """The state store failed to read or write; nothing of the failed write was committed."""
+
+
+class StorageFull(StorageError):
+    """The store cannot write: its disk or quota is full (RESOURCE_EXHAUSTED)."""
+
+
+class StorageUnavailable(StorageError):
+    """Any other storage fault: I/O error, damaged pages, locked past the busy timeout,
+    read-only file (UNAVAILABLE)."""
+
+
+class DamagedStore(StorageError):
+    """Opening refused: the database is empty (0 bytes), not a database, or fails
+    ``PRAGMA quick_check``. The message is one line: path, problem, what to do."""

@@ -11,17 +11,30 @@ training progress they update.
 The SQLite schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`):
 opening a database runs the migrations it lacks in one transaction, and a
 database written by a newer daemon is refused rather than half understood.
+
+Under storage faults the store promises: a write that fails commits nothing of
+itself and raises :class:`~.errors.StorageFull` (disk or quota full) or
+:class:`~.errors.StorageUnavailable` (I/O error, damaged page, locked, read-only),
+never a secondary error such as a failed rollback; reads raise
+``StorageUnavailable``. ``writable`` is False from a failed write until the next
+write or :meth:`Store.probe` that commits. Opening a database that is empty,
+not a database, or fails ``PRAGMA quick_check`` raises :class:`~.errors.DamagedStore`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from .errors import DamagedStore, StorageError, StorageFull, StorageUnavailable
 from .records import (
     AgentRecord,
     AgentReport,
@@ -36,6 +49,22 @@ __all__ = ["SCHEMA_VERSION", "MemoryStore", "SchemaError", "SqliteStore", "Store
 
 
 class Store(ABC):
+    """The daemon's state. Under storage faults (see the module docstring) a write
+    commits all of itself or nothing, and the fault is raised as a StorageError."""
+
+    #: Called with the new value of :attr:`writable` each time it flips: in order, one
+    #: call at a time, on a thread that wrote. Read ``writable`` for the value now.
+    on_writable_change: Callable[[bool], None] | None = None
+
+    @property
+    def writable(self) -> bool:
+        """False from a write that failed for want of storage until one commits again."""
+        return True
+
+    def probe(self) -> bool:
+        """Try a tiny real write; update and return :attr:`writable`."""
+        return True
+
     @abstractmethod
     def create_job(self, job: JobRecord) -> JobRecord:
         """Insert; when (owner, request_id) exists with a non-empty request_id, return that job."""
@@ -190,6 +219,58 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
 SCHEMA_VERSION = len(_MIGRATIONS)
 """The schema version this code writes (``PRAGMA user_version``)."""
 
+#: Primary SQLite result codes that mean the storage failed rather than the statement
+#: (a constraint, an SQL error): these become StorageFull / StorageUnavailable.
+_FAULT_CODES = frozenset({
+    sqlite3.SQLITE_PERM, sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED, sqlite3.SQLITE_NOMEM,
+    sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR, sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_FULL,
+    sqlite3.SQLITE_CANTOPEN, sqlite3.SQLITE_PROTOCOL, sqlite3.SQLITE_NOTADB})
+_FULL_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT})
+_RESTORE = "move it aside and restore a backup, or start with an empty state dir"
+
+log = logging.getLogger("hetpilot.daemon.store")
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    """SQLite's primary result code (the low byte of an extended one: SQLITE_IOERR for
+    SQLITE_IOERR_WRITE); None for errors of the sqlite3 module itself (a closed database)."""
+    code = exc.sqlite_errorcode
+    return None if code is None else code & 0xFF
+
+
+def _storage_error(exc: BaseException) -> StorageError | None:
+    """``exc`` as a StorageError, chained by the caller; None when it is no storage fault
+    (a bug, a constraint violation, a missing job): that propagates unchanged."""
+    if isinstance(exc, OSError):
+        full = exc.errno in _FULL_ERRNOS
+    elif isinstance(exc, sqlite3.Error):
+        code = _primary_code(exc)
+        if code not in _FAULT_CODES:
+            return None
+        full = code == sqlite3.SQLITE_FULL
+    else:
+        return None
+    if full:
+        return StorageFull(f"state store full: {exc}")
+    return StorageUnavailable(f"state store unavailable: {exc}")
+
+
+@contextmanager
+def _faults_raised() -> Iterator[None]:
+    """Re-raise a storage fault as StorageFull / StorageUnavailable, anything else as it is."""
+    try:
+        yield
+    except (sqlite3.Error, OSError) as exc:
+        fault = _storage_error(exc)
+        if fault is None:
+            raise
+        raise fault from exc
+
+
+def _one_line(text: str, limit: int = 160) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
 
 class SchemaError(RuntimeError):
     """The database was written by a newer daemon (a higher schema version)."""
@@ -198,69 +279,156 @@ class SchemaError(RuntimeError):
 class SqliteStore(Store):
     """SQLite in WAL mode with synchronous=NORMAL: a committed write survives the
     process being killed (it is in the WAL file); only a power loss may drop the
-    last transactions. Safe to call from several threads (one lock)."""
+    last transactions. Safe to call from several threads (one lock).
+
+    Every write runs in :meth:`_transaction`; opening checks the file first (see
+    :meth:`_open`)."""
 
     def __init__(self, path: str | Path) -> None:
-        self._db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        self.path = Path(path)
         self._lock = threading.Lock()
-        self._db.execute("PRAGMA journal_mode=WAL")
-        self._db.execute("PRAGMA synchronous=NORMAL")
-        self._db.execute("PRAGMA busy_timeout=5000")
-        self._migrate(str(path))
-
-    def _migrate(self, path: str) -> None:
-        self._db.execute("BEGIN IMMEDIATE")  # one daemon migrates; a second waits, then sees it
+        self._notify_lock = threading.RLock()  # a callback may write, which notifies again
+        self._writable = self._notified = True
+        self._db = self._open(self.path)
         try:
-            version = int(self._db.execute("PRAGMA user_version").fetchone()[0])
+            self._migrate()
+        except BaseException:
+            self._db.close()
+            raise
+
+    @staticmethod
+    def _open(path: Path) -> sqlite3.Connection:
+        """Connect, refusing a damaged database; a missing file becomes a new one. A 0-byte
+        file is refused too (SQLite would take it for a new database): this store writes
+        its header on creation, so 0 bytes means the file was truncated or never written."""
+        with _faults_raised():
+            if path.exists() and path.stat().st_size == 0:
+                raise DamagedStore(f"{path} is empty (0 bytes), not a database: remove it to "
+                                   "start with a new state, or restore a backup")
+            db = sqlite3.connect(str(path), isolation_level=None, check_same_thread=False)
+        try:
+            with _faults_raised():
+                try:
+                    db.execute("PRAGMA busy_timeout=5000")
+                    # checked before anything writes to it (setting WAL on an old database does)
+                    rows = db.execute("PRAGMA quick_check").fetchall()
+                    if rows != [("ok",)]:
+                        detail = _one_line("; ".join(str(r[0]) for r in rows))
+                        raise DamagedStore(f"{path} is damaged (quick_check: {detail}); {_RESTORE}")
+                    db.execute("PRAGMA journal_mode=WAL")
+                    db.execute("PRAGMA synchronous=NORMAL")
+                except sqlite3.DatabaseError as exc:
+                    if _primary_code(exc) not in (sqlite3.SQLITE_CORRUPT, sqlite3.SQLITE_NOTADB):
+                        raise
+                    raise DamagedStore(f"{path} is damaged ({_one_line(str(exc))}); "
+                                       f"{_RESTORE}") from exc
+        except BaseException:
+            db.close()
+            raise
+        return db
+
+    def _migrate(self) -> None:
+        # BEGIN IMMEDIATE: one daemon migrates; a second waits, then sees it done
+        with self._transaction() as db:
+            version = int(db.execute("PRAGMA user_version").fetchone()[0])
             if version > SCHEMA_VERSION:
                 raise SchemaError(
-                    f"{path} has schema version {version}, newer than this daemon's "
+                    f"{self.path} has schema version {version}, newer than this daemon's "
                     f"{SCHEMA_VERSION}: run the daemon release that wrote it (or a newer one)")
             for step in _MIGRATIONS[version:]:
                 for statement in step:
-                    self._db.execute(statement)
+                    db.execute(statement)
             if version != SCHEMA_VERSION:
-                self._db.execute(f"PRAGMA user_version={SCHEMA_VERSION:d}")
-            self._db.execute("COMMIT")
-        except BaseException:
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION:d}")
+
+    @contextmanager
+    def _transaction(self) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE, the body, COMMIT, under the store's lock: every write goes
+        through here. On failure what SQLite has not rolled back itself (it does on
+        SQLITE_FULL, SQLITE_IOERR, ...) is rolled back, and the original error is raised:
+        a storage fault as StorageFull / StorageUnavailable (which clears ``writable``),
+        anything else unchanged. A commit sets ``writable``."""
+        try:
+            with self._lock:
+                try:
+                    self._db.execute("BEGIN IMMEDIATE")
+                    yield self._db
+                    self._db.execute("COMMIT")
+                except BaseException as exc:
+                    self._rollback(exc)
+                    fault = _storage_error(exc)
+                    if fault is None:
+                        raise
+                    self._writable = False
+                    raise fault from exc
+                self._writable = True
+        finally:
+            self._notify()
+
+    def _rollback(self, error: BaseException) -> None:
+        """Roll back if a transaction is still open; a failing rollback becomes a note on
+        ``error`` rather than the error raised."""
+        if not self._db.in_transaction:
+            return
+        try:
             self._db.execute("ROLLBACK")
-            self._db.close()
-            raise
+        except sqlite3.Error as exc:
+            error.add_note(f"the rollback failed too: {exc}")
+
+    def _notify(self) -> None:
+        """Tell ``on_writable_change`` when ``writable`` differs from what it was last told.
+        Serialised, so after writes on several threads flipped it, the last call made
+        reports the current value."""
+        with self._notify_lock:
+            writable = self._writable
+            if writable == self._notified:
+                return
+            self._notified = writable
+            if self.on_writable_change is None:
+                return
+            try:
+                self.on_writable_change(writable)
+            except Exception:  # a committed write must not look failed because of it
+                log.exception("on_writable_change(%s) failed", writable)
+
+    @property
+    def writable(self) -> bool:
+        return self._writable
+
+    def probe(self) -> bool:
+        """Commit a tiny write (the schema version, rewritten with its own value; no table
+        changes) and return whether it committed, updating ``writable``. It proves that a
+        small commit works, not that a large one fits: the next write that fails for want
+        of room clears ``writable`` again."""
+        try:
+            with self._transaction() as db:
+                version = int(db.execute("PRAGMA user_version").fetchone()[0])
+                db.execute(f"PRAGMA user_version={version:d}")
+        except StorageError:
+            return False
+        return True
 
     @property
     def schema_version(self) -> int:
         return int(self._one("PRAGMA user_version", ())[0])
 
     def _one(self, sql: str, args: tuple[Any, ...]) -> Any:
-        with self._lock:
+        with self._lock, _faults_raised():
             return self._db.execute(sql, args).fetchone()
 
     def _all(self, sql: str, args: tuple[Any, ...] = ()) -> list[Any]:
-        with self._lock:
+        with self._lock, _faults_raised():
             return self._db.execute(sql, args).fetchall()
 
-    def _write(self, sql: str, args: tuple[Any, ...]) -> None:
-        with self._lock:
-            self._db.execute(sql, args)
-
     def create_job(self, job: JobRecord) -> JobRecord:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                if job.request_id:
-                    row = self._db.execute(
-                        "SELECT body FROM jobs WHERE owner=? AND request_id=?",
-                        (job.owner, job.request_id)).fetchone()
-                    if row:
-                        self._db.execute("COMMIT")
-                        return JobRecord.from_json(row[0])
-                self._db.execute(
-                    "INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
-                    (job.job_id, job.owner, job.request_id, job.to_json()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            if job.request_id:
+                row = db.execute("SELECT body FROM jobs WHERE owner=? AND request_id=?",
+                                 (job.owner, job.request_id)).fetchone()
+                if row:
+                    return JobRecord.from_json(row[0])
+            db.execute("INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
+                       (job.job_id, job.owner, job.request_id, job.to_json()))
         return job
 
     def get_job(self, job_id: str) -> JobRecord | None:
@@ -275,27 +443,20 @@ class SqliteStore(Store):
         return [JobRecord.from_json(r[0]) for r in rows]
 
     def update_job(self, job: JobRecord) -> None:
-        with self._lock:
-            cur = self._db.execute("UPDATE jobs SET body=? WHERE job_id=?",
-                                   (job.to_json(), job.job_id))
-        if cur.rowcount != 1:
-            raise KeyError(job.job_id)
+        with self._transaction() as db:
+            cur = db.execute("UPDATE jobs SET body=? WHERE job_id=?",
+                             (job.to_json(), job.job_id))
+            if cur.rowcount != 1:
+                raise KeyError(job.job_id)
 
     def record_slot(self, job_id: str, *, status: JobStatus, controller_state: dict[str, Any],
                     plan: PlanRecord | None = None) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO job_status(job_id, status, controller_state)"
-                    " VALUES (?,?,?)", (job_id, status.to_json(), json.dumps(controller_state)))
-                if plan is not None:
-                    self._db.execute("INSERT INTO plans(job_id, version, body) VALUES (?,?,?)",
-                                     (job_id, plan.version, plan.to_json()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO job_status(job_id, status, controller_state)"
+                       " VALUES (?,?,?)", (job_id, status.to_json(), json.dumps(controller_state)))
+            if plan is not None:
+                db.execute("INSERT INTO plans(job_id, version, body) VALUES (?,?,?)",
+                           (job_id, plan.version, plan.to_json()))
 
     def job_status(self, job_id: str) -> tuple[JobStatus, dict[str, Any] | None]:
         row = self._one("SELECT status, controller_state FROM job_status WHERE job_id=?",
@@ -310,34 +471,29 @@ class SqliteStore(Store):
         return [PlanRecord.from_json(r[0]) for r in rows]
 
     def put_agent(self, agent: AgentRecord) -> None:
-        self._write("INSERT OR REPLACE INTO agents(host, body) VALUES (?,?)",
-                    (agent.host, agent.to_json()))
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO agents(host, body) VALUES (?,?)",
+                       (agent.host, agent.to_json()))
 
     def agents(self) -> list[AgentRecord]:
         return [AgentRecord.from_json(r[0]) for r in self._all("SELECT body FROM agents")]
 
     def put_report(self, report: AgentReport) -> None:
-        self._write("INSERT OR REPLACE INTO reports(agent_id, body) VALUES (?,?)",
-                    (report.agent_id, report.to_json()))
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO reports(agent_id, body) VALUES (?,?)",
+                       (report.agent_id, report.to_json()))
 
     def latest_reports(self) -> dict[str, AgentReport]:
         reports = (AgentReport.from_json(r[0]) for r in self._all("SELECT body FROM reports"))
         return {r.agent_id: r for r in reports}
 
     def put_timings(self, timings: TimingsRecord, progress: JobProgress | None = None) -> None:
-        with self._lock:
-            self._db.execute("BEGIN IMMEDIATE")
-            try:
-                self._db.execute(
-                    "INSERT OR REPLACE INTO timings(job_id, rank, body) VALUES (?,?,?)",
-                    (timings.job_id, timings.rank, timings.to_json()))
-                if progress is not None:
-                    self._db.execute("INSERT OR REPLACE INTO progress(job_id, body) VALUES (?,?)",
-                                     (timings.job_id, progress.to_json()))
-                self._db.execute("COMMIT")
-            except BaseException:
-                self._db.execute("ROLLBACK")
-                raise
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO timings(job_id, rank, body) VALUES (?,?,?)",
+                       (timings.job_id, timings.rank, timings.to_json()))
+            if progress is not None:
+                db.execute("INSERT OR REPLACE INTO progress(job_id, body) VALUES (?,?)",
+                           (timings.job_id, progress.to_json()))
 
     def latest_timings(self, job_id: str) -> list[TimingsRecord]:
         rows = self._all("SELECT body FROM timings WHERE job_id=? ORDER BY rank", (job_id,))
@@ -349,5 +505,8 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         with self._lock:
-            self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            self._db.close()
+            try:
+                with _faults_raised():
+                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            finally:
+                self._db.close()

@@ -1,0 +1,142 @@
+"""Storage faults are visible: SqliteStore on real SQLite files that fill up or are damaged."""
+
+from __future__ import annotations
+
+import random
+import sqlite3
+from pathlib import Path
+
+import pytest
+from hetpilot.daemon.errors import DamagedStore, StorageFull
+from hetpilot.daemon.records import AgentRecord, JobRecord, JobStatus, PlanRecord
+from hetpilot.daemon.store import SqliteStore
+
+pytestmark = pytest.mark.timeout(30)
+
+BIG = "x" * 1_000_000  # far more than a full database has room for
+
+
+def _job(job_id: str) -> JobRecord:
+    return JobRecord(job_id=job_id, owner="alice", name="n", state="running", global_batch=8,
+                     microbatch_size=2, schedules=("1f1b",), budgets={"price_per_hour": 3.0},
+                     V=10.0, slot_s=1.0, allowed_hosts=("a",), model_json="{}")
+
+
+def _plan(job_id: str, version: int, plan: dict[str, object] | None = None) -> PlanRecord:
+    return PlanRecord(job_id=job_id, version=version, slot=version, plan=plan or {"groups": []},
+                      iteration_s=0.5, costs={}, queues={}, warnings=())
+
+
+def _fill(store: SqliteStore) -> None:
+    """A page quota at the pages in use: the next write that needs a page gets SQLITE_FULL."""
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count={pages}")
+
+
+def _store_with_jobs(path: Path, n: int = 20) -> None:
+    store = SqliteStore(path)
+    for i in range(n):
+        store.create_job(_job(f"j{i}"))
+        store.record_slot(f"j{i}", status=JobStatus(slot=1), controller_state={"q": [i] * 50},
+                          plan=_plan(f"j{i}", 1))
+    store.close()  # checkpoints: every page is in the main file
+
+
+def test_disk_full_raises_storage_full_and_recovers(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    seen: list[bool] = []
+    store.on_writable_change = seen.append
+    store.create_job(_job("j1"))
+    store.record_slot("j1", status=JobStatus(slot=1), controller_state={"q": 1},
+                      plan=_plan("j1", 1))
+    _fill(store)
+
+    with pytest.raises(StorageFull, match="full") as err:
+        store.record_slot("j1", status=JobStatus(slot=2), controller_state={"big": BIG},
+                          plan=_plan("j1", 2))
+    assert "cannot rollback" not in str(err.value)
+    assert isinstance(err.value.__cause__, sqlite3.OperationalError)
+    assert not store.writable and seen == [False]
+    with pytest.raises(StorageFull):  # a single-statement write, too
+        store.put_agent(AgentRecord(host="a", probe_address=BIG, devices=()))
+    with pytest.raises(StorageFull):
+        store.create_job(_job("j2").with_changes(model_json=BIG))
+
+    # reads still work, and nothing of the failed writes was committed
+    assert store.job_status("j1") == (JobStatus(slot=1), {"q": 1})
+    assert [p.version for p in store.plans("j1")] == [1]
+    assert [j.job_id for j in store.list_jobs()] == ["j1"] and store.agents() == []
+    assert not store.writable and seen == [False]
+
+    store._db.execute("PRAGMA max_page_count=1073741823")  # room again
+    assert store.probe() is True
+    assert store.writable and seen == [False, True]
+    store.record_slot("j1", status=JobStatus(slot=2), controller_state={"big": BIG},
+                      plan=_plan("j1", 2))
+    assert store.job_status("j1")[1] == {"big": BIG} and seen == [False, True]
+    store.close()
+
+
+@pytest.mark.parametrize("damage", ["pages", "index"])
+def test_damaged_pages_are_refused_at_open(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / "state.db"
+    _store_with_jobs(path)
+    data = bytearray(path.read_bytes())
+    assert len(data) > 4 * 4096
+    if damage == "pages":  # keep page 1 (header and schema), garbage over every page after it
+        data[4096:] = random.Random(13).randbytes(len(data) - 4096)
+    else:  # one index page claims 65535 cells: SQLite reads it, quick_check reports it
+        db = sqlite3.connect(path)
+        [(page,)] = db.execute("SELECT rootpage FROM sqlite_schema WHERE name=?",
+                               ("sqlite_autoindex_jobs_1",)).fetchall()
+        db.close()
+        data[(page - 1) * 4096 + 3:(page - 1) * 4096 + 5] = b"\xff\xff"
+    path.write_bytes(bytes(data))
+    with pytest.raises(DamagedStore) as err:
+        SqliteStore(path)
+    message = str(err.value)
+    assert "\n" not in message and len(message) <= 300 + len(str(path))
+    assert message.startswith(f"{path} is damaged (") and "restore a backup" in message
+    if damage == "index":
+        assert f"quick_check: *** in database main *** Page {page}:" in message
+
+
+def test_not_a_database_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    path.write_bytes(random.Random(7).randbytes(8192))
+    with pytest.raises(DamagedStore, match=r"is damaged .*not a database") as err:
+        SqliteStore(path)
+    assert "\n" not in str(err.value) and str(path) in str(err.value)
+
+
+def test_zero_length_file_is_refused_and_left_alone(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    path.touch()
+    with pytest.raises(DamagedStore, match="empty") as err:
+        SqliteStore(path)
+    message = str(err.value)
+    assert "\n" not in message and str(path) in message and "remove it" in message
+    assert path.stat().st_size == 0 and sorted(tmp_path.iterdir()) == [path]
+
+
+def test_a_failing_body_rolls_back_and_raises_its_own_error(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    store.create_job(_job("j1"))
+    store.record_slot("j1", status=JobStatus(slot=1), controller_state={"q": 1},
+                      plan=_plan("j1", 1))
+    # the status row is written, then the plan fails to serialise: a bug, not a fault
+    with pytest.raises(TypeError):
+        store.record_slot("j1", status=JobStatus(slot=2), controller_state={"q": 2},
+                          plan=_plan("j1", 2, {"bad": object()}))
+    # a constraint violation is the caller's error, not the storage's
+    with pytest.raises(sqlite3.IntegrityError):
+        store.record_slot("j1", status=JobStatus(slot=3), controller_state={"q": 3},
+                          plan=_plan("j1", 1))
+    with pytest.raises(KeyError):
+        store.update_job(_job("missing"))
+    assert store.job_status("j1") == (JobStatus(slot=1), {"q": 1})
+    assert [p.version for p in store.plans("j1")] == [1]
+    assert store.writable and not store._db.in_transaction
+    store.record_slot("j1", status=JobStatus(slot=2), controller_state={"q": 2})
+    assert store.job_status("j1") == (JobStatus(slot=2), {"q": 2})
+    store.close()
