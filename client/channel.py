@@ -1,6 +1,6 @@
 """Channels to the daemon: TLS from files, bearer-token metadata, deadlines,
 and a service-config retry policy that retries only idempotent calls on
-UNAVAILABLE (every unary call of hetpilot.v1 is idempotent: SubmitJob through
+UNAVAILABLE, or CANCELLED by a daemon that is stopping (every unary call of hetpilot.v1 is idempotent: SubmitJob through
 its request_id, the rest by what they do; streams are resumed by callers)."""
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ _SERVICE_CONFIG = json.dumps({
         "name": [{"service": s, "method": m} for s, ms in _IDEMPOTENT.items() for m in ms],
         "retryPolicy": {
             "maxAttempts": 4, "initialBackoff": "0.2s", "maxBackoff": "2s",
-            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"],
+            "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE", "CANCELLED"],
         },
     }],
 })

@@ -8,6 +8,7 @@ has already refused anyone else with UNAUTHENTICATED.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -70,6 +71,15 @@ async def _deny_stream(request: Any, context: grpc.aio.ServicerContext) -> Any:
     yield  # pragma: no cover - makes this an async generator
 
 
+async def _deny_bidi(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+    # Read the first request before refusing: a two-way stream ended before its first
+    # read races in grpc's core and then answers INTERNAL (about 1 call in 4) instead.
+    with contextlib.suppress(Exception):
+        await anext(aiter(requests), None)
+    await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or invalid bearer token")
+    yield  # pragma: no cover - makes this an async generator
+
+
 class AuthInterceptor(grpc.aio.ServerInterceptor):
     def __init__(self, auth: Authenticator, on_reject: Callable[[], None] | None = None) -> None:
         self._auth = auth
@@ -94,7 +104,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             self._on_reject()
         shape = _STREAMING.get(method)
         if shape == "stream_stream":
-            return grpc.stream_stream_rpc_method_handler(_deny_stream)
+            return grpc.stream_stream_rpc_method_handler(_deny_bidi)
         if shape == "unary_stream":
             return grpc.unary_stream_rpc_method_handler(_deny_stream)
         return grpc.unary_unary_rpc_method_handler(_deny)

@@ -11,6 +11,7 @@ import logging
 import sys
 
 from .config import ConfigError, load_daemon_config
+from .errors import StorageError
 
 __all__ = ["add_arguments", "run"]
 
@@ -38,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(serve(config))
-    except OSError as exc:
+    except (OSError, StorageError) as exc:  # a taken port, a damaged state store
         print(f"hetpilot daemon: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -71,13 +71,27 @@ class AuthConfig:
         """Read the token files into the inline fields."""
         owners = dict(self.owner_tokens)
         if self.owner_tokens_file:
-            with open(self.owner_tokens_file, "rb") as fh:
-                owners.update({str(k): str(v) for k, v in tomllib.load(fh).items()})
+            try:
+                with open(self.owner_tokens_file, "rb") as fh:
+                    owners.update({str(k): str(v) for k, v in tomllib.load(fh).items()})
+            except (OSError, tomllib.TOMLDecodeError) as exc:
+                raise ConfigError(f"auth.owner_tokens_file: {exc}") from None
         cluster = self.cluster_token
         if not cluster and self.cluster_token_file:
-            cluster = Path(self.cluster_token_file).read_text().strip().splitlines()[0]
-        return replace(self, owner_tokens=owners, cluster_token=cluster,
-                       owner_tokens_file="", cluster_token_file="")
+            try:
+                lines = Path(self.cluster_token_file).read_text().strip().splitlines()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"auth.cluster_token_file: {exc}") from None
+            if not lines:
+                raise ConfigError(f"auth.cluster_token_file: {self.cluster_token_file} is empty")
+            cluster = lines[0].strip()
+        # the checks of __post_init__ again, on the tokens read from the files
+        resolved = replace(self, owner_tokens=owners, cluster_token=cluster,
+                           owner_tokens_file="", cluster_token_file="")
+        if cluster and cluster in owners.values():
+            raise ConfigError("auth: an owner token equals the cluster token (agents and "
+                              "trainers would act as that owner); give each its own")
+        return resolved
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,8 +113,11 @@ class DaemonConfig:
     ``heartbeat_timeout_s`` if longer) before they must have reported again: an
     agent's reconnect backoff (up to its ``max_backoff_s``, 10 s by default) must
     not cost the running plans two needless switches (drop, then re-add)."""
+    drain_s: float = 1.0
+    """On SIGTERM, health turns NOT_SERVING and the daemon keeps serving this long, so
+    that load balancers and clients see it going before calls are refused."""
     grace_s: float = 5.0
-    """On SIGTERM, how long in-flight calls get before they are cancelled."""
+    """Then, how long in-flight calls get to finish before they are cancelled."""
     max_message_bytes: int = 4 * 1024 * 1024
     """Larger requests are refused with RESOURCE_EXHAUSTED."""
     max_concurrent_streams: int = 10000
@@ -126,6 +143,10 @@ class DaemonConfig:
             raise ConfigError(f"restart_grace_s: must be >= 0, got {self.restart_grace_s!r}")
         if not (math.isfinite(self.latency_us) and self.latency_us >= 0):
             raise ConfigError(f"latency_us: must be >= 0, got {self.latency_us!r}")
+        if self.slot_s < 0.05:
+            raise ConfigError(f"slot_s: must be >= 0.05 s, got {self.slot_s!r}")
+        if not (math.isfinite(self.drain_s) and 0 <= self.drain_s <= 300):
+            raise ConfigError(f"drain_s: must be in [0, 300], got {self.drain_s!r}")
         if self.heartbeat_timeout_s < self.report_interval_s:
             raise ConfigError("heartbeat_timeout_s: must be >= report_interval_s")
         if not (isinstance(self.planner_memory_mb, int) and self.planner_memory_mb >= 0):

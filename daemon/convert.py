@@ -45,8 +45,10 @@ __all__ = [
     "peers_to_proto",
     "plan_to_proto",
     "report_from_proto",
+    "safe_text",
     "submit_from_proto",
     "timings_from_proto",
+    "version",
 ]
 
 MAX_DEVICES = 64
@@ -54,7 +56,9 @@ MAX_DEVICES = 64
 MAX_ITEMS = 1024
 """Links per report, allowed hosts per job, stages per timing report."""
 MAX_MODEL_CHARS = 2_000_000
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+MAX_VERSION = 2**63 - 1
+"""Plan versions are stored as SQLite integers (signed 64 bits)."""
 _KINDS = {common_pb2.DEVICE_KIND_CPU: "cpu", common_pb2.DEVICE_KIND_CUDA: "cuda",
           common_pb2.DEVICE_KIND_EMULATED: "emulated"}
 _KIND_ENUM = {v: k for k, v in _KINDS.items()}
@@ -66,9 +70,22 @@ def name(value: str, field: str) -> str:
     """A host, device index, job id or address: short, printable, no spaces."""
     if not value:
         raise ValidationError(field, "must not be empty")
-    if not _NAME.match(value):
-        raise ValidationError(field, f"must match {_NAME.pattern}, got {value[:40]!r}")
+    if not _NAME.fullmatch(value):
+        raise ValidationError(field, f"must match {_NAME.pattern}, got {value[:40]!r}"
+                                     f"{' (cut)' if len(value) > 40 else ''}")
     return value
+
+
+def version(value: int, field: str = "after_version") -> int:
+    if not 0 <= value <= MAX_VERSION:
+        raise ValidationError(field, f"must be in [0, 2^63 - 1], got {value}")
+    return value
+
+
+def safe_text(value: str) -> str:
+    """Text for a protobuf string field: lone surrogates (from JSON escapes stored before
+    the daemon refused them) become U+FFFD instead of failing the whole answer."""
+    return value.encode("utf-8", "replace").decode("utf-8")
 
 
 def number(value: float, field: str, *, positive: bool = False, maximum: float = 1e12) -> float:
@@ -131,8 +148,8 @@ def _model_name(model_json: str) -> str:
     if not model_json:
         return ""
     try:
-        return str(json.loads(model_json).get("name", ""))
-    except (ValueError, AttributeError):
+        return safe_text(str(json.loads(model_json).get("name", "")))[:128]
+    except (ValueError, AttributeError, RecursionError):
         return ""
 
 
@@ -269,6 +286,7 @@ def timings_from_proto(req: trainer_pb2.StageTimingsReport, unix_ms: int) -> Tim
             comm_s=number(s.comm_s, f"{f}.comm_s"),
             samples_per_s=number(s.samples_per_s, f"{f}.samples_per_s")))
     return TimingsRecord(job_id=name(req.job_id, "job_id"), rank=req.rank,
-                         plan_version=req.plan_version, iteration=req.iteration,
+                         plan_version=version(req.plan_version, "plan_version"),
+                         iteration=version(req.iteration, "iteration"),
                          stages=tuple(stages), unix_ms=unix_ms, loss=metric(req, "loss"),
                          eval_metric=metric(req, "eval_metric"))

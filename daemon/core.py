@@ -39,23 +39,54 @@ from .records import (
 )
 from .store import Store
 
-__all__ = ["PEERS_PER_AGENT", "ControlPlane", "parse_model", "to_job"]
+__all__ = ["MAX_LAYERS", "MAX_MICROBATCHES", "MIN_SLOT_S", "PEERS_PER_AGENT", "ControlPlane",
+           "check_batch", "parse_model", "to_job"]
 
 #: Each agent probes this many peers (its successors in host order), so probe
 #: traffic grows linearly with the cluster; unmeasured pairs take the defaults.
 PEERS_PER_AGENT = 4
+MIN_SLOT_S = 0.05
+"""Shortest controller slot a job may ask for (a shorter one only burns the planner)."""
 
 
 def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not allowed")
 
 
+MAX_LAYERS = 1024
+"""Layers of a job's model: planning costs O(L^2) memory and time per device kind
+(a 1024-layer model takes about 25 s and 600 MB on its first slot); group finer
+operators into layers beyond that."""
+MAX_MICROBATCHES = 16384
+"""Microbatches per iteration (global_batch / microbatch_size): the reference model
+simulates each one on each stage."""
+
+
 def parse_model(text: str, path: str = "model_json") -> Model:
+    """A spec v1 model from JSON, refusing by field what the planner cannot hold."""
     try:
         data = json.loads(text, parse_constant=_reject_constant)
+        json.dumps(data, ensure_ascii=False).encode("utf-8")  # lone surrogates ("\ud800")
+    except RecursionError:
+        raise ValidationError(path, "is nested too deeply") from None
+    except UnicodeEncodeError:
+        raise ValidationError(path, "holds a lone UTF-16 surrogate escape, not valid "
+                                    "Unicode") from None
     except ValueError as exc:
         raise ValidationError(path, f"is not valid JSON: {exc}") from None
+    layers = data.get("layers") if isinstance(data, dict) else None
+    if isinstance(layers, list) and len(layers) > MAX_LAYERS:
+        raise ValidationError(f"{path}.layers", f"at most {MAX_LAYERS} layers, got {len(layers)} "
+                              "(group finer operators into layers)")
     return model_from_dict(data, path)
+
+
+def check_batch(global_batch: int, microbatch_size: int) -> None:
+    microbatches = -(-global_batch // microbatch_size)
+    if microbatches > MAX_MICROBATCHES:
+        raise ValidationError("global_batch", f"asks for {microbatches} microbatches per "
+                              f"iteration (global_batch / microbatch_size); at most "
+                              f"{MAX_MICROBATCHES}: raise microbatch_size")
 
 
 def to_job(rec: JobRecord) -> Job:
@@ -94,6 +125,7 @@ class ControlPlane:
         self._attached: dict[tuple[str, int], str] = {}
         self._tasks: list[asyncio.Task[None]] = []
         self._loop_errors: dict[str, str] = {}
+        self._stopping = False
         self._queues: dict[str, dict[str, float]] = {}
         self.planner = PlannerProcess(config.planner_memory_mb)
         self.metrics.agents_up.set(len(self._up))
@@ -117,7 +149,14 @@ class ControlPlane:
             loop.start()
             self.metrics.jobs.set(len(self._loops))
 
+    def end_streams(self) -> None:
+        """End every plan stream (WatchPlans) at its next turn: the daemon is stopping."""
+        self._stopping = True
+        for ev in self._plan_events.values():
+            ev.set()
+
     async def stop(self) -> None:
+        self.end_streams()
         for t in self._tasks:
             t.cancel()
         for loop in list(self._loops.values()):
@@ -164,7 +203,12 @@ class ControlPlane:
     # -- jobs ---------------------------------------------------------------
 
     def submit(self, owner: str, spec: JobRecord) -> JobRecord:
+        """Validate everything, then create the job: a refused job leaves nothing stored."""
         job = to_job(spec)  # validates batch, microbatch, schedules, budgets, V
+        check_batch(spec.global_batch, spec.microbatch_size)
+        if spec.slot_s and spec.slot_s < MIN_SLOT_S:
+            raise ValidationError("slot_s", f"must be >= {MIN_SLOT_S} s (or 0: the daemon's "
+                                  f"default), got {spec.slot_s:g}")
         if spec.model_json:
             Controller(parse_model(spec.model_json), job)  # the controller's own checks
         elif not spec.profile_on_attach:
@@ -183,7 +227,7 @@ class ControlPlane:
             raise ValidationError("job_id", "must not be empty")
         rec = self.store.get_job(job_id)
         if rec is None or (owner is not None and rec.owner != owner):
-            raise NotFound(f"job {job_id!r} not found")
+            raise NotFound(f"job {job_id[:64]!r} not found")
         return rec
 
     def _view(self, rec: JobRecord) -> JobView:
@@ -244,7 +288,7 @@ class ControlPlane:
                 last = plan.version
                 yield plan
             rec = self.store.get_job(job_id)
-            if rec is None or rec.state == JOB_CANCELLED:
+            if rec is None or rec.state == JOB_CANCELLED or self._stopping:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=5.0)

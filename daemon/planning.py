@@ -22,16 +22,18 @@ import contextlib
 import multiprocessing
 import resource
 from collections.abc import Mapping
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from hetpilot.planner.types import Cluster
 
 from .records import JobRecord
 
 __all__ = ["PlannerCrashed", "PlannerProcess", "StepResult"]
+
+T = TypeVar("T")
 
 
 class PlannerCrashed(RuntimeError):
@@ -107,6 +109,32 @@ def _forget(job_id: str) -> None:
 
 # -- in the daemon ------------------------------------------------------------------
 
+async def _await(future: Future[T]) -> T:
+    """Await a concurrent future without tying its fate to the awaiting task: when the
+    task is cancelled (a job ends, the daemon stops) the call is simply abandoned.
+    (``run_in_executor`` cancels the call too, and Python 3.11's process pool then
+    fails in its own thread when the process is killed with that call queued.)"""
+    loop = asyncio.get_running_loop()
+    done: asyncio.Future[T] = loop.create_future()
+
+    def settle(f: Future[T]) -> None:
+        if done.done():
+            return
+        if f.cancelled():
+            done.cancel()
+        elif (exc := f.exception()) is not None:
+            done.set_exception(exc)
+        else:
+            done.set_result(f.result())
+
+    def relay(f: Future[T]) -> None:  # on the pool's thread
+        with contextlib.suppress(RuntimeError):  # the event loop is closed
+            loop.call_soon_threadsafe(settle, f)
+
+    future.add_done_callback(relay)
+    return await done
+
+
 class PlannerProcess:
     """The planning process seen from the daemon's event loop; started on first use."""
 
@@ -137,8 +165,8 @@ class PlannerProcess:
         pool = self._executor()
         current = self.generation
         try:
-            result = await asyncio.get_running_loop().run_in_executor(
-                pool, _step, job_id, rec, state, generation != current, budgets, cluster)
+            result = await _await(pool.submit(_step, job_id, rec, state, generation != current,
+                                              budgets, cluster))
             return result, current
         except BrokenProcessPool:
             if self._pool is pool:
@@ -159,8 +187,7 @@ class PlannerProcess:
         pool, self._pool = self._pool, None
         if pool is None:
             return
-        processes = list(getattr(pool, "_processes", {}).values())  # no public accessor
-        pool.shutdown(wait=False, cancel_futures=True)
-        for proc in processes:
+        for proc in list(getattr(pool, "_processes", {}).values()):  # no public accessor
             if proc.is_alive():
                 proc.kill()
+        pool.shutdown(wait=False)  # its calls then fail with BrokenProcessPool

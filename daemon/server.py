@@ -1,7 +1,9 @@
 """Wire the daemon together and run it until SIGTERM: grpc.aio server with
-auth, health and reflection, the SQLite store, job loops, Prometheus metrics
-and systemd notify. Graceful stop: health NOT_SERVING, ``server.stop(grace)``,
-stop the loops, flush the store."""
+auth, request decoding, health and reflection, the SQLite store, job loops,
+Prometheus metrics and systemd notify. Start: store (checked) and job loops
+first, then listen. Graceful stop: health NOT_SERVING, keep serving for
+``drain_s``, end plan streams, ``server.stop(grace_s)``, stop the loops (a
+solve under way is killed), close the store."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -28,6 +31,7 @@ from hetpilot.v1 import (
 from .auth import Authenticator, AuthInterceptor
 from .config import DaemonConfig, TlsConfig
 from .core import ControlPlane
+from .decode import DecodeInterceptor
 from .metrics import Metrics
 from .sdnotify import Notifier
 from .servicers import AgentServicer, JobServicer, TrainerServicer
@@ -66,6 +70,8 @@ def _split(addr: str) -> tuple[str, int]:
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
+    """Run until ``stop`` (SIGTERM, SIGINT). Raises StorageError when the state store is
+    damaged, OSError when the address is taken."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -74,23 +80,27 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     state_dir = Path(config.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     notifier = Notifier()
-    store = SqliteStore(state_dir / "state.db")
+    auth_config = config.auth.resolved()
+    if auth_config.allow_unauthenticated:
+        log.warning("auth.allow_unauthenticated is set: every caller is owner 'anonymous' "
+                    "and a cluster member; for development on a trusted machine only")
+    # the store and the job loops first: nothing listens before they are known good
+    store = SqliteStore(state_dir / "state.db")  # quick_check; DamagedStore if it fails
     metrics = Metrics()
-    metrics_addr = ""
-    if config.metrics_listen:
-        host, port = _split(config.metrics_listen)
-        metrics_addr = f"{host}:{metrics.serve(host, port)}"
     plane = ControlPlane(store, config, metrics)
-    auth = Authenticator(config.auth.resolved())
+    await plane.start()
+    auth = Authenticator(auth_config)
+    reject = metrics.rejected.labels
     server = grpc.aio.server(
-        interceptors=[AuthInterceptor(
-            auth, lambda: metrics.rejected.labels(code="UNAUTHENTICATED").inc())],
+        interceptors=[AuthInterceptor(auth, lambda: reject(code="UNAUTHENTICATED").inc()),
+                      DecodeInterceptor(lambda: reject(code="INVALID_ARGUMENT").inc())],
         options=[
             ("grpc.max_receive_message_length", config.max_message_bytes),
             ("grpc.max_send_message_length", config.max_message_bytes),
             ("grpc.max_concurrent_streams", config.max_concurrent_streams),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.http2.min_ping_interval_without_data_ms", 5000),
+            ("grpc.so_reuseport", 0),  # a second daemon on the same port fails, not shares
         ])
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(plane), server)
@@ -100,16 +110,23 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     reflection.enable_server_reflection(
         (*SERVICES, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
          reflection.SERVICE_NAME), server)
-    if config.tls.enabled:
-        port = server.add_secure_port(config.listen, server_credentials(config.tls))
-    else:
-        port = server.add_insecure_port(config.listen)
+    try:
+        if config.tls.enabled:
+            port = server.add_secure_port(config.listen, server_credentials(config.tls))
+        else:
+            port = server.add_insecure_port(config.listen)
+    except RuntimeError as exc:  # grpc: "Failed to bind to address ..."
+        await plane.stop()
+        store.close()
+        raise OSError(f"cannot listen on {config.listen}: {exc}") from None
+    metrics_addr = ""
+    if config.metrics_listen:
+        host, mport = _split(config.metrics_listen)
+        metrics_addr = f"{host}:{metrics.serve(host, mport)}"
     host, _ = _split(config.listen)
     grpc_addr = f"{host}:{port}"
     await server.start()
-    await plane.start()
-    for name in ("", *SERVICES):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    health_task = asyncio.create_task(_store_health(store, health_servicer), name="store-health")
     _write_endpoints(state_dir, grpc_addr, metrics_addr)
     log.info("serving on %s (metrics %s)", grpc_addr, metrics_addr or "off")
     notifier.notify(READY=1, STATUS=f"serving on {grpc_addr}", MAINPID=os.getpid())
@@ -125,9 +142,15 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     try:
         await stop.wait()
     finally:
-        log.info("stopping (grace %.1fs)", config.grace_s)
+        # 1. say it: health NOT_SERVING, while still answering calls for drain_s;
+        # 2. end the plan streams (clients reconnect elsewhere or after the restart);
+        # 3. refuse new calls, give the in-flight ones grace_s; 4. stop the loops.
+        log.info("stopping (drain %.1fs, grace %.1fs)", config.drain_s, config.grace_s)
         notifier.notify(STOPPING=1, STATUS="stopping")
+        health_task.cancel()
         await health_servicer.enter_graceful_shutdown()
+        await asyncio.sleep(config.drain_s)
+        plane.end_streams()
         if watchdog is not None:
             watchdog.cancel()
         await server.stop(config.grace_s)
@@ -136,3 +159,26 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         metrics.close()
         notifier.close()
         log.info("stopped")
+
+
+async def _store_health(store: SqliteStore, health_servicer: Any) -> None:
+    """Health follows the store: NOT_SERVING from a write that failed for want of
+    storage (disk full, I/O errors) until a probe write, every 5 s, commits again."""
+    serving: bool | None = None
+    while True:
+        ok = store.writable
+        if ok != serving:
+            status = (health_pb2.HealthCheckResponse.SERVING if ok
+                      else health_pb2.HealthCheckResponse.NOT_SERVING)
+            for name in ("", *SERVICES):
+                await health_servicer.set(name, status)
+            if not ok:
+                log.error("the state store cannot write: health NOT_SERVING until it can")
+            elif serving is not None:
+                log.info("the state store writes again: health SERVING")
+            serving = ok
+        if ok:
+            await asyncio.sleep(1.0)
+        else:
+            await asyncio.sleep(5.0)
+            await asyncio.to_thread(store.probe)

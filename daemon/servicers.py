@@ -4,6 +4,7 @@ errors to status codes. Nothing else lives here."""
 from __future__ import annotations
 
 import functools
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -23,7 +24,14 @@ from hetpilot.v1 import (
 from . import convert
 from .auth import Authenticator
 from .core import ControlPlane
-from .errors import FailedPrecondition, NotFound, TooLarge
+from .decode import RateLimitedLog
+from .errors import (
+    FailedPrecondition,
+    NotFound,
+    StorageError,
+    StorageFull,
+    TooLarge,
+)
 from .records import JobView
 
 __all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
@@ -31,16 +39,40 @@ __all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
 T = TypeVar("T")
 
 
-def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+_MAX_DETAILS = 1000
+"""Characters of an error message sent back (status details travel in metadata)."""
+_internal_log = RateLimitedLog()
+
+
+def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a failed call answers. Bad values are the caller's (INVALID_ARGUMENT),
+    with the field named where validation caught them; only a bug is INTERNAL."""
     if isinstance(exc, ValidationError):
-        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
-    if isinstance(exc, TooLarge):
-        return grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
-    if isinstance(exc, NotFound):
-        return grpc.StatusCode.NOT_FOUND, str(exc)
-    if isinstance(exc, FailedPrecondition):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    return None
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    elif isinstance(exc, (TooLarge, StorageFull)):
+        code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
+    elif isinstance(exc, StorageError):
+        code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+    elif isinstance(exc, NotFound):
+        code, message = grpc.StatusCode.NOT_FOUND, str(exc)
+    elif isinstance(exc, FailedPrecondition):
+        code, message = grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    elif isinstance(exc, (ValueError, OverflowError, RecursionError, UnicodeError)):
+        # a value no check caught by name (a safety net: each is a missing check)
+        code, message = grpc.StatusCode.INVALID_ARGUMENT, f"bad value: {type(exc).__name__}: {exc}"
+    else:
+        code, message = grpc.StatusCode.INTERNAL, "internal error (the daemon logged it)"
+    return code, message[:_MAX_DETAILS]
+
+
+async def _refuse(plane: ControlPlane, context: grpc.aio.ServicerContext, method: str,
+                  exc: Exception) -> None:
+    code, message = status_of(exc)
+    plane.metrics.rejected.labels(code=code.name).inc()
+    if code == grpc.StatusCode.INTERNAL and _internal_log.warn(  # a bug: log it, now and then
+            f"{method}:{type(exc).__name__}", "%s failed: %r", method, exc):
+        logging.getLogger("hetpilot.daemon").error("%s: traceback", method, exc_info=exc)
+    await context.abort(code, message)
 
 
 def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
@@ -48,10 +80,10 @@ def _unary(fn: Callable[..., Awaitable[T]]) -> Callable[..., Awaitable[T]]:
     async def wrapper(self: Any, request: Any, context: grpc.aio.ServicerContext) -> T:
         try:
             return await fn(self, request, context)
-        except (ValidationError, TooLarge, NotFound, FailedPrecondition) as exc:
-            code, message = status_of(exc)  # type: ignore[misc]
-            self.plane.metrics.rejected.labels(code=code.name).inc()
-            await context.abort(code, message)
+        except Exception as exc:  # every error answers a status, never UNKNOWN
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _refuse(self.plane, context, fn.__name__, exc)
             raise  # unreachable: abort raises
 
     return wrapper
@@ -64,10 +96,10 @@ def _stream(fn: Callable[..., AsyncIterator[T]]) -> Callable[..., AsyncIterator[
         try:
             async for item in fn(self, request, context):
                 yield item
-        except (ValidationError, TooLarge, NotFound, FailedPrecondition) as exc:
-            code, message = status_of(exc)  # type: ignore[misc]
-            self.plane.metrics.rejected.labels(code=code.name).inc()
-            await context.abort(code, message)
+        except Exception as exc:
+            if isinstance(exc, grpc.aio.AbortError):
+                raise
+            await _refuse(self.plane, context, fn.__name__, exc)
 
     return wrapper
 
@@ -94,7 +126,7 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     @_unary
     async def GetJob(self, request: job_pb2.GetJobRequest,
                      context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
-        return self._info(self.plane.get(self._owner(context), request.job_id))
+        return self._info(self.plane.get(self._owner(context), convert.name(request.job_id, "job_id")))
 
     @_unary
     async def ListJobs(self, request: job_pb2.ListJobsRequest,
@@ -105,22 +137,25 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     @_unary
     async def CancelJob(self, request: job_pb2.CancelJobRequest,
                         context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
-        return self._info(await self.plane.cancel(self._owner(context), request.job_id))
+        return self._info(await self.plane.cancel(self._owner(context),
+                                                     convert.name(request.job_id, "job_id")))
 
     @_unary
     async def UpdateBudgets(self, request: job_pb2.UpdateBudgetsRequest,
                             context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
         budgets = convert.budgets_from_proto(request.budgets)
         v = convert.number(request.v, "v", positive=True) if request.HasField("v") else None
-        return self._info(self.plane.update_budgets(self._owner(context), request.job_id,
+        return self._info(self.plane.update_budgets(self._owner(context),
+                                                    convert.name(request.job_id, "job_id"),
                                                     budgets, v))
 
     @_stream
     async def WatchPlans(self, request: job_pb2.WatchPlansRequest,
                          context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.PlanVersion]:
-        async for plan in self.plane.watch(self._owner(context), request.job_id,
-                                           request.after_version):
+        async for plan in self.plane.watch(self._owner(context),
+                                           convert.name(request.job_id, "job_id"),
+                                           convert.version(request.after_version)):
             yield convert.plan_to_proto(plan)
 
 
@@ -172,7 +207,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                          context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.PlanVersion]:
         job_id = convert.name(request.job_id, "job_id")
-        async for plan in self.plane.watch(None, job_id, request.after_version):
+        async for plan in self.plane.watch(None, job_id, convert.version(request.after_version)):
             yield convert.plan_to_proto(plan)
 
     @_unary

@@ -33,6 +33,7 @@ __all__ = ["GroupCut", "ModelArrays", "cut_fits", "partition_group"]
 
 _THRESHOLDS = (1.0, 1.03, 1.08, 1.15, 1.3, 1.6)
 _INF = float("inf")
+_STAGE_COSTS_BYTES = 256 * 1024 * 1024
 
 
 class ModelArrays:
@@ -99,7 +100,8 @@ def _stage_cost_matrices(
     key = (dev.tflops, dev.memory_gb, link, micro, in_flight)
     found = arr.stage_costs.get(key)
     if found is None:
-        if len(arr.stage_costs) >= 512:  # (L+1)^2 floats each, twice
+        # (L+1)^2 floats each, twice: at most 512 entries and about 256 MB per model
+        if len(arr.stage_costs) >= min(512, max(4, _STAGE_COSTS_BYTES // (16 * (arr.num_layers + 1) ** 2))):
             arr.stage_costs.clear()
         bottleneck, fill = _stage_costs(arr, dev, link, micro, in_flight)
         found = arr.stage_costs[key] = (np.ascontiguousarray(bottleneck.T),
@@ -146,20 +148,25 @@ def _dp_bottleneck(costs_t: Sequence[np.ndarray], n_layers: int) -> float:
 
 
 def _dp_fills(
-    bottle_t: np.ndarray, fill_t: np.ndarray, taus: Sequence[float], n_layers: int
+    bottle_t: Sequence[np.ndarray], fill_t: Sequence[np.ndarray], taus: Sequence[float],
+    n_layers: int
 ) -> list[tuple[int, ...] | None]:
     """Per threshold tau: the cut minimising the fill-and-drain sum with every stage's
     bottleneck cost <= tau (None if none), all thresholds in one pass.
 
-    ``bottle_t`` and ``fill_t`` stack the stages' transposed matrices (S x (L+1) x
-    (L+1), row b, column a: minima run along rows). Each threshold's sums and
+    ``bottle_t`` and ``fill_t`` hold the stages' transposed matrices ((L+1) x (L+1),
+    row b, column a: minima run along rows); they are read one stage at a time, so
+    the memory is T x (L+1)^2 floats whatever the number of stages. Each threshold's sums and
     arg-minima are the ones it would get alone."""
-    limits = np.asarray([tau * (1 + 1e-12) for tau in taus])
-    allowed = np.where(bottle_t[None] <= limits[:, None, None, None], fill_t[None], _INF)
-    best = allowed[:, 0, :, 0].copy()  # best[t, b]: stage 0 covers [0, b)
+    limits = np.asarray([tau * (1 + 1e-12) for tau in taus])[:, None, None]
+
+    def allowed(j: int) -> np.ndarray:  # [t, b, a]; one stage at a time: T x (L+1)^2 floats
+        return np.where(bottle_t[j][None] <= limits, fill_t[j][None], _INF)
+
+    best = allowed(0)[:, :, 0].copy()  # best[t, b]: stage 0 covers [0, b)
     back = []
-    for j in range(1, allowed.shape[1]):
-        total = best[:, None, :] + allowed[:, j]  # [t, b, a]: best[t, a] + cost[a, b]
+    for j in range(1, len(bottle_t)):
+        total = best[:, None, :] + allowed(j)  # [t, b, a]: best[t, a] + cost[a, b]
         back.append(np.argmin(total, axis=2).tolist())
         best = np.min(total, axis=2)  # the values at the arg-minima
     out: list[tuple[int, ...] | None] = []
@@ -494,7 +501,7 @@ def _dp_cuts(
     tau = _dp_bottleneck(bottle, arr.num_layers)
     found = None
     if np.isfinite(tau):
-        found = _dp_fills(np.stack(bottle), np.stack(fill), [tau * f for f in _THRESHOLDS],
+        found = _dp_fills(bottle, fill, [tau * f for f in _THRESHOLDS],
                           arr.num_layers)
     if len(arr.dp_cuts) >= 4096:
         arr.dp_cuts.clear()

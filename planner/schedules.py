@@ -5,16 +5,39 @@ An op is ``(is_backward, microbatch)``; ``(False, 3)`` is F3, ``(True, 3)`` B3.
 
 from __future__ import annotations
 
-from functools import lru_cache
+import functools
+from collections.abc import Callable
+from typing import ParamSpec, TypeVar
 
 from .errors import InvalidPlanError
 
 __all__ = ["Op", "custom_order", "format_order", "inflight", "order", "warmup_order"]
 
 Op = tuple[bool, int]
+P = ParamSpec("P")
+R = TypeVar("R")
+
+MEMO_MAX_OPS = 4096
+"""Orders longer than this (2048 microbatches) are rebuilt on each call rather than
+kept: thousands of memo entries of 10^5-op tuples would hold gigabytes."""
 
 
-@lru_cache(maxsize=4096)
+def _memo_short(maxsize: int, ops: Callable[..., int]) -> Callable[[Callable[P, R]], Callable[P, R]]:
+    """lru_cache for calls whose order has at most MEMO_MAX_OPS ops (``ops(*args)``)."""
+    def wrap(fn: Callable[P, R]) -> Callable[P, R]:
+        cached = functools.lru_cache(maxsize=maxsize)(fn)
+
+        @functools.wraps(fn)
+        def call(*args: P.args, **kwargs: P.kwargs) -> R:
+            if ops(*args) <= MEMO_MAX_OPS:
+                return cached(*args, **kwargs)  # type: ignore[arg-type,no-any-return]
+            return fn(*args, **kwargs)
+
+        return call
+    return wrap
+
+
+@_memo_short(4096, lambda schedule, num_stages, stage, microbatches: 2 * microbatches)
 def order(schedule: str, num_stages: int, stage: int, microbatches: int) -> tuple[Op, ...]:
     """The op order of a built-in schedule on one stage."""
     m = microbatches
@@ -25,7 +48,7 @@ def order(schedule: str, num_stages: int, stage: int, microbatches: int) -> tupl
     raise ValueError(f"no built-in order for schedule {schedule!r}")
 
 
-@lru_cache(maxsize=4096)
+@_memo_short(4096, lambda warmup, microbatches: 2 * microbatches)
 def warmup_order(warmup: int, microbatches: int) -> tuple[Op, ...]:
     """w forwards, then alternate one forward and one backward, then drain.
 
@@ -51,7 +74,7 @@ def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[O
     return _check_order(ops, microbatches, field)  # raises, naming the field
 
 
-@lru_cache(maxsize=16384)
+@_memo_short(16384, lambda ops, microbatches: len(ops))
 def _valid_order(ops: tuple[str, ...], microbatches: int) -> tuple[Op, ...] | None:
     """The parsed order if it is valid, else None (memoised: the planner scores the
     same orders on many groups and candidates)."""
@@ -85,12 +108,12 @@ def _check_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[O
     return tuple(parsed)
 
 
-@lru_cache(maxsize=4096)
+@_memo_short(4096, len)
 def format_order(ops: tuple[Op, ...]) -> tuple[str, ...]:
     return tuple(f"{'B' if b else 'F'}{k}" for b, k in ops)
 
 
-@lru_cache(maxsize=16384)
+@_memo_short(16384, len)
 def inflight(ops: tuple[Op, ...]) -> int:
     """Most forwards run on a stage without their backward (spec 5.4)."""
     live = peak = 0

@@ -114,6 +114,8 @@ def _num(
 def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValidationError(path, f"must be a number, got {_kind(value)}")
+    if isinstance(value, int) and abs(value) > 1e300:  # float(value) would overflow
+        raise ValidationError(path, f"must be a number below 1e300, got {len(str(value))} digits")
     if not math.isfinite(value):
         raise ValidationError(path, f"must be finite, got {value}")
     if positive and value <= 0:

@@ -64,7 +64,7 @@ def start_daemon(state_dir: Path, **overrides: object) -> RunningDaemon:
     kwargs: dict[str, object] = dict(listen="127.0.0.1:0", state_dir=str(state_dir),
                                      metrics_listen="127.0.0.1:0", slot_s=0.3,
                                      report_interval_s=0.2, heartbeat_timeout_s=1.0,
-                                     grace_s=1.0, auth=auth_config())
+                                     grace_s=1.0, drain_s=0.1, auth=auth_config())
     kwargs.update(overrides)
     config = DaemonConfig(**kwargs)  # type: ignore[arg-type]
     (state_dir / "endpoints.json").unlink(missing_ok=True)

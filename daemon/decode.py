@@ -1,0 +1,114 @@
+"""Requests are decoded by the daemon, not by grpc: a payload that is not a valid
+message (corrupt wire format, a string field that is not UTF-8) is answered
+INVALID_ARGUMENT instead of grpc's UNKNOWN, and logged at most once a minute
+per peer address, without a traceback (a client sending garbage in a loop must
+not fill the disk with logs).
+
+:class:`DecodeInterceptor` swaps each handler's deserializer for the identity
+and decodes in the handler itself; the servicers see the same messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+
+__all__ = ["DecodeInterceptor", "RateLimitedLog"]
+
+log = logging.getLogger("hetpilot.daemon")
+
+
+class RateLimitedLog:
+    """``warn(key, message)`` logs at most once per ``period_s`` for each key."""
+
+    def __init__(self, period_s: float = 60.0, max_keys: int = 4096) -> None:
+        self.period_s = period_s
+        self.max_keys = max_keys
+        self._last: dict[str, float] = {}
+        self._dropped: dict[str, int] = {}
+
+    def warn(self, key: str, message: str, *args: object) -> bool:
+        now = time.monotonic()
+        last = self._last.get(key)
+        if last is not None and now - last < self.period_s:
+            self._dropped[key] = self._dropped.get(key, 0) + 1
+            return False
+        if len(self._last) >= self.max_keys:  # many peers: forget the oldest half
+            for k in sorted(self._last, key=self._last.__getitem__)[: self.max_keys // 2]:
+                self._last.pop(k, None)
+                self._dropped.pop(k, None)
+        dropped = self._dropped.pop(key, 0)
+        self._last[key] = now
+        log.warning(message + (f" ({dropped} more like it not logged)" if dropped else ""),
+                    *args)
+        return True
+
+
+def _peer_host(context: grpc.aio.ServicerContext) -> str:
+    peer = context.peer() or "unknown"
+    return peer.rsplit(":", 1)[0] if peer.startswith(("ipv4:", "ipv6:")) else peer
+
+
+class DecodeInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self, on_reject: Callable[[], None] | None = None) -> None:
+        self._on_reject = on_reject
+        self._log = RateLimitedLog()
+
+    async def _decode(self, raw: bytes, decode: Callable[[bytes], Any],
+                      context: grpc.aio.ServicerContext, method: str) -> Any:
+        try:
+            return decode(raw)
+        except Exception as exc:  # DecodeError, and whatever a broken payload raises
+            if self._on_reject is not None:
+                self._on_reject()
+            self._log.warn(_peer_host(context), "undecodable request to %s from %s: %s",
+                           method, _peer_host(context), str(exc)[:200])
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"request is not a valid message for {method}")
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler: Any = await continuation(details)  # the stubs type its behaviours as sync
+        decode = getattr(handler, "request_deserializer", None)
+        if handler is None or decode is None:
+            return handler
+        method = details.method
+        serialize = handler.response_serializer
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(raw: bytes, context: grpc.aio.ServicerContext) -> Any:
+                return await inner_uu(await self._decode(raw, decode, context, method), context)
+
+            return grpc.unary_unary_rpc_method_handler(unary_unary, None, serialize)
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext
+                                   ) -> AsyncIterator[Any]:
+                request = await self._decode(raw, decode, context, method)
+                async for item in inner_us(request, context):
+                    yield item
+
+            return grpc.unary_stream_rpc_method_handler(unary_stream, None, serialize)
+        if handler.stream_stream is not None:
+            inner_ss = handler.stream_stream
+
+            async def stream_stream(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+                                    ) -> AsyncIterator[Any]:
+                async def requests() -> AsyncIterator[Any]:
+                    async for raw in raws:
+                        yield await self._decode(raw, decode, context, method)
+
+                async for item in inner_ss(requests(), context):
+                    yield item
+
+            return grpc.stream_stream_rpc_method_handler(stream_stream, None, serialize)
+        return handler  # stream-unary: none in this API
