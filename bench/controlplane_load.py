@@ -26,6 +26,9 @@ import grpc
 from hetpilot.client.channel import metadata
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _daemon import Daemon, write_config
+
 TOKEN = "bench-cluster-token"
 
 
@@ -139,20 +142,11 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=400.0, help="stop starting steps after this")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="hetpilot-bench-"))
-    (tmp / "d.toml").write_text(f'[daemon]\nheartbeat_timeout_s = 30.0\n'
-                                f'[auth]\ncluster_token = "{TOKEN}"\n')
-    daemon = subprocess.Popen([sys.executable, "-m", "hetpilot", "daemon", "--listen",
-                               "127.0.0.1:0", "--state-dir", str(tmp / "s"), "--config",
-                               str(tmp / "d.toml"), "--metrics-listen", "",
-                               "--log-level", "WARNING"])
+    config = write_config(tmp / "d.toml", cluster_token=TOKEN, heartbeat_timeout_s=30.0)
+    daemon = Daemon(tmp / "s", config, metrics=False, log_level="WARNING")
     began = time.monotonic()
     try:
-        ends = tmp / "s" / "endpoints.json"
-        while not ends.exists():
-            time.sleep(0.1)
-            if time.monotonic() - began > 30:
-                raise SystemExit("daemon did not start")
-        address = json.loads(ends.read_text())["grpc"]
+        address = daemon.start(timeout=30)
         print(f"# cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}, "
               f"grpcio {grpc.__version__}", flush=True)
         for n in (int(x) for x in args.agents.split(",")):
@@ -162,8 +156,8 @@ def main() -> int:
             print(json.dumps(_step(address, daemon.pid, n, args.seconds, args.workers)),
                   flush=True)
     finally:
-        daemon.terminate()
-        daemon.wait(timeout=30)
+        if daemon.stop(30.0)[0] is None:
+            print("# daemon did not stop within 30 s of SIGTERM (killed)", flush=True)
     return 0
 
 

@@ -92,3 +92,26 @@ def test_sd_notify_and_sigterm(tmp_path: Path) -> None:
         proc.kill()
         proc.wait(timeout=10)
         sock.close()
+
+
+def test_daemon_config_errors_are_one_line_exit_2(tmp_path: Path) -> None:
+    empty = tmp_path / "cluster.token"
+    empty.write_text("\n")
+    owners = tmp_path / "owners.toml"
+    owners.write_text('alice = "same-token-123"\n')
+    cases = {
+        "auth.cluster_token_file": f'[auth]\ncluster_token_file = "{empty}"\n',
+        "auth.owner_tokens_file": f'[auth]\nowner_tokens_file = "{tmp_path / "none.toml"}"\n',
+        "equals the cluster token": f'[auth]\nowner_tokens_file = "{owners}"\n'
+                                    'cluster_token = "same-token-123"\n',
+        "slot_s": "[daemon]\nslot_s = 1e-9\n",
+        "d.toml": "[daemon\n",
+    }
+    for expected, text in cases.items():
+        cfg = tmp_path / "d.toml"
+        cfg.write_text(text)
+        proc = subprocess.run([sys.executable, "-m", "hetpilot", "daemon", "--config", str(cfg),
+                               "--state-dir", str(tmp_path / "s"), "--listen", "127.0.0.1:0"],
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2, (expected, proc.stderr)
+        assert len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr, proc.stderr
