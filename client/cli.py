@@ -68,7 +68,12 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("job_file", metavar="job.toml")
     elif name == "jobs":
         parser.add_argument("--all", action="store_true", help="include cancelled jobs")
-    elif name in ("job", "cancel"):
+    elif name == "job":
+        parser.add_argument("job_id")
+        parser.add_argument("--trainer-token", action="store_true",
+                            help="print only the job's trainer token (for hetpilot train "
+                                 "--token-file: TrainerService calls of this job only)")
+    elif name == "cancel":
         parser.add_argument("job_id")
     elif name == "watch":
         parser.add_argument("job_id")
@@ -295,7 +300,10 @@ def _jobs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -
 def _job(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
     info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
                        timeout=args.timeout)
-    print(json.dumps(_job_dict(info))) if args.json else _print_job(info)
+    if args.trainer_token:
+        print(info.trainer_token)
+    else:
+        print(json.dumps(_job_dict(info))) if args.json else _print_job(info)
     return 0
 
 

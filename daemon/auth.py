@@ -1,15 +1,25 @@
 """Bearer-token authentication, checked in one server interceptor.
 
-JobService needs an owner's token; AgentService and TrainerService need the
-cluster token; health and reflection are open (probes and grpcurl). The
-servicers ask :meth:`Authenticator.owner` who the caller is; the interceptor
-has already refused anyone else with UNAUTHENTICATED.
+JobService needs an owner's token; AgentService needs the cluster token;
+TrainerService needs a job's trainer token (:meth:`Authenticator.job_token`,
+given to the job's owner in JobInfo.trainer_token), which the servicer then
+holds to that one job, or the cluster token where
+``auth.cluster_token_for_trainers`` still allows it; health and reflection are
+open (probes and grpcurl). The servicers ask :meth:`Authenticator.owner` /
+:meth:`Authenticator.trainer_job` who the caller is; the interceptor has
+already refused anyone else with UNAUTHENTICATED.
+
+A trainer token is ``hpj_<job_id>_<HMAC-SHA256(key, job_id)>`` with a key the
+daemon keeps in its state dir: derived, so nothing per job is stored, and it
+names its job, so a token of job A is refused on every call about job B.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import hmac
+import secrets
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 
@@ -21,7 +31,9 @@ __all__ = ["ANONYMOUS", "AuthInterceptor", "Authenticator"]
 
 ANONYMOUS = "anonymous"
 _OWNER_PREFIX = "/hetpilot.v1.JobService/"
-_CLUSTER_PREFIXES = ("/hetpilot.v1.AgentService/", "/hetpilot.v1.TrainerService/")
+_AGENT_PREFIX = "/hetpilot.v1.AgentService/"
+_TRAINER_PREFIX = "/hetpilot.v1.TrainerService/"
+_JOB_TOKEN_PREFIX = "hpj_"
 #: Methods whose handlers are not unary-unary (the refusal must match the shape).
 _STREAMING = {
     "/hetpilot.v1.AgentService/Report": "stream_stream",
@@ -40,10 +52,33 @@ def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:
 
 
 class Authenticator:
-    def __init__(self, config: AuthConfig) -> None:
+    def __init__(self, config: AuthConfig, job_key: bytes = b"") -> None:
         self._owners = [(token.encode(), owner) for owner, token in config.owner_tokens.items()]
         self._cluster = config.cluster_token.encode()
         self.open = config.allow_unauthenticated
+        self.cluster_for_trainers = config.cluster_token_for_trainers
+        self._job_key = job_key or secrets.token_bytes(32)
+
+    def job_token(self, job_id: str) -> str:
+        """The bearer token of ``job_id``'s trainers."""
+        mac = hmac.new(self._job_key, job_id.encode(), hashlib.sha256).hexdigest()[:40]
+        return f"{_JOB_TOKEN_PREFIX}{job_id}_{mac}"
+
+    def trainer_job(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
+        """The job whose trainer token the caller holds; None for any other token."""
+        token = _bearer(metadata)
+        if not token.startswith(_JOB_TOKEN_PREFIX):
+            return None
+        job_id = token[len(_JOB_TOKEN_PREFIX):].rpartition("_")[0]
+        if job_id and hmac.compare_digest(self.job_token(job_id).encode(), token.encode()):
+            return job_id
+        return None
+
+    def may_train(self, metadata: Iterable[tuple[str, Any]] | None) -> bool:
+        if self.open:
+            return True
+        return self.trainer_job(metadata) is not None or (
+            self.cluster_for_trainers and self.is_cluster(metadata))
 
     def owner(self, metadata: Iterable[tuple[str, Any]] | None) -> str | None:
         if self.open:
@@ -94,8 +129,10 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         metadata = details.invocation_metadata
         if method.startswith(_OWNER_PREFIX):
             ok = self._auth.owner(metadata) is not None
-        elif method.startswith(_CLUSTER_PREFIXES):
+        elif method.startswith(_AGENT_PREFIX):
             ok = self._auth.is_cluster(metadata)
+        elif method.startswith(_TRAINER_PREFIX):
+            ok = self._auth.may_train(metadata)
         else:
             ok = True
         if ok:

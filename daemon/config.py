@@ -57,6 +57,10 @@ class AuthConfig:
     """File holding the cluster token (first line), used when cluster_token is empty."""
     allow_unauthenticated: bool = False
     """Development only: every caller is owner "anonymous" and a cluster member."""
+    cluster_token_for_trainers: bool = False
+    """Also accept the cluster token on TrainerService, for any job (how releases
+    before per-job trainer tokens worked). Off: a trainer needs its job's token
+    (``hetpilot job JOB --trainer-token``), good for that job only."""
 
     def __post_init__(self) -> None:
         for owner, token in self.owner_tokens.items():

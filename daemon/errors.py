@@ -8,6 +8,7 @@ __all__ = [
     "DamagedStore",
     "FailedPrecondition",
     "NotFound",
+    "PermissionDenied",
     "StorageError",
     "StorageFull",
     "StorageUnavailable",
@@ -22,6 +23,10 @@ class NotFound(LookupError):
 
 class TooLarge(ValueError):
     """A request over a size limit (RESOURCE_EXHAUSTED)."""
+
+
+class PermissionDenied(PermissionError):
+    """The caller is known but its token does not reach this object (another job's)."""
 
 
 class FailedPrecondition(RuntimeError):

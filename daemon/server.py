@@ -12,6 +12,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 from pathlib import Path
 from typing import Any
@@ -64,6 +65,23 @@ def _write_endpoints(state_dir: Path, grpc_addr: str, metrics_addr: str) -> None
     tmp.replace(state_dir / "endpoints.json")
 
 
+def _job_key(state_dir: Path) -> bytes:
+    """The key trainer tokens are derived with: made once, kept with the state (0600),
+    so tokens handed out survive restarts; delete it to revoke them all."""
+    path = state_dir / "trainer-token.key"
+    if not path.exists():
+        tmp = state_dir / "trainer-token.key.tmp"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(secrets.token_bytes(32))
+        tmp.replace(path)
+    key = path.read_bytes()
+    if len(key) < 16:
+        raise OSError(f"{path}: too short to be a key ({len(key)} bytes); delete it to make "
+                      "a new one (trainer tokens handed out so far stop working)")
+    return key
+
+
 def _split(addr: str) -> tuple[str, int]:
     host, _, port = addr.rpartition(":")
     return host.strip("[]"), int(port)
@@ -89,7 +107,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     metrics = Metrics()
     plane = ControlPlane(store, config, metrics)
     await plane.start()
-    auth = Authenticator(auth_config)
+    auth = Authenticator(auth_config, _job_key(state_dir))
     reject = metrics.rejected.labels
     server = grpc.aio.server(
         interceptors=[AuthInterceptor(auth, lambda: reject(code="UNAUTHENTICATED").inc()),
@@ -104,7 +122,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         ])
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(plane), server)
-    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane), server)
+    trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane, auth), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(

@@ -28,6 +28,7 @@ from .decode import RateLimitedLog
 from .errors import (
     FailedPrecondition,
     NotFound,
+    PermissionDenied,
     StorageError,
     StorageFull,
     TooLarge,
@@ -53,6 +54,8 @@ def status_of(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         code, message = grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc)
     elif isinstance(exc, StorageError):
         code, message = grpc.StatusCode.UNAVAILABLE, str(exc)
+    elif isinstance(exc, PermissionDenied):
+        code, message = grpc.StatusCode.PERMISSION_DENIED, str(exc)
     elif isinstance(exc, NotFound):
         code, message = grpc.StatusCode.NOT_FOUND, str(exc)
     elif isinstance(exc, FailedPrecondition):
@@ -114,8 +117,10 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
         return owner
 
     def _info(self, view: JobView) -> job_pb2.JobInfo:
-        return convert.job_to_proto(view.job, view.status, self.plane.emulated_devices(),
+        info = convert.job_to_proto(view.job, view.status, self.plane.emulated_devices(),
                                     view.progress)
+        info.trainer_token = self.auth.job_token(view.job.job_id)  # the owner asked
+        return info
 
     @_unary
     async def SubmitJob(self, request: job_pb2.SubmitJobRequest,
@@ -192,13 +197,23 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
 
 
 class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
-    def __init__(self, plane: ControlPlane) -> None:
-        self.plane = plane
+    def __init__(self, plane: ControlPlane, auth: Authenticator) -> None:
+        self.plane, self.auth = plane, auth
+
+    def _job(self, job_id: str, context: grpc.aio.ServicerContext) -> str:
+        """The request's job id, checked against the caller's trainer token (a token
+        of another job is refused; the cluster token, where allowed, reaches any)."""
+        job_id = convert.name(job_id, "job_id")
+        scope = self.auth.trainer_job(context.invocation_metadata())
+        if scope is not None and scope != job_id:
+            raise PermissionDenied(f"this trainer token is for job {scope}, not {job_id[:64]}")
+        return job_id
 
     @_unary
     async def Attach(self, request: trainer_pb2.AttachRequest,
                      context: grpc.aio.ServicerContext) -> trainer_pb2.AttachResponse:
-        plan = self.plane.attach(*convert.attach_from_proto(request))
+        job_id, rank, device, model = convert.attach_from_proto(request)
+        plan = self.plane.attach(self._job(job_id, context), rank, device, model)
         return trainer_pb2.AttachResponse(
             plan=convert.plan_to_proto(plan) if plan else common_pb2.PlanVersion())
 
@@ -206,7 +221,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def WatchPlans(self, request: trainer_pb2.TrainerWatchRequest,
                          context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.PlanVersion]:
-        job_id = convert.name(request.job_id, "job_id")
+        job_id = self._job(request.job_id, context)
         async for plan in self.plane.watch(None, job_id, convert.version(request.after_version)):
             yield convert.plan_to_proto(plan)
 
@@ -214,5 +229,7 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     async def ReportStageTimings(self, request: trainer_pb2.StageTimingsReport,
                                  context: grpc.aio.ServicerContext
                                  ) -> trainer_pb2.StageTimingsAck:
-        self.plane.stage_timings(convert.timings_from_proto(request, int(time.time() * 1000)))
+        timings = convert.timings_from_proto(request, int(time.time() * 1000))
+        self._job(timings.job_id, context)
+        self.plane.stage_timings(timings)
         return trainer_pb2.StageTimingsAck()

@@ -198,6 +198,8 @@ cluster_token = "{cluster}"
                 name="digits-mlp", profile_on_attach=True, global_batch=GLOBAL_BATCH,
                 microbatch_size=MICROBATCH, budgets=scenario.BUDGET, v=scenario.V, slot_s=0.5),
                 metadata=metadata(self.owner_token), timeout=10)
+        # the trainer ranks get the job's own token, not the cluster's
+        (self.work / "trainer.token").write_text(info.trainer_token + "\n")
         return str(info.job_id)
 
     def job_info(self) -> dict[str, Any]:
@@ -383,7 +385,7 @@ cluster_token = "{cluster}"
                  f"/h, V={scenario.V:g}); the daemon plans, the trainer follows")
         het = self.run_phase("hetpilot", [
             "--daemon", self.address, "--job", self.job_id, "--token-file",
-            str(self.work / "cluster.token"), "--plan-wait", "60"], phase_timeout_s)
+            str(self.work / "trainer.token"), "--plan-wait", "60"], phase_timeout_s)
         self.job = self.job_info()
         plans = self.plans(int(self.job.get("plan_version", 0)))
         return RunResult(epochs=self.epochs, static=static, hetpilot=het, plans=plans,

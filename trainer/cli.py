@@ -49,8 +49,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     source.add_argument("--daemon", metavar="HOST:PORT",
                         help="take plans from the daemon (TrainerService) and report to it")
     parser.add_argument("--job", default="", metavar="ID", help="the daemon's job id (--daemon)")
-    parser.add_argument("--token-file", help="file with the cluster token (default "
-                        "$HETPILOT_CLUSTER_TOKEN, else $HETPILOT_TOKEN)")
+    parser.add_argument("--token-file", help="file with the job's trainer token (`hetpilot "
+                        "job JOB --trainer-token`); default $HETPILOT_CLUSTER_TOKEN, else "
+                        "$HETPILOT_TOKEN")
     parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
     parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
     parser.add_argument("--key-file", default="")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -23,7 +24,7 @@ from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 pytestmark = pytest.mark.timeout(120)
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
-           grpc.StatusCode.FAILED_PRECONDITION}
+           grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
 
 floats = st.floats(allow_nan=True, allow_infinity=True, width=64)
 text = st.one_of(st.just(""), st.text(max_size=20), st.sampled_from(["a", "a:0", "x" * 300]))
@@ -112,7 +113,10 @@ def test_update_and_timings(fuzz_daemon: RunningDaemon, req: job_pb2.UpdateBudge
     ch = fuzz_daemon.channel()
     assert _code(job_pb2_grpc.JobServiceStub(ch).UpdateBudgets, req, OWNER_MD) in ALLOWED
     trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
-    assert _code(trainer.ReportStageTimings, treq, CLUSTER_MD) in ALLOWED
+    token = job_pb2_grpc.JobServiceStub(ch).SubmitJob(  # a real job's trainer token
+        job_pb2.SubmitJobRequest(profile_on_attach=True, global_batch=8, microbatch_size=1,
+                                 request_id="fuzz-trainer"), metadata=OWNER_MD).trainer_token
+    assert _code(trainer.ReportStageTimings, treq, metadata(token)) in ALLOWED
 
 
 def test_still_serving_after_fuzz(fuzz_daemon: RunningDaemon) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+from hetpilot.client.channel import metadata
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon
@@ -120,4 +121,5 @@ def test_timings_with_versions_past_int64_are_invalid(daemon: RunningDaemon) -> 
     trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
     for field in ("plan_version", "iteration"):
         request = trainer_pb2.StageTimingsReport(job_id=job.job_id, rank=0, **{field: 2**63})
-        assert field in _refused(trainer.ReportStageTimings, request, CLUSTER_MD)
+        assert field in _refused(trainer.ReportStageTimings, request,
+                                 metadata(job.trainer_token))

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from hetpilot.client.channel import metadata
 from hetpilot.daemon.records import JobProgress, TimingsRecord
 from hetpilot.v1 import agent_pb2_grpc, job_pb2, job_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
@@ -36,6 +37,13 @@ def _report(job_id: str, rank: int, step: int, loss: float | None = None,
     if eval_metric is not None:
         req.eval_metric = eval_metric
     return req
+
+
+def _trainer_md(daemon: RunningDaemon, job_id: str) -> tuple[tuple[str, str], ...]:
+    """Bearer metadata of the job's trainers (the token its owner is given)."""
+    info = job_pb2_grpc.JobServiceStub(daemon.channel()).GetJob(
+        job_pb2.GetJobRequest(job_id=job_id), metadata=OWNER_MD, timeout=T)
+    return metadata(info.trainer_token)
 
 
 def _job_with_plan(daemon: RunningDaemon) -> str:
@@ -84,12 +92,12 @@ def test_reported_loss_reaches_job_jobs_and_watch(
     # epoch end: every rank reports the same loss and the eval metric
     for rank in (0, 1):
         trainer.ReportStageTimings(_report(job_id, rank, 8, loss=0.6931, eval_metric=0.875),
-                                   metadata=CLUSTER_MD, timeout=T)
+                                   metadata=_trainer_md(daemon, job_id), timeout=T)
     # a partial epoch: a newer loss, no eval metric (the last one stays)
-    trainer.ReportStageTimings(_report(job_id, 0, 10, loss=0.5), metadata=CLUSTER_MD,
+    trainer.ReportStageTimings(_report(job_id, 0, 10, loss=0.5), metadata=_trainer_md(daemon, job_id),
                                timeout=T)
     # a report without a loss changes nothing
-    trainer.ReportStageTimings(_report(job_id, 1, 11), metadata=CLUSTER_MD, timeout=T)
+    trainer.ReportStageTimings(_report(job_id, 1, 11), metadata=_trainer_md(daemon, job_id), timeout=T)
     info = get()
     assert info.loss == 0.5 and info.loss_step == 10 and info.loss_unix_ms > 0
     assert info.eval_metric == 0.875 and info.eval_step == 8
@@ -115,7 +123,7 @@ def test_reported_loss_reaches_job_jobs_and_watch(
     assert "loss 0.5 at step 10, eval metric 0.875 at step 8" in text
 
     # a diverged run is shown, not refused: "nan" in tables, "NaN" in JSON
-    trainer.ReportStageTimings(_report(job_id, 0, 12, loss=math.nan), metadata=CLUSTER_MD,
+    trainer.ReportStageTimings(_report(job_id, 0, 12, loss=math.nan), metadata=_trainer_md(daemon, job_id),
                                timeout=T)
     info = get()
     assert math.isnan(info.loss) and info.loss_step == 12
@@ -130,7 +138,7 @@ def test_progress_survives_a_daemon_restart(tmp_path: Path) -> None:
     try:
         job_id = _job_with_plan(d)
         trainer_pb2_grpc.TrainerServiceStub(d.channel()).ReportStageTimings(
-            _report(job_id, 0, 4, loss=1.25, eval_metric=-3.5), metadata=CLUSTER_MD, timeout=T)
+            _report(job_id, 0, 4, loss=1.25, eval_metric=-3.5), metadata=_trainer_md(d, job_id), timeout=T)
     finally:
         d.stop()
     d = start_daemon(tmp_path / "state")
@@ -160,12 +168,12 @@ def test_watch_shows_a_loss_reported_while_it_runs(daemon: RunningDaemon,
                 time.sleep(0.1)
             ch = daemon.channel()
             trainer_pb2_grpc.TrainerServiceStub(ch).ReportStageTimings(
-                _report(job_id, 0, 3, loss=2.5), metadata=CLUSTER_MD, timeout=T)
+                _report(job_id, 0, 3, loss=2.5), metadata=_trainer_md(daemon, job_id), timeout=T)
             while '"progress"' not in out.read_text():
                 assert time.monotonic() < deadline and watcher.poll() is None, out.read_text()
                 time.sleep(0.1)
             trainer_pb2_grpc.TrainerServiceStub(ch).ReportStageTimings(
-                _report(job_id, 0, 6, loss=2.0, eval_metric=0.5), metadata=CLUSTER_MD,
+                _report(job_id, 0, 6, loss=2.0, eval_metric=0.5), metadata=_trainer_md(daemon, job_id),
                 timeout=T)
             job_pb2_grpc.JobServiceStub(ch).CancelJob(job_pb2.CancelJobRequest(job_id=job_id),
                                                       metadata=OWNER_MD, timeout=T)

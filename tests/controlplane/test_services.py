@@ -9,7 +9,9 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
+    agent_pb2,
     agent_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
@@ -66,14 +68,15 @@ def test_job_lifecycle_with_agents(daemon: RunningDaemon) -> None:
     assert not jobs.ListJobs(job_pb2.ListJobsRequest(), metadata=OTHER_MD, timeout=T).jobs
     # trainer
     trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+    trainer_md = metadata(info.trainer_token)
     att = trainer.Attach(trainer_pb2.AttachRequest(job_id=info.job_id, rank=0, device_id="a:0"),
-                         metadata=CLUSTER_MD, timeout=T)
+                         metadata=trainer_md, timeout=T)
     assert att.plan.version >= 1
     trainer.ReportStageTimings(trainer_pb2.StageTimingsReport(
         job_id=info.job_id, rank=0, plan_version=1, iteration=3,
         stages=[trainer_pb2.StageTiming(stage_index=0, device_id="a:0", fwd_s=0.1, bwd_s=0.2,
                                         comm_s=0.01, samples_per_s=100.0)]),
-        metadata=CLUSTER_MD, timeout=T)
+        metadata=trainer_md, timeout=T)
     cancelled = jobs.CancelJob(job_pb2.CancelJobRequest(job_id=info.job_id), metadata=OWNER_MD,
                                timeout=T)
     assert cancelled.state == job_pb2.JOB_STATE_CANCELLED
@@ -108,6 +111,31 @@ def test_auth(daemon: RunningDaemon) -> None:
         with pytest.raises(grpc.RpcError) as err:
             call(req, metadata=OTHER_MD, timeout=T)
         assert err.value.code() == grpc.StatusCode.NOT_FOUND
+    # trainer tokens are scoped to their job (issue 13.6): the cluster token, an owner's
+    # token and a forged one are refused; job A's token is refused on job B
+    trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+    other = jobs.SubmitJob(submit_request(), metadata=OTHER_MD, timeout=T)
+    attach = trainer_pb2.AttachRequest(job_id=other.job_id, rank=0, device_id="a:0")
+    forged = info.trainer_token.replace(info.job_id, other.job_id)
+    for md in (CLUSTER_MD, OWNER_MD, metadata(forged)):
+        with pytest.raises(grpc.RpcError) as err:
+            trainer.Attach(attach, metadata=md, timeout=T)
+        assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    for call, req in ((trainer.Attach, attach),
+                      (trainer.ReportStageTimings, trainer_pb2.StageTimingsReport(
+                          job_id=other.job_id, rank=0))):
+        with pytest.raises(grpc.RpcError) as err:
+            call(req, metadata=metadata(info.trainer_token), timeout=T)
+        assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    with pytest.raises(grpc.RpcError) as err:
+        next(iter(trainer.WatchPlans(trainer_pb2.TrainerWatchRequest(job_id=other.job_id),
+                                     metadata=metadata(info.trainer_token), timeout=T)))
+    assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    assert trainer.Attach(attach, metadata=metadata(other.trainer_token), timeout=T)
+    with pytest.raises(grpc.RpcError) as err:  # a trainer token is no agent's
+        agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id="x"),
+                         metadata=metadata(info.trainer_token), timeout=T)
+    assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
     # health stays open for probes
     health = health_pb2_grpc.HealthStub(ch)
     assert health.Check(health_pb2.HealthCheckRequest(), timeout=T).status == \

@@ -128,8 +128,8 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
 @pytest.mark.timeout(90)
 def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path: Path) -> None:
     job_id = daemon.setup_job()
-    token = tmp_path / "cluster.token"
-    token.write_text(CLUSTER_TOKEN + "\n")
+    token = tmp_path / "trainer.token"  # the job's own token, as the owner hands it out
+    token.write_text(daemon.job(job_id).trainer_token + "\n")
     port = _free_port()
     procs = []
     for rank in range(2):
@@ -215,7 +215,8 @@ def test_source_keeps_last_plan_while_daemon_is_away(daemon: Daemon) -> None:
         GrpcPlanSource(bad, [f"{HOST}:0"]).start(5)
     bad.close()
 
-    link = DaemonLink(Endpoint(address=daemon.address, token=CLUSTER_TOKEN), job_id,
+    link = DaemonLink(Endpoint(address=daemon.address, token=daemon.job(job_id).trainer_token),
+                      job_id,
                       timeout_s=2.0)
     source = GrpcPlanSource(link, [f"{HOST}:0"], model_json=model)
     reporter = GrpcReporter(link)

@@ -239,6 +239,7 @@ class JobInfo(_message.Message):
     EVAL_METRIC_FIELD_NUMBER: _builtins.int
     EVAL_STEP_FIELD_NUMBER: _builtins.int
     LOSS_UNIX_MS_FIELD_NUMBER: _builtins.int
+    TRAINER_TOKEN_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     owner: _builtins.str
     name: _builtins.str
@@ -265,6 +266,10 @@ class JobInfo(_message.Message):
     eval_step: _builtins.int
     loss_unix_ms: _builtins.int
     """When the daemon received the report that carried `loss`."""
+    trainer_token: _builtins.str
+    """Bearer token of this job's trainer ranks: TrainerService calls for this job
+    only (Attach, WatchPlans, ReportStageTimings). Shown to the job's owner.
+    """
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -318,10 +323,11 @@ class JobInfo(_message.Message):
         eval_metric: _builtins.float | None = ...,
         eval_step: _builtins.int = ...,
         loss_unix_ms: _builtins.int = ...,
+        trainer_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_s", b"slot_s", "state", b"state", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_s", b"slot_s", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
     _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015
