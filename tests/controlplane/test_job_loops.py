@@ -125,20 +125,31 @@ def test_a_failing_loop_retries_with_backoff_and_says_why() -> None:
 
 def test_the_event_loop_never_blocks_while_eight_jobs_plan(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No callback of the daemon's event loop computes for 100 ms or more while 8 jobs
-    plan: a health check would wait behind it. Measured as the loop thread's own CPU
-    time per callback, so a busy machine (which stretches wall time, not CPU time)
-    cannot fail it; the health check's latency itself is measured by
+    """No callback of the daemon's event loop holds it for 100 ms or more while 8 jobs
+    plan: a health check would wait behind it. A callback's time is its wall time less
+    the time its thread sat runnable in the kernel's run queue (/proc schedstat): what
+    the callback computed or waited for (the GIL, held by a solve) counts, what a busy
+    machine takes from it does not. The health check's latency itself is measured by
     bench/daemon_jobs.py."""
     slow: list[tuple[float, str]] = []
     run = asyncio.events.Handle._run
 
+    def queued_s() -> float:  # time this thread waited for a CPU (Linux), else 0
+        try:
+            with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as fh:
+                return int(fh.read().split()[1]) / 1e9
+        except OSError:
+            return 0.0
+
     def timed(handle: asyncio.events.Handle) -> None:
-        t0 = time.thread_time()
+        if threading.current_thread().name != "daemon":
+            run(handle)
+            return
+        t0, q0 = time.perf_counter(), queued_s()
         run(handle)
-        spent = time.thread_time() - t0
-        if spent >= 0.1 and threading.current_thread().name == "daemon":
-            slow.append((round(spent, 3), repr(handle)[:160]))
+        held = time.perf_counter() - t0 - (queued_s() - q0)
+        if held >= 0.1:
+            slow.append((round(held, 3), repr(handle)[:160]))
 
     monkeypatch.setattr(asyncio.events.Handle, "_run", timed)
     d = start_daemon(tmp_path / "state", slot_s=0.3)
@@ -168,4 +179,4 @@ def test_the_event_loop_never_blocks_while_eight_jobs_plan(
     finally:
         stop.set()
         d.stop()
-    assert not found, f"{len(found)} callbacks computed on the event loop for >= 100 ms: {found[:3]}"
+    assert not found, f"{len(found)} callbacks held the event loop for >= 100 ms: {found[:3]}"
