@@ -504,8 +504,13 @@ class Fuzzer:
 
     def token(self, rpc: Rpc) -> tuple[str, str]:
         r = self.rng.random()
-        right, other = ((OWNER_TOKEN, CLUSTER_TOKEN) if rpc.owner_service
-                        else (CLUSTER_TOKEN, OWNER_TOKEN))
+        if rpc.owner_service:
+            right, other = OWNER_TOKEN, CLUSTER_TOKEN
+        elif rpc.service.endswith("TrainerService"):  # a valid job's own trainer token
+            right = self.rng.choice([v["trainer_token"] for v in self.valid.values()])
+            other = CLUSTER_TOKEN
+        else:
+            right, other = CLUSTER_TOKEN, OWNER_TOKEN
         if r < 0.75:
             return right, "right"
         if r < 0.87:
@@ -798,7 +803,7 @@ def submit_valid(address: str) -> dict[str, dict[str, Any]]:
             exposure = ("fuzzed owner" if owner == OWNER else "other owner") + \
                 (", emulated hosts only" if limited else ", all hosts (fuzz agents too)")
             out[info.job_id] = {"label": label, "owner": owner, "token": token,
-                                "exposure": exposure}
+                                "trainer_token": info.trainer_token, "exposure": exposure}
     return out
 
 
