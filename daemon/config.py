@@ -33,12 +33,17 @@ class TlsConfig:
     """PEM private key of cert_file."""
     client_ca_file: str = ""
     """PEM CA bundle; when set, clients must present a certificate it signed (mutual TLS)."""
+    agents_by_certificate: bool = False
+    """Mutual TLS only: an agent may register, report and heartbeat only as a host its
+    client certificate names (common name or a DNS subject alternative name)."""
 
     def __post_init__(self) -> None:
         if bool(self.cert_file) != bool(self.key_file):
             raise ConfigError("tls: cert_file and key_file go together")
         if self.client_ca_file and not self.cert_file:
             raise ConfigError("tls.client_ca_file: needs cert_file and key_file")
+        if self.agents_by_certificate and not self.client_ca_file:
+            raise ConfigError("tls.agents_by_certificate: needs client_ca_file (mutual TLS)")
 
     @property
     def enabled(self) -> bool:

@@ -121,7 +121,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
             ("grpc.so_reuseport", 0),  # a second daemon on the same port fails, not shares
         ])
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
-    agent_pb2_grpc.add_AgentServiceServicer_to_server(AgentServicer(plane), server)
+    agent_pb2_grpc.add_AgentServiceServicer_to_server(
+        AgentServicer(plane, config.tls.agents_by_certificate), server)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane, auth), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

@@ -33,7 +33,7 @@ from .errors import (
     StorageFull,
     TooLarge,
 )
-from .records import JobView
+from .records import AgentReport, JobView
 
 __all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
 
@@ -164,14 +164,38 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
             yield convert.plan_to_proto(plan)
 
 
+def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
+    """The names the caller's client certificate carries (CN and subject alternative
+    names); empty without mutual TLS."""
+    auth = context.auth_context() or {}
+    names = [*auth.get("x509_common_name", ()), *auth.get("x509_subject_alternative_name", ())]
+    return {n.decode() if isinstance(n, bytes) else str(n) for n in names}
+
+
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: ControlPlane, by_certificate: bool = False) -> None:
         self.plane = plane
+        self.by_certificate = by_certificate
+
+    def _bound(self, report: AgentReport, context: grpc.aio.ServicerContext) -> AgentReport:
+        self._as(report.agent_id, context)
+        return report
+
+    def _as(self, host: str, context: grpc.aio.ServicerContext) -> str:
+        """``host``, if the caller may speak for it (tls.agents_by_certificate)."""
+        if self.by_certificate:
+            names = certificate_names(context)
+            if host not in names:
+                raise PermissionDenied(f"the client certificate names {sorted(names)[:4]}, "
+                                       f"not host {host[:64]!r}")
+        return host
 
     @_unary
     async def Register(self, request: agent_pb2.RegisterRequest,
                        context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
-        peers = self.plane.register(convert.agent_from_proto(request))
+        agent = convert.agent_from_proto(request)
+        self._as(agent.host, context)
+        peers = self.plane.register(agent)
         cfg = self.plane.config
         return agent_pb2.RegisterResponse(
             agent_id=request.host, report_interval_s=cfg.report_interval_s,
@@ -182,7 +206,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
         epoch = -1
         async for request in request_iterator:
-            peers = self.plane.report(convert.report_from_proto(request))
+            report = convert.report_from_proto(request)
+            peers = self.plane.report(report if not self.by_certificate else
+                                      self._bound(report, context))
             ack = agent_pb2.ReportAck(seq=request.seq)
             if epoch != self.plane.membership_epoch:
                 epoch = self.plane.membership_epoch
@@ -192,7 +218,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     @_unary
     async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.HeartbeatResponse:
-        peers = self.plane.heartbeat(convert.name(request.agent_id, "agent_id"))
+        peers = self.plane.heartbeat(self._as(convert.name(request.agent_id, "agent_id"),
+                                              context))
         return agent_pb2.HeartbeatResponse(peers=convert.peers_to_proto(peers))
 
 

@@ -12,9 +12,10 @@ import grpc
 import pytest
 from hetpilot.client.channel import Endpoint, open_sync
 from hetpilot.daemon.config import TlsConfig
-from hetpilot.v1 import job_pb2, job_pb2_grpc
+from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
 
-from .conftest import OWNER_MD, RunningDaemon, start_daemon
+from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
+from .helpers import register_request, report
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl CLI")
 T = 10.0
@@ -30,7 +31,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
              "-days", "2", "-subj", "/CN=hetpilot test CA", cwd=d)
     (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", [])):
+    for name, ext in (("server", ["-extfile", "san.ext"]), ("client", []), ("gpu01", [])):
         _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out",
                  f"{name}.csr", "-subj", f"/CN={name}", cwd=d)
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
@@ -80,3 +81,28 @@ def test_mutual_tls_needs_a_client_certificate(mtls_daemon: RunningDaemon, pki: 
     with pytest.raises(grpc.RpcError) as err:
         _list_jobs(Endpoint(address=mtls_daemon.address, ca_file=ca))  # no client certificate
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_agents_by_certificate_speak_only_for_their_host(tmp_path: Path, pki: Path) -> None:
+    d = start_daemon(tmp_path / "state", tls=TlsConfig(
+        cert_file=str(pki / "server.pem"), key_file=str(pki / "server.key"),
+        client_ca_file=str(pki / "ca.pem"), agents_by_certificate=True))
+    ep = Endpoint(address=d.address, ca_file=str(pki / "ca.pem"),
+                  cert_file=str(pki / "gpu01.pem"), key_file=str(pki / "gpu01.key"))
+    try:
+        with open_sync(ep) as ch:
+            agents = agent_pb2_grpc.AgentServiceStub(ch)
+            agents.Register(register_request("gpu01"), metadata=CLUSTER_MD, timeout=T)
+            for call, request in (
+                    (agents.Register, register_request("gpu02")),
+                    (agents.Heartbeat, agent_pb2.HeartbeatRequest(agent_id="gpu02"))):
+                with pytest.raises(grpc.RpcError) as err:
+                    call(request, metadata=CLUSTER_MD, timeout=T)
+                assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+                assert "gpu01" in (err.value.details() or "")
+            with pytest.raises(grpc.RpcError) as err:  # each report is checked
+                list(agents.Report(iter([report("gpu01", 1), report("gpu02", 2)]),
+                                   metadata=CLUSTER_MD, timeout=T))
+            assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
+    finally:
+        d.stop()
