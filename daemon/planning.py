@@ -20,7 +20,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import multiprocessing
+import os
 import resource
+import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -63,7 +66,16 @@ class StepResult:
 _CONTROLLERS: dict[str, Any] = {}
 
 
+def _orphan_watch(parent: int) -> None:
+    """End this process when the daemon is gone (kill -9 leaves no stop to kill us)."""
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(0)
+
+
 def _start(memory_mb: int) -> None:
+    threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="orphan-watch",
+                     daemon=True).start()
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
         _, hard = resource.getrlimit(resource.RLIMIT_AS)

@@ -173,3 +173,32 @@ def test_health_follows_the_store_and_full_disk_is_resource_exhausted(tmp_path: 
                             health_pb2.HealthCheckResponse.NOT_SERVING)
     assert asyncio.run(scenario()) == [SERVING, NOT_SERVING, SERVING]
     store.close()
+
+
+def test_kill_9_leaves_no_planning_process_behind(tmp_path: Path) -> None:
+    from hetpilot.v1 import agent_pb2_grpc
+
+    from .conftest import CLUSTER_MD
+    from .helpers import register_request
+
+    proc, address = _start(tmp_path, slot_s=0.2)
+    ch = open_sync(Endpoint(address=address))
+    agent_pb2_grpc.AgentServiceStub(ch).Register(register_request("h0", 2), metadata=CLUSTER_MD,
+                                                 timeout=10)
+    job = job_pb2_grpc.JobServiceStub(ch).SubmitJob(submit_request(slot_s=0.2), metadata=OWNER_MD,
+                                                   timeout=10).job_id
+    deadline = time.monotonic() + 60
+    while job_pb2_grpc.JobServiceStub(ch).GetJob(job_pb2.GetJobRequest(job_id=job),
+                                                 metadata=OWNER_MD, timeout=10).slot < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    children = [int(p) for p in Path(f"/proc/{proc.pid}/task/{proc.pid}/children")
+                .read_text().split()]
+    assert children  # the planning process (and multiprocessing's resource tracker)
+    proc.kill()
+    proc.wait(timeout=10)
+    deadline = time.monotonic() + 10
+    while [c for c in children if Path(f"/proc/{c}").exists()
+           and "zombie" not in Path(f"/proc/{c}/status").read_text()]:
+        assert time.monotonic() < deadline, "a planning process outlived its daemon"
+        time.sleep(0.2)
