@@ -21,6 +21,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import grpc
 from hetpilot.client.channel import metadata
@@ -51,13 +52,17 @@ def _report(host: str, seq: int) -> agent_pb2.AgentReport:
 
 
 async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: float,
-                 start: float, out: dict[str, list[float] | int]) -> None:
+                 start: float, out: dict[str, Any]) -> None:
+    """Register, then report once a second on one stream until ``start + seconds``.
+    Each latency is kept with its send time (seconds after ``start``), which separates
+    the first seconds after the registration storm from the steady state."""
     md = metadata(TOKEN)
     try:
-        await stub.Register(_register(host), metadata=md, timeout=30)
-    except grpc.aio.AioRpcError:
-        out["register_failed"] += 1  # type: ignore[operator]
+        await stub.Register(_register(host), metadata=md, timeout=60)
+    except grpc.aio.AioRpcError as exc:
+        out["register_failed"].append(exc.code().name)
         return
+    out["registered_at"].append(time.monotonic() - start)
     call = stub.Report(metadata=md)
     await asyncio.sleep(max(0.0, start - time.monotonic()) + random.random())
     end = start + seconds
@@ -66,13 +71,14 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
         while time.monotonic() < end:
             seq += 1
             t0 = time.perf_counter()
-            out["sent"] += 1  # type: ignore[operator]
+            sent_at = time.monotonic() - start
+            out["sent"] += 1
             await call.write(_report(host, seq))
             ack = await asyncio.wait_for(call.read(), 10)
             if ack is grpc.aio.EOF or ack.seq != seq:
                 break
-            out["lat"].append(time.perf_counter() - t0)  # type: ignore[union-attr]
-            out["acked"] += 1  # type: ignore[operator]
+            out["lat"].append((round(sent_at, 3), time.perf_counter() - t0))
+            out["acked"] += 1
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
         await call.done_writing()
     except (grpc.aio.AioRpcError, TimeoutError):
@@ -81,9 +87,10 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
         call.cancel()
 
 
-async def _worker(address: str, first: int, count: int, seconds: float, start: float) -> dict:
-    out: dict[str, list[float] | int] = {"lat": [], "sent": 0, "acked": 0,
-                                         "register_failed": 0}
+async def _worker(address: str, first: int, count: int, seconds: float, start: float
+                  ) -> dict[str, Any]:
+    out: dict[str, Any] = {"lat": [], "sent": 0, "acked": 0, "register_failed": [],
+                           "registered_at": []}
     # a few channels (HTTP/2 connections) per worker, many streams each
     channels = [grpc.aio.insecure_channel(address, options=[
         ("grpc.max_concurrent_streams", 10000)]) for _ in range(4)]
@@ -114,14 +121,14 @@ def _step(address: str, pid: int, n: int, seconds: float, workers: int) -> dict:
     cpu0, t0 = _cpu_seconds(pid), time.monotonic()
     results = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
     cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
-    lat = sorted(x for r in results for x in r["lat"])
+    lat = sorted(x[1] for r in results for x in r["lat"])
     sent = sum(r["sent"] for r in results)
     acked = sum(r["acked"] for r in results)
 
     def pct(q: float) -> float:
         return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
 
-    failed = sum(r["register_failed"] for r in results)
+    failed = sum(len(r["register_failed"]) for r in results)
     return {"agents": n, "register_failed": failed, "sent": sent, "acked": acked, "lost": sent - acked,
             "p50_ms": round(pct(0.5), 2), "p99_ms": round(pct(0.99), 2),
             "max_ms": round(lat[-1] * 1000, 2) if lat else None,

@@ -120,6 +120,7 @@ class ControlPlane:
         self._up: frozenset[str] = frozenset(self._agents)
         self.membership_epoch = 0
         self._peers_cache: dict[str, tuple[tuple[str, str], ...]] = {}
+        self._ring: tuple[list[str], dict[str, int]] | None = None
         self._plan_events: dict[str, asyncio.Event] = {}
         self._loops: dict[str, Any] = {}
         self._attached: dict[tuple[str, int], str] = {}
@@ -299,7 +300,10 @@ class ControlPlane:
         agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
                             devices=agent.devices, registered_ms=int(time.time() * 1000))
         self.store.put_agent(agent)
-        changed = self._agents.get(agent.host) != agent
+        known = self._agents.get(agent.host)
+        # a re-register of the same host, address and devices changes no one's peers
+        changed = known is None or replace(known, registered_ms=0) != replace(
+            agent, registered_ms=0)
         self._agents[agent.host] = agent
         self._seen(agent.host)
         if changed:
@@ -339,19 +343,25 @@ class ControlPlane:
     def _membership_changed(self) -> None:
         self.membership_epoch += 1
         self._peers_cache.clear()
+        self._ring = None
         self.metrics.agents_up.set(len(self._up))
 
     def peers(self, host: str) -> tuple[tuple[str, str], ...]:
+        """The next PEERS_PER_AGENT up hosts after ``host`` in host order (a ring, built
+        once per membership change: 2000 agents re-registering must not sort 2000 times)."""
         cached = self._peers_cache.get(host)
         if cached is None:
-            ring = sorted(h for h in self._up if self._agents[h].probe_address)
-            if host in ring:
-                i = ring.index(host)
-                others = [ring[(i + k) % len(ring)] for k in range(1, len(ring))]
+            if self._ring is None:
+                ring = sorted(h for h in self._up if self._agents[h].probe_address)
+                self._ring = (ring, {h: i for i, h in enumerate(ring)})
+            ring, index = self._ring
+            i = index.get(host)
+            if i is not None:
+                others = [ring[(i + k) % len(ring)]
+                          for k in range(1, min(len(ring), PEERS_PER_AGENT + 1))]
             else:
-                others = ring
-            cached = tuple((h, self._agents[h].probe_address)
-                           for h in others[:PEERS_PER_AGENT])
+                others = ring[:PEERS_PER_AGENT]
+            cached = tuple((h, self._agents[h].probe_address) for h in others)
             self._peers_cache[host] = cached
         return cached
 

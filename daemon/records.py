@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, ClassVar, NamedTuple, Self
 
 __all__ = [
@@ -35,13 +35,26 @@ JOB_RUNNING = "running"
 JOB_CANCELLED = "cancelled"
 
 
+def _plain(value: Any) -> Any:
+    """``dataclasses.asdict`` for these records, without its deep copy of every leaf
+    (a third of the daemon's CPU per agent report went there): the leaves are
+    scalars and strings, and JSON copies them anyway."""
+    if isinstance(value, _Json):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}  # type: ignore[arg-type]
+    if isinstance(value, (tuple, list)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return value
+
+
 class _Json:
     """to_json / from_json for flat dataclasses whose tuples hold dataclasses or scalars."""
 
     _nested: ClassVar[dict[str, type]] = {}
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self))  # type: ignore[call-overload]
+        return json.dumps(_plain(self))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Self:

@@ -39,3 +39,19 @@ def test_grace_shorter_than_the_heartbeat_timeout_means_one_timeout() -> None:
     assert not plane.sweep() and plane.is_up("b")
     now[0] = 1.1
     assert plane.sweep() and not plane.is_up("a") and not plane.is_up("b")
+
+
+def test_peers_ring_and_identical_re_registers() -> None:
+    now = [0.0]
+    plane = _plane(now, grace=5.0)
+    for i in range(10):
+        plane.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()))
+    assert [h for h, _ in plane.peers("h8")] == ["h9", "h0", "h1", "h2"]  # the next 4, wrapped
+    assert [h for h, _ in plane.peers("a")] == ["h0", "h1", "h2", "h3"]  # no probe address
+    epoch = plane.membership_epoch
+    # an agent reconnecting with the same address and devices changes nobody's peers
+    plane.register(AgentRecord(host="h3", probe_address="h3:9", devices=()))
+    assert plane.membership_epoch == epoch
+    plane.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
+    assert plane.membership_epoch == epoch + 1
+    assert ("h3", "h3:10") in plane.peers("h2")
