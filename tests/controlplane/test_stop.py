@@ -202,3 +202,18 @@ def test_kill_9_leaves_no_planning_process_behind(tmp_path: Path) -> None:
            and "zombie" not in Path(f"/proc/{c}/status").read_text()]:
         assert time.monotonic() < deadline, "a planning process outlived its daemon"
         time.sleep(0.2)
+
+
+def test_a_second_daemon_on_a_taken_port_fails_instead_of_sharing_it(tmp_path: Path) -> None:
+    (tmp_path / "first").mkdir()
+    proc, address = _start(tmp_path / "first")
+    try:
+        second = subprocess.run(
+            [sys.executable, "-m", "hetpilot", "daemon", "--listen", address, "--state-dir",
+             str(tmp_path / "second"), "--metrics-listen", ""],
+            capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1, second.stderr
+        assert f"cannot listen on {address}" in second.stderr and "Traceback" not in second.stderr
+    finally:
+        proc.terminate()
+        proc.wait(timeout=20)
