@@ -44,6 +44,10 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     init_local(rank, world, port)
     try:
         fn(rank, world, *args)
+        # every rank done with the group before any tears it down: rank 0 hosts the
+        # TCP store, and a rank still using it when rank 0 exits aborted once in CI
+        # ("terminate called without an active exception", SIGABRT)
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
