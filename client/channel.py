@@ -12,6 +12,8 @@ from pathlib import Path
 
 import grpc
 
+from hetpilot.addresses import check_address
+
 __all__ = ["ADDRESS_ENV", "Endpoint", "channel_options", "metadata", "open_aio", "open_sync"]
 
 ADDRESS_ENV = "HETPILOT_ADDRESS"
@@ -64,6 +66,7 @@ class Endpoint:
         addr = address or os.environ.get(ADDRESS_ENV, "")
         if not addr:
             raise ValueError(f"no daemon address: pass --daemon or set {ADDRESS_ENV}")
+        check_address(addr, "--daemon" if address else ADDRESS_ENV)
         return cls(address=addr, token=token if token is not None
                    else os.environ.get(TOKEN_ENV, ""), **tls)
 

@@ -34,6 +34,8 @@ from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
+from hetpilot.planner.errors import ValidationError
+from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
 from .channel import Endpoint, metadata, open_sync
@@ -107,6 +109,15 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
             raise InputError(f"{path}: model: cannot read {model_path}: {exc.strerror}") from None
     elif not data.get("profile_on_attach", False):
         raise InputError(f"{path}: set model = \"model.json\" or profile_on_attach = true")
+    try:  # the planner's own checks and field-named messages (spec v1 section 3)
+        job_from_dict({k: data[k] for k in ("global_batch", "microbatch_size", "schedule",
+                                            "budgets", "V") if k in data}, str(path))
+        for key in ("slot_s",):
+            if key in data and (isinstance(data[key], bool)
+                                or not isinstance(data[key], (int, float)) or data[key] < 0):
+                raise InputError(f"{path}.{key}: must be a number >= 0, got {data[key]!r}")
+    except ValidationError as exc:
+        raise InputError(str(exc)) from None
     try:
         sched = data.get("schedule", [])
         return job_pb2.SubmitJobRequest(

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
+from hetpilot.addresses import check_address
 from hetpilot.tomlconfig import ConfigError, read_tables
 
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
@@ -141,10 +142,12 @@ class DaemonConfig:
     tls: TlsConfig = field(default_factory=TlsConfig)
 
     def __post_init__(self) -> None:
-        if ":" not in self.listen:
-            raise ConfigError(f"listen: must be host:port, got {self.listen!r}")
-        if self.metrics_listen and ":" not in self.metrics_listen:
-            raise ConfigError(f"metrics_listen: must be host:port, got {self.metrics_listen!r}")
+        try:
+            check_address(self.listen, "listen", listen=True)
+            if self.metrics_listen:
+                check_address(self.metrics_listen, "metrics_listen", listen=True)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         for name in ("slot_s", "report_interval_s", "heartbeat_timeout_s", "grace_s",
                      "intra_host_gbps", "inter_host_gbps"):
             _positive(name, getattr(self, name))

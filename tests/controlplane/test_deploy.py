@@ -115,3 +115,24 @@ def test_daemon_config_errors_are_one_line_exit_2(tmp_path: Path) -> None:
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2, (expected, proc.stderr)
         assert len(proc.stderr.strip().splitlines()) == 1 and expected in proc.stderr, proc.stderr
+
+
+def test_ports_past_65535_and_bad_job_numbers_are_refused_by_name(tmp_path: Path) -> None:
+    """Issue 16: port 99999 used to wrap to 34463; ``global_batch = 512.7`` was truncated,
+    -512 gave a protobuf message and "lots" a Python one."""
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetpilot", *args], capture_output=True,
+                              text=True, timeout=60, env={**os.environ, "HETPILOT_TOKEN": "t" * 8})
+
+    daemon = run("daemon", "--listen", "127.0.0.1:99999", "--state-dir", str(tmp_path / "s"))
+    assert daemon.returncode == 2 and "listen: port must be" in daemon.stderr, daemon.stderr
+    client = run("jobs", "--daemon", "127.0.0.1:99999")
+    assert client.returncode == 2 and "--daemon: port must be" in client.stderr, client.stderr
+    model = (DEPLOY.parent / "examples" / "model.json").resolve()
+    for value in ("512.7", "-512", '"lots"'):
+        job = tmp_path / "job.toml"
+        job.write_text(f'model = "{model}"\nglobal_batch = {value}\nmicrobatch_size = 8\n')
+        out = run("submit", str(job), "--daemon", "127.0.0.1:1")
+        assert out.returncode == 2, (value, out.stderr)
+        assert "global_batch" in out.stderr and len(out.stderr.strip().splitlines()) == 1
+        assert "Traceback" not in out.stderr
