@@ -410,7 +410,9 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
     shown: tuple[Any, ...] | None = None
     live = None
     table_rows: list[tuple[str, ...]] = []
-    if not args.json:
+    # piped or redirected: plain lines as they come (a live table would print only at exit)
+    plain = not args.json and not sys.stdout.isatty()
+    if not args.json and not plain:
         from rich.live import Live
 
         live = Live(auto_refresh=False)
@@ -435,7 +437,9 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
         if key == shown:
             return
         shown = key
-        if not args.json:
+        if plain:
+            print(_progress_line(new), flush=True)
+        elif not args.json:
             render()
         elif new.HasField("loss") or new.HasField("eval_metric"):
             print(json.dumps({"job_id": new.job_id, "progress": _progress_dict(new)}),
@@ -446,10 +450,14 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
             print(json.dumps(_plan_dict(pv)), flush=True)
             return
         plan = json.loads(pv.plan_json)
-        table_rows.append((str(pv.version), str(pv.slot), f"{pv.iteration_s:.4f}",
-                           _fmt_costs(pv.costs, info.budgets),
-                           str(sum(len(g["stages"]) for g in plan["groups"])),
-                           str(len(plan["groups"]))))
+        row = (str(pv.version), str(pv.slot), f"{pv.iteration_s:.4f}",
+               _fmt_costs(pv.costs, info.budgets),
+               str(sum(len(g["stages"]) for g in plan["groups"])), str(len(plan["groups"])))
+        if plain:
+            print(f"plan v{row[0]}  slot {row[1]}  iteration {row[2]} s  cost {row[3]}  "
+                  f"devices {row[4]}  groups {row[5]}", flush=True)
+            return
+        table_rows.append(row)
         render()
 
     def poll() -> None:

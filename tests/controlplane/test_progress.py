@@ -84,8 +84,9 @@ def test_reported_loss_reaches_job_jobs_and_watch(
         return jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), metadata=OWNER_MD, timeout=T)
 
     assert not get().HasField("loss") and not get().HasField("eval_metric")
-    assert "loss: none reported yet" in _cli(daemon, capsys, monkeypatch, "watch", job_id,
-                                             "--count", "1")
+    text = _cli(daemon, capsys, monkeypatch, "watch", job_id, "--count", "1")
+    assert "loss: none reported yet" in text
+    assert "plan v1  slot" in text  # not a terminal: plain lines as they come (issue 16)
     out = json.loads(_cli(daemon, capsys, monkeypatch, "job", job_id, "--json"))
     assert "loss" not in out and out["loss_step"] == 0
 
