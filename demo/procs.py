@@ -73,3 +73,20 @@ class Procs:
                     os.killpg(proc.pid, signal.SIGKILL)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(5.0)
+        # the leaders are gone; their helpers (the daemon's planning process and
+        # multiprocessing's resource tracker, which ignores SIGTERM and ends when its
+        # pipe closes) get the rest of the grace, then the group is killed
+        for _, proc in procs:
+            while _group_alive(proc.pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            if _group_alive(proc.pid):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGKILL)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
