@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -25,14 +24,10 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2
+from hetpilot.client.channel import metadata
+from hetpilot.v1 import agent_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[1]
-EXAMPLE_MODEL = ROOT / "examples" / "model.json"
-
-
-def metadata(token: str) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
 
 
 def write_config(path: Path, *, cluster_token: str, owner_tokens: dict[str, str] | None = None,
@@ -198,36 +193,15 @@ def log_summary(log: Path) -> dict[str, Any]:
             "exceptions": excs.most_common(8)}
 
 
-# -- requests ----------------------------------------------------------------------
+# -- requests: the control-plane tests' builders (one copy for tests and benches) ----
 
-@functools.cache
-def model_json() -> str:
-    return EXAMPLE_MODEL.read_text()
+sys.path.insert(0, str(ROOT))
+from tests.controlplane import helpers as _requests  # noqa: E402
 
-
-def register_request(host: str, devices: int = 2, tflops: float = 50.0,
-                     memory_gb: float = 80.0, price: float = 1.0) -> agent_pb2.RegisterRequest:
-    return agent_pb2.RegisterRequest(host=host, probe_address="", devices=[
-        agent_pb2.DeviceInfo(index=str(i), name="emu", kind=common_pb2.DEVICE_KIND_EMULATED,
-                             tflops=tflops, memory_gb=memory_gb, price_per_hour=price,
-                             power_watts=300.0, emulated=True)
-        for i in range(devices)])
-
-
-def report(host: str, seq: int, devices: int = 2, tflops: float = 50.0) -> agent_pb2.AgentReport:
-    return agent_pb2.AgentReport(agent_id=host, seq=seq, unix_ms=int(time.time() * 1000),
-                                 devices=[agent_pb2.DeviceReport(
-                                     index=str(i), tflops=tflops, memory_total_gb=80.0,
-                                     memory_free_gb=70.0, utilization=0.1, emulated=True)
-                                     for i in range(devices)])
-
-
-def submit_request(**kw: object) -> job_pb2.SubmitJobRequest:
-    args: dict[str, object] = dict(name="bench", model_json=model_json(), global_batch=64,
-                                   microbatch_size=4, slot_s=0.5, v=10.0)
-    args.update(kw)
-    return job_pb2.SubmitJobRequest(**args)  # type: ignore[arg-type]
-
+model_json = _requests.model_json
+register_request = _requests.register_request
+report = _requests.report
+submit_request = _requests.submit_request
 
 # -- emulated agents ---------------------------------------------------------------
 

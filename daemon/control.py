@@ -149,9 +149,6 @@ class JobLoop:
         except PlanningError as exc:
             await self._keep(status, state, f"no plan: {exc}")
             return
-        except BaseException:
-            self._generation = -1  # rebuild the controller from the stored state
-            raise
         finally:
             plane.metrics.solve_s.observe(time.perf_counter() - t0)
         sums = dict(status.cost_sums)
@@ -168,12 +165,10 @@ class JobLoop:
             slot=out.slot + 1, plan_version=max(out.version, status.plan_version),
             iteration_s=out.iteration_s, costs=out.costs, cost_sums=sums,
             queues=out.queues, devices=out.devices, warnings=out.warnings)
-        try:
-            await asyncio.to_thread(plane.store.record_slot, self.job_id, status=new_status,
-                                    controller_state=out.state, plan=new_plan)
-        except BaseException:
-            self._generation = -1  # it stepped, the store did not: restart from what is stored
-            raise
+        # a failure here (the store) is _iteration's: it rebuilds the controller, which
+        # has stepped, from the state last stored
+        await asyncio.to_thread(plane.store.record_slot, self.job_id, status=new_status,
+                                controller_state=out.state, plan=new_plan)
         plane.set_queues(self.job_id, out.queues)
         if new_plan is not None:
             plane.metrics.plan_versions.inc()

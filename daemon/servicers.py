@@ -33,7 +33,7 @@ from .errors import (
     StorageFull,
     TooLarge,
 )
-from .records import AgentReport, JobView
+from .records import JobView
 
 __all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
 
@@ -177,10 +177,6 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         self.plane = plane
         self.by_certificate = by_certificate
 
-    def _bound(self, report: AgentReport, context: grpc.aio.ServicerContext) -> AgentReport:
-        self._as(report.agent_id, context)
-        return report
-
     def _as(self, host: str, context: grpc.aio.ServicerContext) -> str:
         """``host``, if the caller may speak for it (tls.agents_by_certificate)."""
         if self.by_certificate:
@@ -207,8 +203,8 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         epoch = -1
         async for request in request_iterator:
             report = convert.report_from_proto(request)
-            peers = self.plane.report(report if not self.by_certificate else
-                                      self._bound(report, context))
+            self._as(report.agent_id, context)
+            peers = self.plane.report(report)
             ack = agent_pb2.ReportAck(seq=request.seq)
             if epoch != self.plane.membership_epoch:
                 epoch = self.plane.membership_epoch

@@ -1,4 +1,4 @@
-"""Request builders shared by the control-plane tests and the load benchmark."""
+"""Request builders shared by the control-plane tests and the daemon benchmarks (bench/_daemon.py)."""
 
 from __future__ import annotations
 

@@ -8,12 +8,15 @@ the job's status."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.control import MAX_BACKOFF_S, backoff_s
@@ -32,45 +35,61 @@ def _slots(stub: job_pb2_grpc.JobServiceStub, ids: list[str]) -> dict[str, int]:
     return {j: stub.GetJob(job_pb2.GetJobRequest(job_id=j), metadata=OWNER_MD).slot for j in ids}
 
 
-def test_eight_jobs_submitted_at_once_all_step(tmp_path: Path) -> None:
-    d = start_daemon(tmp_path / "state", slot_s=0.3)
+def _wait_slots(stub: job_pb2_grpc.JobServiceStub, ids: list[str], slot: int) -> dict[str, int]:
+    """The jobs' slots once every one has reached ``slot`` (or after 60 s)."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and min(_slots(stub, ids).values()) < slot:
+        time.sleep(0.2)
+    return _slots(stub, ids)
+
+
+@contextlib.contextmanager
+def _agents_up(ch: grpc.Channel, hosts: int, devices: int, tflops: float,
+               step: float) -> Iterator[None]:
+    """Register ``hosts`` emulated agents (host h at tflops + h * step TFLOP/s, price
+    0.5 + h) and keep them up with heartbeats (the test daemon's timeout is 1 s)."""
+    agents = agent_pb2_grpc.AgentServiceStub(ch)
+    for h in range(hosts):
+        agents.Register(register_request(f"h{h}", n=devices, tflops=tflops + step * h,
+                                         price=0.5 + h), metadata=CLUSTER_MD)
     stop = threading.Event()
+
+    def heartbeats() -> None:
+        while not stop.wait(0.2):
+            for h in range(hosts):
+                agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id=f"h{h}"),
+                                 metadata=CLUSTER_MD)
+
+    threading.Thread(target=heartbeats, daemon=True).start()
     try:
-        ch = d.channel()
-        agents = agent_pb2_grpc.AgentServiceStub(ch)
-        for h in range(4):
-            agents.Register(register_request(f"h{h}", n=2, tflops=20.0 + 15 * h,
-                                             price=0.5 + h), metadata=CLUSTER_MD)
-        def heartbeats() -> None:  # keep the agents up (heartbeat timeout 1 s)
-            while not stop.wait(0.2):
-                for h in range(4):
-                    agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id=f"h{h}"),
-                                     metadata=CLUSTER_MD)
-
-        beat = threading.Thread(target=heartbeats, daemon=True)
-        beat.start()
-        stub = job_pb2_grpc.JobServiceStub(ch)
-
-        def submit(i: int) -> str:
-            req = submit_request(name=f"j{i}", global_batch=64 + 16 * i, slot_s=0.3,
-                                 budgets={"price_per_hour": 2.0 + i})
-            return stub.SubmitJob(req, metadata=OWNER_MD).job_id
-
-        with ThreadPoolExecutor(8) as pool:
-            ids = list(pool.map(submit, range(8)))
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and min(_slots(stub, ids).values()) < 3:
-            time.sleep(0.2)
-        first = _slots(stub, ids)
-        assert min(first.values()) >= 3, f"loops stuck: {first}"
-        time.sleep(1.5)  # and they keep stepping
-        later = _slots(stub, ids)
-        assert all(later[j] > first[j] for j in ids), f"loops stopped: {first} -> {later}"
-        for j in ids:
-            info = stub.GetJob(job_pb2.GetJobRequest(job_id=j), metadata=OWNER_MD)
-            assert not [w for w in info.warnings if "failed" in w], info.warnings
+        yield
     finally:
         stop.set()
+
+
+def test_eight_jobs_submitted_at_once_all_step(tmp_path: Path) -> None:
+    d = start_daemon(tmp_path / "state", slot_s=0.3)
+    try:
+        ch = d.channel()
+        with _agents_up(ch, hosts=4, devices=2, tflops=20.0, step=15.0):
+            stub = job_pb2_grpc.JobServiceStub(ch)
+
+            def submit(i: int) -> str:
+                req = submit_request(name=f"j{i}", global_batch=64 + 16 * i, slot_s=0.3,
+                                     budgets={"price_per_hour": 2.0 + i})
+                return stub.SubmitJob(req, metadata=OWNER_MD).job_id
+
+            with ThreadPoolExecutor(8) as pool:
+                ids = list(pool.map(submit, range(8)))
+            first = _wait_slots(stub, ids, 3)
+            assert min(first.values()) >= 3, f"loops stuck: {first}"
+            time.sleep(1.5)  # and they keep stepping
+            later = _slots(stub, ids)
+            assert all(later[j] > first[j] for j in ids), f"loops stopped: {first} -> {later}"
+            for j in ids:
+                info = stub.GetJob(job_pb2.GetJobRequest(job_id=j), metadata=OWNER_MD)
+                assert not [w for w in info.warnings if "failed" in w], info.warnings
+    finally:
         d.stop()
 
 
@@ -153,30 +172,15 @@ def test_the_event_loop_never_blocks_while_eight_jobs_plan(
 
     monkeypatch.setattr(asyncio.events.Handle, "_run", timed)
     d = start_daemon(tmp_path / "state", slot_s=0.3)
-    stop = threading.Event()
     try:
         ch = d.channel()
-        agents = agent_pb2_grpc.AgentServiceStub(ch)
-        for h in range(12):
-            agents.Register(register_request(f"h{h}", n=4, tflops=20.0 + 5 * h,
-                                             price=0.5 + h), metadata=CLUSTER_MD)
-
-        def heartbeats() -> None:
-            while not stop.wait(0.2):
-                for h in range(12):
-                    agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id=f"h{h}"),
-                                     metadata=CLUSTER_MD)
-
-        threading.Thread(target=heartbeats, daemon=True).start()
-        stub = job_pb2_grpc.JobServiceStub(ch)
-        ids = [stub.SubmitJob(submit_request(name=f"j{i}", global_batch=64 + 16 * i, slot_s=0.3),
-                              metadata=OWNER_MD).job_id for i in range(8)]
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and min(_slots(stub, ids).values()) < 3:
-            time.sleep(0.2)
-        assert min(_slots(stub, ids).values()) >= 3
-        found = list(slow)  # before the stop, which may block
+        with _agents_up(ch, hosts=12, devices=4, tflops=20.0, step=5.0):
+            stub = job_pb2_grpc.JobServiceStub(ch)
+            ids = [stub.SubmitJob(submit_request(name=f"j{i}", global_batch=64 + 16 * i,
+                                                 slot_s=0.3), metadata=OWNER_MD).job_id
+                   for i in range(8)]
+            assert min(_wait_slots(stub, ids, 3).values()) >= 3
+            found = list(slow)  # before the stop, which may block
     finally:
-        stop.set()
         d.stop()
     assert not found, f"{len(found)} callbacks held the event loop for >= 100 ms: {found[:3]}"
