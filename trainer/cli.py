@@ -17,6 +17,8 @@ from hetpilot.planner.errors import ValidationError
 
 __all__ = ["add_arguments", "run"]
 
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "export":
@@ -33,7 +35,15 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="iterations per random plan")
         parser.add_argument("--ranks", type=int, default=2, metavar="N")
         parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--tolerance", type=float, default=1e-9)
+        parser.add_argument("--tolerance", type=float, default=None,
+                            help="largest difference allowed: absolute, default 1e-9 "
+                                 "(float64); under --dtype bfloat16/float16 the relative "
+                                 "difference from plain float32 (default 0.1 / 0.05; the "
+                                 "check against the same precision in one process keeps 0.5)")
+        parser.add_argument("--dtype", choices=("float64", "bfloat16", "float16"),
+                            default="float64",
+                            help="float64: exact check; bfloat16/float16: the ranks run mixed "
+                                 "precision, compared with plain float32 in one process")
         parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
                             help="give up (exit 1) after this many seconds")
         return
@@ -42,6 +52,8 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "profile":
         parser.add_argument("--name", default=None)
         parser.add_argument("--out", metavar="M.json", help="write here instead of stdout")
+        parser.add_argument("--dtype", choices=DTYPES, default=None,
+                            help="profile as `hetpilot train --dtype` runs: memory follows it")
         return
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--plan", metavar="P.json",
@@ -61,17 +73,31 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="how long to wait for the daemon's first plan")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not send the model profile on Attach (--daemon)")
-    parser.add_argument("--epochs", type=int, required=True)
-    parser.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default=None,
-                        help="cast the model's floating parameters and buffers and the floating "
-                             "inputs and targets to this dtype (default: keep the job's own; "
-                             "integer inputs are never cast)")
+    parser.add_argument("--epochs", type=int, default=1,
+                        help="epochs to train (default 1: a pre-training run has one)")
+    parser.add_argument("--steps", type=int, default=None, metavar="N",
+                        help="stop after N optimizer steps in all (counted across resumes)")
+    parser.add_argument("--slot-iterations", type=int, default=None, metavar="N",
+                        help="report (and close a measurement slot) every N iterations; "
+                             "default: the daemon job's slot, else every epoch. New plans are "
+                             "taken before any iteration, whatever the slot")
+    parser.add_argument("--slot-seconds", type=float, default=None, metavar="T",
+                        help="report every T seconds (rank 0's clock); default: the daemon "
+                             "job's slot_s when it counts no iterations")
+    parser.add_argument("--dtype", choices=DTYPES, default=None,
+                        help="float32/float64: cast floating parameters, buffers, inputs and "
+                             "targets; bfloat16/float16: mixed precision (autocast, float32 "
+                             "master weights and optimizer state, float16 with loss scaling); "
+                             "default: keep the job's own dtypes")
     parser.add_argument("--device-id", default=None,
                         help="this rank's device id (default $HETPILOT_DEVICE_ID or "
                              "host:local_rank); {rank} and {local_rank} are replaced")
-    parser.add_argument("--checkpoint", metavar="DIR", help="save here after every epoch")
+    parser.add_argument("--checkpoint", metavar="DIR",
+                        help="save here at the end of every epoch (and see --checkpoint-every)")
+    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                        help="also save every N steps, at the end of the slot reaching them")
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint if present")
-    parser.add_argument("--report", metavar="FILE.jsonl", help="append per-epoch measurements")
+    parser.add_argument("--report", metavar="FILE.jsonl", help="append per-slot measurements")
     parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="F",
                         help="EMULATION: make this rank F times slower (sleeps); off by default")
     parser.add_argument("--emulate-tflops", default=None, metavar="T[,T...]",
@@ -107,16 +133,19 @@ def run(args: argparse.Namespace) -> int:
         from .check import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
-                    job=args.job or BUILTIN_JOB, iterations=args.iterations)
+                    job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype)
     try:
         spec = _load_spec(args.model, args.command)
     except ValidationError as exc:
         return _fail(str(exc))
     if args.command == "profile":
+        import torch
+
         from .profile import profile_model
 
         model = profile_model(spec["layers"], spec["sample"],
-                              name=args.name or args.model.rpartition(":")[2])
+                              name=args.name or args.model.rpartition(":")[2],
+                              dtype=getattr(torch, args.dtype) if args.dtype else None)
         text = json.dumps(model, indent=1)
         if args.out:
             Path(args.out).write_text(text + "\n")
@@ -212,7 +241,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
     from .checkpoint import has_checkpoint
     from .plans import FilePlanSource, check_plan
-    from .runtime import JsonlReporter, Trainer
+    from .runtime import JsonlReporter, NoPlanError, Trainer
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -221,6 +250,12 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
     daemon = args.daemon is not None
     if daemon and not args.job:
         return _fail("--job: a job id is needed with --daemon")
+    for flag, value, least in (("--epochs", args.epochs, 1), ("--steps", args.steps, 1),
+                               ("--slot-iterations", args.slot_iterations, 0),
+                               ("--slot-seconds", args.slot_seconds, 0),
+                               ("--checkpoint-every", args.checkpoint_every, 0)):
+        if value is not None and not value >= least:
+            return _fail(f"{flag}: must be >= {least}, got {value}")
     try:
         tflops = _emulated_tflops(args.emulate_tflops, rank, world)
     except ValidationError as exc:
@@ -255,7 +290,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             from .profile import profile_model
 
             profile = profile_model(spec["layers"], spec["sample"],
-                                    name=args.model.rpartition(":")[2])
+                                    name=args.model.rpartition(":")[2],
+                                    dtype=getattr(torch, args.dtype) if args.dtype else None)
     except (OSError, ValueError) as exc:
         return _fail(f"--emulate-model: {exc}")
     layer_gflop = None
@@ -330,17 +366,23 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         )
         if args.resume and args.checkpoint and has_checkpoint(args.checkpoint):
             trainer.load_checkpoint(args.checkpoint)
-        while trainer.epoch < args.epochs:
-            if trainer.iteration == 0 or trainer.plan is None:
-                trainer.poll_plan()
-            if trainer.plan is None:
-                why = trainer.refused[-1][1] if trainer.refused else "no plan"
-                return _fail(f"the daemon's plan was refused: {why}", 1)
-            record = trainer.train_epoch()
+        slot_iterations, slot_s = _slot(args, source)
+        saved_at = [trainer.step]
+
+        def on_record(record: dict[str, Any]) -> None:
             if rank == 0:
-                print(json.dumps(record))
-            if args.checkpoint:
+                print(json.dumps(record), flush=True)
+            every = args.checkpoint_every
+            if args.checkpoint and (record["closed_by"] == "epoch"
+                                    or (every and trainer.step - saved_at[0] >= every)):
                 trainer.save_checkpoint(args.checkpoint)
+                saved_at[0] = trainer.step
+
+        try:
+            trainer.fit(args.epochs, max_steps=args.steps, slot_iterations=slot_iterations,
+                        slot_s=slot_s, on_record=on_record)
+        except NoPlanError as exc:
+            return _fail(f"the daemon's plan was refused: {exc}", 1)
     except ValidationError as exc:
         return _fail(str(exc))
     finally:
@@ -352,6 +394,20 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             link.close()
         dist.destroy_process_group()
     return 0
+
+
+def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:
+    """The report cadence: the flags, else the daemon job's slot (every rank agrees: the
+    flags are the same everywhere, and rank 0 broadcasts what its daemon source said)."""
+    import torch.distributed as dist
+
+    job: list[Any] = [(int(getattr(source, "slot_iterations", 0) or 0),
+                       float(getattr(source, "slot_s", 0.0) or 0.0))]
+    dist.broadcast_object_list(job, src=0)
+    iterations = args.slot_iterations if args.slot_iterations is not None else job[0][0]
+    seconds = args.slot_seconds if args.slot_seconds is not None else (
+        0.0 if iterations else job[0][1])
+    return iterations, seconds
 
 
 def _port() -> int:

@@ -11,8 +11,8 @@ Each layer is called with one argument, the previous layer's output, which
 may be any pytree of tensors and other values; what crosses a cut is sent
 leaf by leaf in each leaf's own dtype (:mod:`hetpilot.trainer.activations`).
 The first stage casts floating input leaves (and the last stage floating
-target leaves) to ``input_dtype`` only when it is given; integer token ids are
-never cast. A stage whose output needs no gradient (parameter-free layers on
+target leaves) to the precision's parameter dtype only when it is given;
+integer token ids are never cast. A stage whose output needs no gradient (parameter-free layers on
 an input that needs none) runs no backward and sends nothing back.
 
 A stage with ``recompute`` runs each layer under
@@ -21,8 +21,15 @@ input and runs the forward again in the backward (spec sections 5.1, 5.4).
 The recomputation restores the layer's buffers afterwards, so BatchNorm's
 running statistics are updated once per microbatch, as without recompute.
 
-NCCL: the same calls work with tensors on the rank's CUDA device, but this
-path has only been run over gloo on CPU.
+Mixed precision (:mod:`hetpilot.trainer.precision`): the forward runs under
+``torch.autocast`` and the floating leaves sent to the next stage are cast to
+the compute dtype inside the graph, so their gradients come back in it too.
+A float16 job's last stage multiplies each loss by the loss scale.
+
+CUDA: op times come from CUDA events resolved once at the end of the
+iteration (host clocks would time kernel launches, not kernels); inputs are
+copied from pinned memory without blocking. Emulation (sleeps) is for CPU
+ranks only. This path has run over gloo on CPU only where it was built.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ from .activations import (
     send_activation,
     send_grads,
 )
+from .precision import Precision
 
 __all__ = ["StageRunner", "StageStats"]
 
@@ -88,6 +96,40 @@ def _restore_buffers(layer: nn.Module) -> Callable[[], tuple[Any, Any]]:
     return lambda: (contextlib.nullcontext(), restoring())
 
 
+class _Clock:
+    """Op durations: host clock on CPU; on CUDA, event pairs read once per iteration."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self._pending: list[tuple[Any, Any, str]] = []
+
+    def start(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def stop(self, began: Any, stats: StageStats, field: str) -> float:
+        """Add the op's seconds to ``stats.<field>`` (CUDA: at :meth:`resolve`); host seconds."""
+        if not self.cuda:
+            took = time.perf_counter() - began
+            setattr(stats, field, getattr(stats, field) + took)
+            return took
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        self._pending.append((began, end, field))
+        return 0.0
+
+    def resolve(self, stats: StageStats) -> None:
+        if not self._pending:
+            return
+        self._pending[-1][1].synchronize()
+        for began, end, field in self._pending:
+            setattr(stats, field, getattr(stats, field) + began.elapsed_time(end) / 1000.0)
+        self._pending.clear()
+
+
 class StageRunner:
     """Runs one stage's ops; built per plan, reused every iteration."""
 
@@ -101,7 +143,7 @@ class StageRunner:
         loss_fn: Callable[[Any, Any], torch.Tensor],
         loss_scale: float,
         device: torch.device,
-        input_dtype: torch.dtype | None = None,
+        precision: Precision | None = None,
         slowdown: float = 1.0,
         fwd_target_s: float = 0.0,
         bwd_target_s: float = 0.0,
@@ -112,33 +154,42 @@ class StageRunner:
         self.recompute = recompute
         self.loss_fn = loss_fn
         self.loss_scale = loss_scale
-        self.input_dtype = input_dtype
+        self.precision = precision or Precision()
         self.device = device
         self.slowdown = slowdown
         self.fwd_target_s = fwd_target_s
         """EMULATION (target-time mode): a forward of one microbatch lasts at least this long."""
         self.bwd_target_s = bwd_target_s
+        self.grad_scale = 1.0
+        """float16 loss scale (:class:`~hetpilot.trainer.precision.LossScaler`), set per iteration."""
+        self.before_last_backward: Callable[[], None] | None = None
+        """Called right before the iteration's last backward op (gradient sync overlap)."""
         self._contexts = [_restore_buffers(layer) if any(True for _ in layer.buffers())
                           else None for layer in self.layers]
+        self._pin = device.type == "cuda"
 
     def _forward(self, x: Any) -> Any:
-        for layer, context in zip(self.layers, self._contexts, strict=True):
-            if not self.recompute:
-                x = layer(x)
-            elif context is None:
-                x = checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = checkpoint(layer, x, use_reentrant=False, context_fn=context)
+        with self.precision.autocast(self.device):
+            for layer, context in zip(self.layers, self._contexts, strict=True):
+                if not self.recompute:
+                    x = layer(x)
+                elif context is None:
+                    x = checkpoint(layer, x, use_reentrant=False)
+                else:
+                    x = checkpoint(layer, x, use_reentrant=False, context_fn=context)
         return x
 
     def _to_device(self, value: Any) -> Any:
-        """Move tensor leaves here; cast floating ones to ``input_dtype`` when it is set."""
-        dtype = self.input_dtype
+        """Move tensor leaves here (from pinned memory, non-blocking, on CUDA); cast floating
+        ones to the precision's parameter dtype when it is set."""
+        dtype = self.precision.param_dtype
 
         def move(t: torch.Tensor) -> torch.Tensor:
+            if self._pin and t.device.type == "cpu":
+                t = t.pin_memory()
             if dtype is not None and t.is_floating_point():
-                return t.to(self.device, dtype)
-            return t.to(self.device)
+                return t.to(self.device, dtype, non_blocking=self._pin)
+            return t.to(self.device, non_blocking=self._pin)
 
         return map_tensors(move, value)
 
@@ -157,6 +208,13 @@ class StageRunner:
             took = time.perf_counter() - started
         return took
 
+    def _op_done(self, clock: _Clock, began: Any, stats: StageStats, field: str,
+                 target_s: float) -> None:
+        if clock.cuda:
+            clock.stop(began, stats, field)
+        else:
+            setattr(stats, field, getattr(stats, field) + self._slow(began, stats, target_s))
+
     def _receive(self, k: int, stats: StageStats) -> tuple[Any, list[torch.Tensor]]:
         assert self.prev_rank is not None
         started = time.perf_counter()
@@ -172,24 +230,31 @@ class StageRunner:
     ) -> tuple[StageStats, float]:
         """Run one iteration's ops; return the stats and the sum of scaled losses (last stage)."""
         stats = StageStats()
+        clock = _Clock(self.device)
         # k -> (received leaves needing a gradient, output leaves needing one, or the loss)
         saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
         pending: list[tuple[Any, torch.Tensor]] = []
-        loss_sum = 0.0
+        losses: list[torch.Tensor] = []
         first, last = self.prev_rank is None, self.next_rank is None
-        for is_bwd, k in ops:
+        last_bwd = max((i for i, (is_bwd, _) in enumerate(ops) if is_bwd), default=-1)
+        for i, (is_bwd, k) in enumerate(ops):
             if not is_bwd:
                 x_in: list[torch.Tensor] = []
                 if first:
                     x = self._to_device(inputs(k))
                 else:
                     x, x_in = self._receive(k, stats)
-                started = time.perf_counter()
+                began = clock.start()
                 y = self._forward(x)
                 if last:
-                    y = self.loss_fn(y, self._to_device(targets(k))) * self.loss_scale
-                    loss_sum += float(y.detach())
-                stats.fwd_s += self._slow(started, stats, self.fwd_target_s)
+                    target = self._to_device(targets(k))
+                    with self.precision.autocast(self.device):  # fp32 losses stay fp32
+                        loss = self.loss_fn(y, target) * self.loss_scale
+                    losses.append(loss.detach())
+                    y = loss * self.grad_scale if self.grad_scale != 1.0 else loss
+                else:
+                    y = map_tensors(self.precision.wire, y)
+                self._op_done(clock, began, stats, "fwd_s", self.fwd_target_s)
                 saved[k] = (x_in, grad_leaves(y))
                 if not last:
                     assert self.next_rank is not None
@@ -202,10 +267,12 @@ class StageRunner:
                     started = time.perf_counter()
                     grads = recv_grads(outs, self.next_rank, k)
                     stats.wait_s += time.perf_counter() - started
-                started = time.perf_counter()
+                if i == last_bwd and self.before_last_backward is not None:
+                    self.before_last_backward()
+                began = clock.start()
                 if outs:
                     torch.autograd.backward(outs, grads)
-                stats.bwd_s += self._slow(started, stats, self.bwd_target_s)
+                self._op_done(clock, began, stats, "bwd_s", self.bwd_target_s)
                 if x_in:
                     assert self.prev_rank is not None
                     pending.extend(send_grads(x_in, self.prev_rank, k))
@@ -214,6 +281,8 @@ class StageRunner:
         for work, _ in pending:
             work.wait()
         stats.wait_s += time.perf_counter() - started
+        clock.resolve(stats)
+        loss_sum = float(torch.stack(losses).double().sum()) if losses else 0.0
         return stats, loss_sum
 
     def evaluate(
@@ -239,13 +308,17 @@ class StageRunner:
                     else:
                         assert self.prev_rank is not None
                         x = recv_activation(self.prev_rank, k, self.device).value
-                    for layer in self.layers:
-                        x = layer(x)
+                    with self.precision.autocast(self.device):
+                        for layer in self.layers:
+                            x = layer(x)
                     if last:
-                        total += size * float(metric(x, self._to_device(targets(k))))
+                        target = self._to_device(targets(k))
+                        with self.precision.autocast(self.device):
+                            total += size * float(metric(x, target))
                     else:
                         assert self.next_rank is not None
-                        pending.extend(send_activation(x, self.next_rank, k))
+                        pending.extend(send_activation(map_tensors(self.precision.wire, x),
+                                                       self.next_rank, k))
             for work, _ in pending:
                 work.wait()
         finally:

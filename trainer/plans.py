@@ -1,11 +1,11 @@
 """Where plans come from, and the check that refuses a wrong plan before any rank computes.
 
-A :class:`PlanSource` yields plan versions; rank 0 polls it at every epoch
-boundary and broadcasts what it got, so every rank switches to the same
+A :class:`PlanSource` yields plan versions; rank 0 polls it before every
+iteration and broadcasts what it got, so every rank switches to the same
 version at the same step (:mod:`hetpilot.trainer.runtime`). Two sources are
 here: :class:`StaticPlanSource` (a fixed list, for tests and benchmarks) and
 :class:`FilePlanSource` (a plan file for offline use; rewriting the file with
-a new ``"version"`` switches the plan at the next epoch).
+a new ``"version"`` switches the plan at the next iteration).
 
 This module imports no torch: the CLI checks plans with it before it spawns
 any rank.
@@ -81,8 +81,20 @@ class FilePlanSource:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
+        self._seen: tuple[int, int, int] | None = None
+        """(mtime_ns, size, inode) of the file last read: the trainer polls every iteration,
+        and an unchanged file is not read again."""
 
     def poll(self, after_version: int) -> PlanVersion | None:
+        if after_version > 0:
+            try:
+                st = self.path.stat()
+            except OSError:
+                return None  # a file being replaced: keep the running plan
+            seen = (st.st_mtime_ns, st.st_size, st.st_ino)
+            if seen == self._seen:
+                return None
+            self._seen = seen
         try:
             data = json.loads(self.path.read_text())
         except (OSError, ValueError) as exc:

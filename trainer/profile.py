@@ -50,6 +50,8 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from .precision import precision_for
+
 __all__ = ["flop_counter", "layer_times", "profile_model"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
@@ -171,29 +173,53 @@ def profile_model(
     *,
     name: str = "model",
     optimizer_factor: float = 3.0,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """The spec section 2 model dict of ``layers`` run on ``sample`` (a microbatch, any pytree
-    of tensors whose first dimension is the microbatch)."""
+    of tensors whose first dimension is the microbatch).
+
+    ``dtype`` is the job's ``--dtype`` (:mod:`hetpilot.trainer.precision`), so the
+    memory terms of spec 5.4 follow it: a plain cast profiles the cast model; mixed
+    precision (bfloat16/float16) keeps float32 parameters (``param_mb``: the master
+    weights) and runs each layer under autocast, with its output cast to the compute
+    dtype as it crosses a cut (``out_mb``, and ``act_mb`` of the next layer). Low-dtype
+    copies of the layer's own parameters that autocast saves for the backward are not
+    counted in ``act_mb`` (they do not grow with the microbatch)."""
+    precision = precision_for(dtype)
     m = _microbatch_size(sample)
     modules = _instantiate(layers)
+    if precision.param_dtype is not None:
+        for module in modules:
+            module.to(dtype=precision.param_dtype)
+        cast = precision.param_dtype
+        sample = pytree.tree_map(lambda t: t.to(cast) if isinstance(t, torch.Tensor)
+                                 and t.is_floating_point() else t, sample)
+    cpu = torch.device("cpu")
     x: Any = sample
     out_layers = []
     with torch.enable_grad():
         for i, layer in enumerate(modules):
             inp = _layer_input(x, first=i == 0)
             param_ptrs = {p.data_ptr() for p in layer.parameters()}
+            param_shapes = {tuple(p.shape) for p in layer.parameters()}
             saved: dict[int, int] = {}
 
             def pack(t: torch.Tensor, saved: dict[int, int] = saved,
-                     param_ptrs: set[int] = param_ptrs) -> torch.Tensor:
+                     param_ptrs: set[int] = param_ptrs,
+                     param_shapes: set[tuple[int, ...]] = param_shapes) -> torch.Tensor:
                 ptr = t.data_ptr()
-                if ptr not in param_ptrs:
+                cast_param = precision.mixed and t.dtype == precision.compute_dtype \
+                    and tuple(t.shape) in param_shapes
+                if ptr not in param_ptrs and not cast_param:
                     saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
                 return t
 
             with flop_counter() as fwd_count, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                y = layer(inp)
+                with precision.autocast(cpu):
+                    y = layer(inp)
+                y = pytree.tree_map(lambda t: precision.wire(t)
+                                    if isinstance(t, torch.Tensor) else t, y)
             bwd_flops = 0
             if _needs_backward(y):
                 with flop_counter() as bwd_count:

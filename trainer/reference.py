@@ -27,6 +27,7 @@ from torch.utils.data import default_collate
 
 from .activations import map_tensors
 from .plans import check_plan
+from .precision import Precision
 from .runtime import layer_seed
 
 __all__ = ["ReferenceRun", "build_layers"]
@@ -76,9 +77,14 @@ class ReferenceRun:
     iteration: int = 0
     losses: list[float] = field(default_factory=list)
     """Mean loss of each iteration (the sum of its scaled microbatch losses)."""
+    compute_dtype: torch.dtype | None = None
+    """Mixed precision as the runtime runs it: forwards under autocast, floating
+    outputs cast to this dtype at the plan's cuts; None: plain ``dtype``."""
 
     def __post_init__(self) -> None:
         self._optim = self.optimizer(_unique_params(self.layers))
+        self._precision = (Precision(torch.float32, self.compute_dtype)
+                           if self.compute_dtype is not None else Precision())
         self._per_epoch = len(self.dataset) // self.global_batch
 
     def _cast(self, value: Any) -> Any:
@@ -96,8 +102,10 @@ class ReferenceRun:
         b = self.global_batch
         return perm[self.iteration * b : (self.iteration + 1) * b].tolist()
 
-    def step(self, plan: Plan) -> float:
-        """One iteration under ``plan``; returns its mean loss."""
+    def step(self, plan: Plan, apply: bool = True, scale: float = 1.0) -> float:
+        """One iteration under ``plan``; returns its mean loss. ``apply=False``: the
+        gradients are dropped instead of stepped (a float16 step the loss scaler skipped);
+        ``scale``: float16's loss scale, taken out of the gradients before the step."""
         devices = sorted({s.device for g in plan.groups for s in g.stages})
         orders = check_plan(plan, devices, len(self.layers), self.global_batch)
         batch = self.indices()
@@ -120,15 +128,19 @@ class ReferenceRun:
                     if is_bwd:
                         continue
                     x = acts[k]
-                    for layer in range(*stage.layers):
-                        x = self.layers[layer](x)
+                    with self._precision.autocast(torch.device("cpu")):
+                        for layer in range(*stage.layers):
+                            x = self.layers[layer](x)
+                    if si + 1 < len(group.stages):
+                        x = map_tensors(self._precision.wire, x)
                     acts[k] = x
             for k in range(micro):
                 target = self._batch(mine[k * m : (k + 1) * m], 1)
-                loss = self.loss_fn(acts[k], target) * (m / b)
+                with self._precision.autocast(torch.device("cpu")):
+                    loss = self.loss_fn(acts[k], target) * (m / b)
                 loss_total += float(loss.detach())
                 if loss.requires_grad:
-                    loss.backward()
+                    (loss * scale if scale != 1.0 else loss).backward()
             ends.append([t.detach().clone() for t in buffers])
         with torch.no_grad():
             for i, t in enumerate(buffers):
@@ -139,7 +151,12 @@ class ReferenceRun:
                                            for g, end in zip(plan.groups, ends, strict=True)))
                 elif not t.is_complex() and t.dtype != torch.bool:
                     t.copy_(start[i] + sum(end[i] - start[i] for end in ends))
-        self._optim.step()
+        if apply:
+            if scale != 1.0:
+                for p in _unique_params(self.layers):
+                    if p.grad is not None:
+                        p.grad.mul_(1.0 / scale)
+            self._optim.step()
         self._optim.zero_grad(set_to_none=True)
         self.iteration += 1
         if self.iteration >= self._per_epoch:

@@ -24,8 +24,9 @@ How a plan (spec v1 section 4) runs:
   whole model would; optimizers that couple layers (LAMB's global norm,
   gradient clipping by global norm) do not, and are not supported.
 
-Live switching (:meth:`Trainer.switch`): at an epoch boundary rank 0 polls
-its :class:`~hetpilot.trainer.plans.PlanSource` and broadcasts what it got,
+Live switching (:meth:`Trainer.switch`): before every iteration rank 0 polls
+its :class:`~hetpilot.trainer.plans.PlanSource` and broadcasts what it got
+(:meth:`Trainer.fit`; two integers when nothing changed),
 so all ranks take the same version at the same step; every rank checks the
 plan (:func:`~hetpilot.trainer.plans.check_plan`); each layer whose new
 owner did not hold it receives its parameters and optimizer state from its
@@ -54,10 +55,11 @@ from torch.utils.data import default_collate
 from hetpilot.emulation import EmulationFile, allreduce_s
 
 from .pipeline import StageRunner, StageStats
-from .plans import PlanSource, check_plan
+from .plans import PlanSource, PlanVersion, check_plan
+from .precision import LossScaler, precision_for
 from .replicas import Tie, find_ties, reconcile_buffers, snapshot_buffers, tie_param
 
-__all__ = ["JsonlReporter", "Trainer", "layer_seed"]
+__all__ = ["JsonlReporter", "NoPlanError", "Trainer", "layer_seed"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -81,6 +83,24 @@ class JsonlReporter:
     def __call__(self, record: dict[str, Any]) -> None:
         with self.path.open("a") as fh:
             fh.write(json.dumps(record) + "\n")
+
+
+class NoPlanError(RuntimeError):
+    """Training cannot start: the source has no plan, or refused the only one it gave."""
+
+
+class _Slot:
+    """What one rank measured since the last record."""
+
+    def __init__(self) -> None:
+        self.total = StageStats()
+        self.steps = 0
+        self.started = time.perf_counter()
+
+    def add(self, stats: StageStats | None) -> None:
+        self.steps += 1
+        if stats is not None:
+            self.total.add(stats)
 
 
 class Trainer:
@@ -124,9 +144,11 @@ class Trainer:
         ``emulate_tflops`` (target-time mode, needs ``layer_gflop``), and each gradient
         all-reduce lasts at least spec 5.3's time over the file's host links.
 
-        ``dtype``: None keeps every parameter, buffer and input in the dtype it has; a
-        floating dtype casts the layers' floating parameters and buffers and the floating
-        input and target leaves to it (integer token ids are never cast).
+        ``dtype``: None keeps every parameter, buffer and input in the dtype it has;
+        float32/float64 cast the layers' floating parameters and buffers and the floating
+        input and target leaves to it (integer token ids are never cast); bfloat16/float16
+        are mixed precision with float32 master weights (:mod:`hetpilot.trainer.precision`;
+        float16 with dynamic loss scaling agreed by every rank).
         ``eval_dataset`` and ``metric``: at the end of each epoch, group 0's pipeline runs
         the held-out set forward (layers in ``eval()`` mode, no gradients) and the epoch
         record's ``eval_metric`` is the sample-weighted mean of ``metric(output, target)``
@@ -163,9 +185,8 @@ class Trainer:
         if self.iterations_per_epoch < 1:
             raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch")
         self.seed = seed
-        if dtype is not None and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-        self.dtype = dtype
+        self.precision = precision_for(dtype)
+        self._scaler = LossScaler() if self.precision.scaled else None
         self.device = torch.device(device)
         self.slowdown = slowdown
         self.emulate_tflops = emulate_tflops
@@ -243,6 +264,11 @@ class Trainer:
     def held_layers(self) -> dict[int, nn.Module]:
         return dict(self._held)
 
+    @property
+    def loss_scaler(self) -> LossScaler | None:
+        """float16's dynamic loss scaler (None for other dtypes)."""
+        return self._scaler
+
     def _tied_names(self, layer: int) -> set[str]:
         return {name for t in self._tie_of.get(layer, ()) for name in self.ties[t].names_in(layer)}
 
@@ -257,8 +283,8 @@ class Trainer:
                 module = spec()
             self._refuse_hidden_ties(layer, module)
         module.to(device=self.device)
-        if self.dtype is not None:
-            module.to(dtype=self.dtype)
+        if self.precision.param_dtype is not None:
+            module.to(dtype=self.precision.param_dtype)
         tied = {id(module.get_parameter(n)) for n in self._tied_names(layer)}
         params = [p for p in module.parameters() if id(p) not in tied]
         optim = self._opt_factory(params) if params else None
@@ -346,21 +372,37 @@ class Trainer:
                     owners[layer].append(self.rank_of[stage.device])
         return owners
 
-    def poll_plan(self) -> bool:
-        """Rank 0 polls its source, all ranks take its answer; switch if there is a new plan."""
-        payload: list[Any] = [None]
-        if self.rank == 0 and self.source is not None:
-            if hasattr(self.source, "epoch"):
-                self.source.epoch = self.epoch
-            # before the first plan (or after a resume) any version is taken
-            after = self.version if self.plan is not None else 0
-            found = self.source.poll(max(after, self._refused_version))
-            if found is not None:
-                payload = [(found.version, plan_to_dict(found.plan))]
-        dist.broadcast_object_list(payload, src=0)
-        if payload[0] is None:
+    def _poll(self, slot_s: float = 0.0, slot_started: float = 0.0) -> tuple[Any, bool]:
+        """Collective, once per iteration: rank 0 polls its source (and, with ``slot_s``,
+        reads the slot's clock); every rank gets ``((version, plan dict) | None, slot over)``.
+
+        Cheap when nothing changed: one broadcast of two integers; the plan itself is
+        broadcast only when there is a new version."""
+        found: PlanVersion | None = None
+        over = False
+        if self.rank == 0:
+            if self.source is not None:
+                if hasattr(self.source, "epoch"):
+                    self.source.epoch = self.epoch
+                # before the first plan (or after a resume) any version is taken
+                after = self.version if self.plan is not None else 0
+                found = self.source.poll(max(after, self._refused_version))
+            over = slot_s > 0 and time.perf_counter() - slot_started >= slot_s
+        flags = torch.tensor([found.version if found is not None else 0, int(over)],
+                             dtype=torch.int64, device=self.device)
+        dist.broadcast(flags, src=0)
+        version, over_flag = (int(v) for v in flags.tolist())
+        if version <= 0:
+            return None, bool(over_flag)
+        box: list[Any] = [plan_to_dict(found.plan) if found is not None else None]
+        dist.broadcast_object_list(box, src=0)
+        return (version, box[0]), bool(over_flag)
+
+    def _take(self, payload: tuple[int, dict[str, Any]] | None) -> bool:
+        """Switch to a polled plan; a refused one is skipped (``keep_plan_on_refusal``)."""
+        if payload is None:
             return False
-        version, data = payload[0]
+        version, data = payload
         try:
             self.switch(plan_from_dict(data), version)
         except ValidationError as exc:  # raised before anything moved, the same on every rank
@@ -373,6 +415,11 @@ class Trainer:
                             version, self.version, exc)
             return False
         return True
+
+    def poll_plan(self) -> bool:
+        """Rank 0 polls its source, all ranks take its answer; switch if there is a new plan."""
+        payload, _ = self._poll()
+        return self._take(payload)
 
     def switch(self, plan: Plan, version: int | None = None) -> dict[str, Any]:
         """Take ``plan`` at this iteration boundary (every rank calls this with the same plan).
@@ -425,6 +472,8 @@ class Trainer:
             "bytes_sent": moved,
             "move_s": move_s,
             "total_s": time.perf_counter() - started,
+            "step": self.step,
+            "unix_s": time.time(),
         }
         return self.last_switch
 
@@ -473,7 +522,7 @@ class Trainer:
                     recompute=stage.recompute,
                     loss_fn=self._loss_fn,
                     loss_scale=plan.microbatch_size / self.global_batch,
-                    input_dtype=self.dtype,
+                    precision=self.precision,
                     device=self.device,
                     slowdown=self.slowdown,
                     fwd_target_s=fwd_t,
@@ -515,6 +564,7 @@ class Trainer:
         self._apply_emulation()
         started = time.perf_counter()
         stats = None
+        step = True
         if self._runner is not None and self._role is not None:
             gi, _ = self._role
             m = self.plan.microbatch_size
@@ -523,6 +573,8 @@ class Trainer:
                 offset : offset + self.plan.groups[gi].samples
             ]
             buffers_before = self._snapshot_replica_buffers()
+            if self._scaler is not None:
+                self._runner.grad_scale = self._scaler.scale
             stats, loss = self._runner.run(
                 self._ops,
                 lambda k: self._collate(self.dataset, mine[k * m : (k + 1) * m], 0),
@@ -532,14 +584,25 @@ class Trainer:
             sync_started = time.perf_counter()
             self._sync_grads()
             stats.sync_s = time.perf_counter() - sync_started
-            for optim in [*self._optims.values(), *self._tie_optims.values()]:
-                if optim is not None:
+            if self._scaler is not None:
+                step = self._scaler.update(self._grads(), self.device)
+            for optim in self._all_optims():
+                if step:
                     optim.step()
-                    optim.zero_grad(set_to_none=True)
+                optim.zero_grad(set_to_none=True)
             self._reconcile_buffers(buffers_before)
+        elif self._scaler is not None:  # an idle rank still takes part in the overflow vote
+            self._scaler.update([], self.device)
         self.iteration += 1
         self.step += 1
         return stats, time.perf_counter() - started
+
+    def _all_optims(self) -> list[torch.optim.Optimizer]:
+        return [o for o in [*self._optims.values(), *self._tie_optims.values()] if o is not None]
+
+    def _grads(self) -> list[torch.Tensor]:
+        return [p.grad for o in self._all_optims() for group in o.param_groups
+                for p in group["params"] if p.grad is not None]
 
     def _apply_emulation(self) -> None:
         """EMULATED: take this rank's device speed from the emulation file, if it changed."""
@@ -606,30 +669,37 @@ class Trainer:
             dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)
 
     def train_epoch(self, max_iterations: int | None = None) -> dict[str, Any]:
-        """Run the rest of the current epoch (or ``max_iterations`` of it); report; advance."""
-        total = StageStats()
-        steps = 0
-        started = time.perf_counter()
+        """Run the rest of the current epoch (or ``max_iterations`` of it) on the current
+        plan, without polling; report one record; advance the epoch when it ended."""
+        slot = _Slot()
         while self.iteration < self.iterations_per_epoch:
-            if max_iterations is not None and steps >= max_iterations:
+            if max_iterations is not None and slot.steps >= max_iterations:
                 break
-            stats, _ = self.train_step()
-            steps += 1
-            if stats is not None:
-                total.add(stats)
-        wall = time.perf_counter() - started
-        record = self._record(total, steps, wall)
+            slot.add(self.train_step()[0])
+        return self._close(slot, "epoch" if self.iteration >= self.iterations_per_epoch
+                           else "iterations")
+
+    def _close(self, slot: _Slot, why: str) -> dict[str, Any]:
+        """Collective: the record of ``slot`` (loss summed over last stages, evaluation at an
+        epoch's end), reported; the epoch advances when it ended."""
+        wall = time.perf_counter() - slot.started
+        record = self._record(slot.total, slot.steps, wall)
+        record["closed_by"] = why
+        record["unix_s"] = time.time()
         ended = self.iteration >= self.iterations_per_epoch
         evaluated = self._evaluate() if ended and self.metric is not None else 0.0
         sums = torch.tensor([self._loss_sum, evaluated], dtype=torch.float64)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # last stages and group 0's last stage
         self._loss_sum = 0.0
-        record["loss"] = float(sums[0]) / steps if steps else None
+        record["loss"] = float(sums[0]) / slot.steps if slot.steps else None
         if ended and self.metric is not None:
             record["eval_metric"] = float(sums[1]) / len(self.eval_dataset)
         if ended:
             self.epoch += 1
             self.iteration = 0
+        if self._scaler is not None:
+            record["loss_scale"] = self._scaler.scale
+            record["skipped_steps"] = self._scaler.skipped
         if self.report_from_rank0:
             records: list[Any] = [None] * self.world
             dist.all_gather_object(records, record)
@@ -680,15 +750,53 @@ class Trainer:
             record["emulated_tflops"] = self.emulate_tflops
         return record
 
-    def fit(self, epochs: int) -> list[dict[str, Any]]:
-        """Train until ``epochs`` epochs are done, taking new plans at epoch boundaries."""
-        records = []
-        while self.epoch < epochs:
-            if self.iteration == 0 or self.plan is None:
-                self.poll_plan()
+    def fit(
+        self,
+        epochs: int,
+        *,
+        max_steps: int | None = None,
+        slot_iterations: int = 0,
+        slot_s: float = 0.0,
+        on_record: Callable[[dict[str, Any]], None] | None = None,
+    ) -> list[dict[str, Any]]:
+        """Train until ``epochs`` epochs (or ``max_steps`` optimizer steps in all) are done.
+
+        Before **every iteration** rank 0 polls the plan source and every rank takes
+        its answer, so a new plan runs from the next iteration on, mid-epoch, on the
+        same data position (no sample skipped or repeated). A record (reported, and
+        passed to ``on_record``) closes each slot: ``slot_iterations`` iterations,
+        ``slot_s`` seconds (rank 0's clock, broadcast), the end of an epoch, or a plan
+        switch (a record covers one plan); with neither setting a slot is an epoch.
+        """
+        if slot_iterations < 0 or slot_s < 0:
+            raise ValueError("slot_iterations and slot_s must be >= 0")
+        records: list[dict[str, Any]] = []
+
+        def close(slot: _Slot, why: str) -> None:
+            records.append(self._close(slot, why))
+            if on_record is not None:
+                on_record(records[-1])
+
+        slot: _Slot | None = None
+        while self.epoch < epochs and (max_steps is None or self.step < max_steps):
+            payload, timed_out = self._poll(slot_s, slot.started if slot else 0.0)
+            if slot is not None and slot.steps and (payload is not None or timed_out):
+                close(slot, "switch" if payload is not None else "seconds")
+                slot = None
+            self._take(payload)
             if self.plan is None:
-                raise RuntimeError("the plan source gave no plan")
-            records.append(self.train_epoch())
+                why = self.refused[-1][1] if self.refused else "the plan source gave no plan"
+                raise NoPlanError(why)
+            slot = slot or _Slot()
+            slot.add(self.train_step()[0])
+            if self.iteration >= self.iterations_per_epoch:
+                close(slot, "epoch")
+                slot = None
+            elif slot_iterations and slot.steps >= slot_iterations:
+                close(slot, "iterations")
+                slot = None
+        if slot is not None and slot.steps:
+            close(slot, "steps")
         return records
 
     # -- checkpoints ------------------------------------------------------------
@@ -728,6 +836,8 @@ class Trainer:
             "seed": self.seed,
             "plan": plan_to_dict(plan),
         }
+        if self._scaler is not None:
+            meta["loss_scaler"] = self._scaler.state_dict()
         self._ckpt_phase(root, lambda: ckpt.begin_save(root, step) if self.rank == 0 else None)
         self._ckpt_phase(root, write)
         self._ckpt_phase(root, lambda: ckpt.commit(root, step, meta, keep)
@@ -768,6 +878,8 @@ class Trainer:
             )
         self.epoch, self.iteration, self.step = meta["epoch"], meta["iteration"], meta["step"]
         self.version = meta["plan_version"]
+        if self._scaler is not None and "loss_scaler" in meta:
+            self._scaler.load_state_dict(meta["loss_scaler"])
         self._ckpt_dir = path
         if self.plan is None:
             self._held.clear()
