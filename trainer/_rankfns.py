@@ -136,3 +136,59 @@ def _eval_hook_run(rank: int, world: int, out: str) -> None:
         torch.save({"record": records[-1], "states": merged, "held_out": held_out,
                     "training": all(m.training for m in trainer.held_layers.values())},
                    Path(out) / "eval.pt")
+
+
+SWITCH_AT = 3
+"""Mid-epoch switch test: PLAN_A for steps 0-2, PLAN_B from step 3 (epochs of 4 iterations)."""
+
+
+def _midepoch_run(rank: int, world: int, out_dir: str, dtype: str) -> None:
+    """Slots of 2 iterations; PLAN_B appears at step 3, in the middle of epoch 0's slot 2."""
+    out = Path(out_dir)
+    trainer = Trainer(
+        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
+        _dataset(CFG["batch"] * 4, CFG["seed"]), global_batch=CFG["batch"],
+        device_id=f"local:{rank}", seed=CFG["seed"], dtype=getattr(torch, dtype),
+        plan_source=StaticPlanSource([plan_from_dict(PLAN_A), plan_from_dict(PLAN_B)],
+                                     at_step=[0, SWITCH_AT]),
+    )
+    records = trainer.fit(epochs=2, slot_iterations=2)
+    state = {layer: {k: v.detach().clone() for k, v in mod.state_dict().items()}
+             for layer, mod in trainer.held_layers.items()}
+    torch.save(state, out / f"state{rank}.pt")
+    (out / f"records{rank}.json").write_text(json.dumps(
+        {"records": records, "switch": trainer.last_switch,
+         "scale": trainer.loss_scaler.scale if trainer.loss_scaler else None}))
+
+
+def midepoch_reference(dtype: str) -> list[dict[str, torch.Tensor]]:
+    """One process: PLAN_A for SWITCH_AT steps, then PLAN_B to the end of epoch 1."""
+    from .reference import ReferenceRun, build_layers
+
+    mixed = dtype in ("bfloat16", "float16")
+    ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"],
+                                    torch.float32 if mixed else getattr(torch, dtype)),
+                       nn.functional.mse_loss, _adam, _dataset(CFG["batch"] * 4, CFG["seed"]),
+                       CFG["batch"], seed=CFG["seed"],
+                       dtype=torch.float32 if mixed else getattr(torch, dtype),
+                       compute_dtype=getattr(torch, dtype) if mixed else None)
+    for step in range(8):
+        ref.step(plan_from_dict(PLAN_A if step < SWITCH_AT else PLAN_B),
+                 scale=2.0**16 if dtype == "float16" else 1.0)
+    return ref.states()
+
+
+def _scaler_run(rank: int, world: int, out_dir: str) -> None:
+    """float16's loss scaler: an overflow on rank 1 alone makes every rank skip and back off."""
+    from .precision import LossScaler
+
+    scaler = LossScaler(init_scale=1024.0, growth_interval=2)
+    seen, unscaled = [], []
+    for step in range(4):
+        grad = torch.full((3,), 8.0)
+        if rank == 1 and step == 1:
+            grad[0] = float("inf")
+        seen.append((scaler.update([grad], torch.device("cpu")), scaler.scale))
+        unscaled.append(grad.tolist())
+    (Path(out_dir) / f"scaler{rank}.json").write_text(json.dumps(
+        {"seen": seen, "unscaled": unscaled, "skipped": scaler.skipped}))

@@ -67,7 +67,11 @@ class StageStats:
     emulated_s: float = 0.0
     """Sleep added by emulated slowdown (included in fwd_s/bwd_s)."""
     sync_s: float = 0.0
-    """Gradient all-reduce across groups."""
+    """Gradient all-reduce across groups: the part the iteration waited for."""
+    sync_bytes: float = 0.0
+    """Bytes of bucket gradients all-reduced."""
+    sync_early_bytes: float = 0.0
+    """Of those, launched while the backward still ran (overlapped)."""
     microbatches: int = 0
 
     def add(self, other: StageStats) -> None:
@@ -76,6 +80,8 @@ class StageStats:
         self.wait_s += other.wait_s
         self.emulated_s += other.emulated_s
         self.sync_s += other.sync_s
+        self.sync_bytes += other.sync_bytes
+        self.sync_early_bytes += other.sync_early_bytes
         self.microbatches += other.microbatches
 
 
@@ -162,8 +168,9 @@ class StageRunner:
         self.bwd_target_s = bwd_target_s
         self.grad_scale = 1.0
         """float16 loss scale (:class:`~hetpilot.trainer.precision.LossScaler`), set per iteration."""
-        self.before_last_backward: Callable[[], None] | None = None
-        """Called right before the iteration's last backward op (gradient sync overlap)."""
+        self.before_last_backward: Callable[[Sequence[torch.Tensor]], None] | None = None
+        """Called right before the iteration's last backward op with the tensors it starts
+        from (:meth:`hetpilot.trainer.gradsync.GradSync.arm`)."""
         self._contexts = [_restore_buffers(layer) if any(True for _ in layer.buffers())
                           else None for layer in self.layers]
         self._pin = device.type == "cuda"
@@ -268,7 +275,7 @@ class StageRunner:
                     grads = recv_grads(outs, self.next_rank, k)
                     stats.wait_s += time.perf_counter() - started
                 if i == last_bwd and self.before_last_backward is not None:
-                    self.before_last_backward()
+                    self.before_last_backward(outs)
                 began = clock.start()
                 if outs:
                     torch.autograd.backward(outs, grads)

@@ -60,18 +60,25 @@ class PlanSource(Protocol):
 
 
 class StaticPlanSource:
-    """Plan version i+1 is ``plans[i]``; version v becomes visible at epoch ``at_epoch[v-1]``."""
+    """Plan version i+1 is ``plans[i]``; version v becomes visible at epoch ``at_epoch[v-1]``
+    (default: version i+1 at epoch i), or at global step ``at_step[v-1]`` when given."""
 
-    def __init__(self, plans: Sequence[Plan], at_epoch: Sequence[int] | None = None) -> None:
+    def __init__(self, plans: Sequence[Plan], at_epoch: Sequence[int] | None = None,
+                 at_step: Sequence[int] | None = None) -> None:
         self._plans = list(plans)
         self._at = list(at_epoch) if at_epoch is not None else list(range(len(plans)))
+        self._at_step = list(at_step) if at_step is not None else None
         self.epoch = 0
         """Set by the caller (the trainer sets it before each poll)."""
+        self.step = 0
+        """Likewise: optimizer steps taken so far."""
 
     def poll(self, after_version: int) -> PlanVersion | None:
         best = None
         for i, plan in enumerate(self._plans):
-            if i + 1 > after_version and self._at[i] <= self.epoch:
+            due = (self._at_step[i] <= self.step if self._at_step is not None
+                   else self._at[i] <= self.epoch)
+            if i + 1 > after_version and due:
                 best = PlanVersion(i + 1, plan)
         return best
 

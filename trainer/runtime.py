@@ -54,6 +54,7 @@ from torch.utils.data import default_collate
 
 from hetpilot.emulation import EmulationFile, allreduce_s
 
+from .gradsync import Bucket, GradSync
 from .pipeline import StageRunner, StageStats
 from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, precision_for
@@ -128,6 +129,8 @@ class Trainer:
         emulate_file: str | Path | None = None,
         eval_dataset: Any = None,
         metric: Metric | None = None,
+        overlap_sync: bool = True,
+        bucket_cap_mb: float = 25.0,
     ) -> None:
         """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
         sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
@@ -153,6 +156,9 @@ class Trainer:
         the held-out set forward (layers in ``eval()`` mode, no gradients) and the epoch
         record's ``eval_metric`` is the sample-weighted mean of ``metric(output, target)``
         over its microbatches (``metric`` returns the mean over one microbatch).
+        ``overlap_sync``: all-reduce each chunk of at most ``bucket_cap_mb`` of gradients as
+        soon as the iteration's last backward has produced it (:mod:`hetpilot.trainer.gradsync`);
+        False syncs after the backward, bucket by bucket.
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
@@ -251,6 +257,9 @@ class Trainer:
         self._tie_groups: list[tuple[int, Any]] = []  # (tie, process group of its holders)
         self._loss_sum = 0.0
         """Sum of this rank's scaled microbatch losses since the last epoch record."""
+        self.overlap_sync = overlap_sync
+        self.bucket_cap_mb = bucket_cap_mb
+        self._gradsync: GradSync | None = None
         self._groups_made: list[Any] = []
         self.last_switch: dict[str, Any] = {}
 
@@ -384,6 +393,8 @@ class Trainer:
             if self.source is not None:
                 if hasattr(self.source, "epoch"):
                     self.source.epoch = self.epoch
+                if hasattr(self.source, "step"):
+                    self.source.step = self.step
                 # before the first plan (or after a resume) any version is taken
                 after = self.version if self.plan is not None else 0
                 found = self.source.poll(max(after, self._refused_version))
@@ -478,6 +489,9 @@ class Trainer:
         return self.last_switch
 
     def _rebuild(self, plan: Plan, orders: list[list[tuple[tuple[bool, int], ...]]]) -> None:
+        if self._gradsync is not None:
+            self._gradsync.close()
+            self._gradsync = None
         for pg in self._groups_made:
             dist.destroy_process_group(pg)
         self._groups_made, self._buckets, self._tie_groups = [], [], []
@@ -528,6 +542,14 @@ class Trainer:
                     fwd_target_s=fwd_t,
                     bwd_target_s=bwd_t,
                 )
+        if self._runner is not None:
+            self._gradsync = GradSync(
+                [Bucket(self._untied_params(first, end), pg, f"layers {first}-{end - 1}")
+                 for first, end, pg in self._buckets],
+                [(tie_param(self.ties[t], self._held), pg) for t, pg in self._tie_groups],
+                bucket_cap_mb=self.bucket_cap_mb, overlap=self.overlap_sync,
+                min_seconds=self._emulated_allreduce if self._emu is not None else None)
+            self._runner.before_last_backward = self._gradsync.arm
 
     def _targets(self, m: int, layers: tuple[int, int], recompute: bool) -> tuple[float, float]:
         """EMULATION (target-time): spec 5.1's F_j and B_j on a device of ``emulate_tflops``."""
@@ -581,9 +603,11 @@ class Trainer:
                 lambda k: self._collate(self.dataset, mine[k * m : (k + 1) * m], 1),
             )
             self._loss_sum += loss
-            sync_started = time.perf_counter()
-            self._sync_grads()
-            stats.sync_s = time.perf_counter() - sync_started
+            assert self._gradsync is not None
+            sync = self._gradsync.finish()
+            stats.sync_s = sync.exposed_s
+            stats.sync_bytes += sync.bucket_bytes
+            stats.sync_early_bytes += sync.launched_in_backward * sync.bucket_bytes
             if self._scaler is not None:
                 step = self._scaler.update(self._grads(), self.device)
             for optim in self._all_optims():
@@ -636,37 +660,12 @@ class Trainer:
             if saved:
                 reconcile_buffers([self._held[la] for la in range(first, end)], saved, share, pg)
 
-    def _sync_grads(self) -> None:
-        """Sum gradients over groups (one all-reduce per bucket, layer order), then each tied
-        parameter's over its holders; every rank runs them in this one global order."""
-        for first, end, pg in self._buckets:
-            params = self._untied_params(first, end)
-            if not params:
-                continue
-            started = time.perf_counter()
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
-            pos = 0
-            for p in params:
-                assert p.grad is not None
-                n = p.numel()
-                p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
-                pos += n
-            if self._emu is not None:  # EMULATED links: spec 5.3's all-reduce time
-                hosts = [self.device_ids[r].rpartition(":")[0] for r in self._owners[first]]
-                target = allreduce_s(flat.numel() * flat.element_size(), hosts,
-                                     self._emu.state())
-                left = (target or 0.0) - (time.perf_counter() - started)
-                if left > 0:
-                    time.sleep(left)
-        for t, pg in self._tie_groups:
-            param = tie_param(self.ties[t], self._held)
-            if param.grad is None:
-                param.grad = torch.zeros_like(param)
-            dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)
+    def _emulated_allreduce(self, bucket: int, nbytes: int) -> float | None:
+        """EMULATED links: spec 5.3's all-reduce time of ``nbytes`` over a bucket's hosts."""
+        assert self._emu is not None
+        first = self._buckets[bucket][0]
+        hosts = [self.device_ids[r].rpartition(":")[0] for r in self._owners[first]]
+        return allreduce_s(nbytes, hosts, self._emu.state())
 
     def train_epoch(self, max_iterations: int | None = None) -> dict[str, Any]:
         """Run the rest of the current epoch (or ``max_iterations`` of it) on the current
@@ -741,6 +740,8 @@ class Trainer:
             "bwd_s": total.bwd_s / per_mb,
             "transfer_wait_s": total.wait_s / max(steps, 1),
             "sync_s": total.sync_s / max(steps, 1),
+            "sync_overlap": total.sync_early_bytes / total.sync_bytes if total.sync_bytes
+            else None,
             "iteration_s": wall / max(steps, 1),
             "samples_per_s": self.global_batch * steps / wall if wall > 0 else 0.0,
         }

@@ -1,0 +1,65 @@
+"""Mixed precision: the dtype rules, float16's loss scaler agreed by every rank, memory in the
+profile following the dtype, and train-check's two comparisons."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hetpilot.trainer._rankfns import _scaler_run
+from hetpilot.trainer.check import MIXED_TOLERANCE, SAME_PRECISION_TOLERANCE, run_check
+from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.precision import precision_for
+
+
+def test_dtype_names_mean_a_cast_or_mixed_precision() -> None:
+    assert precision_for(None).param_dtype is None and not precision_for(None).mixed
+    plain = precision_for(torch.float64)
+    assert (plain.param_dtype, plain.compute_dtype) == (torch.float64, None)
+    for low in (torch.bfloat16, torch.float16):
+        mixed = precision_for(low)
+        assert (mixed.param_dtype, mixed.compute_dtype) == (torch.float32, low)
+        assert mixed.wire(torch.ones(2)).dtype == low
+        assert mixed.wire(torch.ones(2, dtype=torch.long)).dtype == torch.long
+    assert precision_for(torch.float16).scaled and not precision_for(torch.bfloat16).scaled
+    with pytest.raises(ValueError, match="floating"):
+        precision_for(torch.int32)
+
+
+def test_loss_scaler_skips_on_every_rank_when_one_overflows(tmp_path: Path) -> None:
+    spawn(_scaler_run, 2, (str(tmp_path),), timeout_s=60)
+    runs = [json.loads((tmp_path / f"scaler{r}.json").read_text()) for r in range(2)]
+    assert runs[0]["seen"] == runs[1]["seen"]  # the same decisions and scales everywhere
+    # step 0 clean; step 1 overflow on rank 1 only -> skip, halve; 2 clean steps -> double
+    assert runs[0]["seen"] == [[True, 1024.0], [False, 512.0], [True, 512.0], [True, 1024.0]]
+    assert runs[0]["skipped"] == 1
+    assert runs[0]["unscaled"][0] == [8.0 / 1024.0] * 3  # a taken step unscales in place
+    assert runs[0]["unscaled"][1] == [8.0] * 3  # a skipped one leaves the gradient alone
+
+
+def test_profile_memory_follows_the_dtype() -> None:
+    from hetpilot.trainer.examples import gpt
+    from hetpilot.trainer.profile import profile_model
+
+    spec = gpt()
+    full = profile_model(spec["layers"], spec["sample"])
+    half = profile_model(spec["layers"], spec["sample"], dtype=torch.bfloat16)
+    double = profile_model(spec["layers"], spec["sample"], dtype=torch.float64)
+    for f, h, d in zip(full["layers"], half["layers"], double["layers"], strict=True):
+        assert h["param_mb"] == pytest.approx(f["param_mb"])  # float32 master weights
+        assert d["param_mb"] == pytest.approx(2 * f["param_mb"])
+        assert h["out_mb"] == pytest.approx(f["out_mb"] / 2)  # what crosses a cut
+        assert h["act_mb"] <= f["act_mb"]  # the embedding saves its integer ids either way
+        assert h["fwd_gflop"] == pytest.approx(f["fwd_gflop"])
+    assert sum(h["act_mb"] for h in half["layers"]) < 0.7 * sum(f["act_mb"] for f in full["layers"])
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_train_check_mixed_precision_on_a_tied_gpt(dtype: str) -> None:
+    worst = run_check(2, job="hetpilot.trainer.examples:gpt", dtype=dtype, log=lambda _: None)
+    same, f32 = worst[f"{dtype} in one process"], worst["float32 in one process"]
+    assert same.value <= SAME_PRECISION_TOLERANCE, same.where
+    assert f32.value <= MIXED_TOLERANCE[dtype], f32.where
+    assert f32.value > 1e-6  # it did compute in the low dtype
