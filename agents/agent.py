@@ -60,7 +60,8 @@ class Agent:
             devices=[agent_pb2.DeviceInfo(
                 index=d.index, name=d.name, kind=_KIND[d.kind], tflops=d.tflops,
                 memory_gb=d.memory_total_gb, price_per_hour=d.price_per_hour,
-                power_watts=d.power_watts, emulated=d.emulated) for d in self.devices])
+                power_watts=d.power_watts, emulated=d.emulated, probe_dtype=d.probe_dtype,
+                probe_shape=d.probe_shape) for d in self.devices])
 
     def report(self) -> agent_pb2.AgentReport:
         self._seq += 1
@@ -82,7 +83,8 @@ class Agent:
                 index=d.index, tflops=tflops[d.index], memory_total_gb=d.memory_total_gb,
                 memory_free_gb=d.memory_free_gb, utilization=d.utilization,
                 colocated_processes=d.colocated_processes, colocated_load=d.colocated_load,
-                emulated=d.emulated) for d in self.devices],
+                emulated=d.emulated, probe_dtype=d.probe_dtype, probe_shape=d.probe_shape)
+                for d in self.devices],
             links=[agent_pb2.LinkReport(peer_host=h, gbps=g, rtt_us=r)
                    for h, (g, r) in sorted(links.items())])
 

@@ -3,7 +3,12 @@
 Order: declared emulated devices (``--emulate``) when given; else CUDA devices
 through torch (imported lazily, only here) with NVML for utilisation and
 co-located processes when pynvml is installed; else the CPU as one device.
-Speed is a short matmul probe: numpy on the CPU, torch.cuda on a GPU.
+Speed is a short matmul probe: numpy on the CPU, torch.cuda on a GPU. Each
+device says what its probe ran (``probe_dtype``, ``probe_shape`` as
+"m x k x n"), because a probe's TFLOP/s means little without them: an H100's
+4096^3 bfloat16 matmul runs 10x faster than a float32 GPT-2 layer. The daemon
+plans with the job's own measured layer times where the trainer sends them
+(:mod:`hetpilot.daemon.measured`); the probe ranks devices until then.
 
 No GPU exists on the machines this was written on: the CUDA and NVML paths
 are untested there and written to the torch / NVML documentation.
@@ -22,7 +27,17 @@ import numpy as np
 from .config import AgentConfig
 from .cpustat import CpuMeter
 
-__all__ = ["DeviceState", "cpu_matmul_tflops", "discover", "refresh"]
+__all__ = ["CPU_PROBE_N", "CUDA_PROBE_N", "DeviceState", "cpu_matmul_tflops", "discover",
+           "refresh"]
+
+CPU_PROBE_N = 384
+"""Side of the CPU probe's square float32 matmul."""
+CUDA_PROBE_N = 4096
+"""Side of the CUDA probe's square matmul (bfloat16 where supported, else float16)."""
+
+
+def _shape(n: int) -> str:
+    return f"{n}x{n}x{n}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,13 +54,17 @@ class DeviceState:
     colocated_load: float = 0.0
     price_per_hour: float = 0.0
     power_watts: float = 0.0
+    probe_dtype: str = ""
+    """The dtype of the matmul probe behind ``tflops`` (empty: declared, emulated)."""
+    probe_shape: str = ""
+    """Its shape, "m x k x n" as "4096x4096x4096"."""
 
     @property
     def emulated(self) -> bool:
         return self.kind == "emulated"
 
 
-def cpu_matmul_tflops(n: int = 384, seconds: float = 0.2) -> float:
+def cpu_matmul_tflops(n: int = CPU_PROBE_N, seconds: float = 0.2) -> float:
     """Sustained float32 TFLOP/s of numpy matmul on this CPU."""
     rng = np.random.default_rng(0)
     a = rng.standard_normal((n, n), dtype=np.float32)
@@ -85,17 +104,24 @@ def _cuda_devices(config: AgentConfig) -> list[DeviceState]:
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         free, total = torch.cuda.mem_get_info(i)
+        dtype = _cuda_probe_dtype(torch)
         out.append(DeviceState(index=str(i), name=props.name, kind="cuda",
-                               tflops=_cuda_matmul_tflops(torch, i),
+                               tflops=_cuda_matmul_tflops(torch, i, dtype),
                                memory_total_gb=total / 1e9, memory_free_gb=free / 1e9,
                                price_per_hour=config.price_per_hour,
-                               power_watts=config.power_watts))
+                               power_watts=config.power_watts,
+                               probe_dtype=str(dtype).removeprefix("torch."),
+                               probe_shape=_shape(CUDA_PROBE_N)))
     return out
 
 
-def _cuda_matmul_tflops(torch: Any, index: int, n: int = 4096, seconds: float = 0.5) -> float:
+def _cuda_probe_dtype(torch: Any) -> Any:
+    return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+
+
+def _cuda_matmul_tflops(torch: Any, index: int, dtype: Any, n: int = CUDA_PROBE_N,
+                        seconds: float = 0.5) -> float:
     dev = torch.device("cuda", index)
-    dtype = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     a = torch.randn(n, n, device=dev, dtype=dtype)
     b = torch.randn(n, n, device=dev, dtype=dtype)
     torch.cuda.synchronize(dev)
@@ -137,7 +163,8 @@ def _cpu_device(config: AgentConfig, meter: CpuMeter) -> DeviceState:
     total, free = _meminfo()
     d = DeviceState(index="0", name=f"cpu x{os.cpu_count() or 1}", kind="cpu",
                     tflops=cpu_matmul_tflops(), memory_total_gb=total, memory_free_gb=free,
-                    price_per_hour=config.price_per_hour, power_watts=config.power_watts)
+                    price_per_hour=config.price_per_hour, power_watts=config.power_watts,
+                    probe_dtype="float32", probe_shape=_shape(CPU_PROBE_N))
     return _with_load(d, meter)
 
 

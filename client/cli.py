@@ -51,7 +51,7 @@ EXIT = {
 _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
           job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
 _JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
-             "schedule", "budgets", "V", "slot_s", "allowed_hosts"}
+             "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts"}
 
 
 class InputError(ValueError):
@@ -116,6 +116,10 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
             if key in data and (isinstance(data[key], bool)
                                 or not isinstance(data[key], (int, float)) or data[key] < 0):
                 raise InputError(f"{path}.{key}: must be a number >= 0, got {data[key]!r}")
+        value = data.get("slot_iterations", 0)
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
+            raise InputError(f"{path}.slot_iterations: must be an integer in [0, 2^32) "
+                             f"(0: slots of slot_s seconds), got {value!r}")
     except ValidationError as exc:
         raise InputError(str(exc)) from None
     try:
@@ -128,6 +132,7 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
             else [] if sched == "any" else list(sched),
             budgets={str(k): float(v) for k, v in data.get("budgets", {}).items()},
             v=float(data.get("V", 0.0)), slot_s=float(data.get("slot_s", 0.0)),
+            slot_iterations=int(data.get("slot_iterations", 0)),
             allowed_hosts=[str(h) for h in data.get("allowed_hosts", [])],
             request_id=uuid.uuid4().hex)
     except KeyError as exc:
@@ -251,7 +256,9 @@ def _print_job(j: job_pb2.JobInfo) -> None:
     rows = [("name", j.name), ("owner", j.owner), ("state", _STATE.get(j.state, "?")),
             ("model", j.model_name or ("(profile on attach)" if j.profile_on_attach else "-")),
             ("batch / microbatch", f"{j.global_batch} / {j.microbatch_size}"),
-            ("V", f"{j.v:g}"), ("slot", f"{j.slot} x {j.slot_s:g} s"),
+            ("V", f"{j.v:g}"),
+            ("slot", f"{j.slot} x {j.slot_iterations} iterations (or {j.slot_s:g} s without "
+                     "reports)" if j.slot_iterations else f"{j.slot} x {j.slot_s:g} s"),
             ("plan version", str(j.plan_version)),
             ("iteration", f"{j.iteration_s:.4f} s"),
             ("loss", _fmt_loss(j)),

@@ -11,6 +11,19 @@ transaction in a worker thread; the event loop only awaits.
 A loop never dies of an error: a slot that fails (a solver error, the store
 full, a bug) is logged, shown in the job's warnings, and retried with
 exponential back-off from the controller state last stored.
+
+Slots come every ``slot_s`` seconds, or, for a job with ``slot_iterations = N``,
+each time the trainer's reported iteration (``StageTimingsReport.iteration``,
+the highest any rank reported) has advanced by N since the last slot: a slot is
+then an amount of training, not of wall-clock time, however fast the plan runs.
+While no report comes for ``slot_s`` (no trainer yet, or it stopped) such a job
+falls back to time, so it still gets its first plan and re-plans when devices
+come and go. A reported iteration below the one the last slot saw (the trainer
+restarted from scratch) starts the count again from it. A failing slot retries
+on its back-off, not on iterations.
+
+Each slot plans on the cluster and model the trainer measured when it did
+(:meth:`ControlPlane.planning_inputs`, :mod:`hetpilot.daemon.measured`).
 """
 
 from __future__ import annotations
@@ -73,6 +86,14 @@ class JobLoop:
         self._budgets: tuple[dict[str, float], float] | None = None
         self.failures = 0
         """Consecutive failed slots; 0 while the loop is healthy."""
+        self._slot_iterations = 0
+        """The job's slot_iterations as the last slot read it (0: slots by time)."""
+        self._reported = -1
+        """The highest iteration the trainer reported (-1: none since the loop started)."""
+        self._slot_iteration = -1
+        """``_reported`` when the last slot ran."""
+        self._reported_at = 0.0
+        self._forced = False
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
@@ -84,7 +105,23 @@ class JobLoop:
                 await self._task
 
     def wake(self) -> None:
+        """Run a slot now (the job's model arrived)."""
+        self._forced = True
         self._wake.set()
+
+    def note_iteration(self, iteration: int) -> None:
+        """The trainer reported ``iteration``: with slots in iterations, a slot is due
+        once it is ``slot_iterations`` past the last slot's."""
+        self._reported_at = time.monotonic()
+        if iteration < self._slot_iteration:  # the trainer started over: count from here
+            self._slot_iteration = self._reported = iteration
+        else:
+            self._reported = max(self._reported, iteration)
+        if self._slot_iterations and self._iterations_due():
+            self._wake.set()
+
+    def _iterations_due(self) -> bool:
+        return self._reported - max(self._slot_iteration, 0) >= self._slot_iterations
 
     def set_budgets(self, budgets: Mapping[str, float], V: float) -> None:
         """Sent with the next step to the controller in the planning process."""
@@ -95,10 +132,25 @@ class JobLoop:
             await asyncio.wait_for(self._wake.wait(), timeout=seconds)
         self._wake.clear()
 
+    async def _until_due(self, slot_s: float) -> None:
+        """Slots in iterations: wait until the trainer has reported ``slot_iterations``
+        more iterations, or ``slot_s`` has passed since the later of the last slot and
+        the last report, or :meth:`wake`."""
+        started = time.monotonic()
+        while not (self._forced or self._iterations_due()):
+            left = max(started, self._reported_at) + slot_s - time.monotonic()
+            if left <= 0:
+                return
+            await self._sleep(left)
+
     async def _run(self) -> None:
         try:
             while (delay := await self._iteration()) is not None:
-                await self._sleep(delay)
+                if self._slot_iterations and not self.failures:
+                    await self._until_due(delay)
+                else:
+                    await self._sleep(delay)
+                self._forced = False
         finally:
             self.plane.planner.forget(self.job_id)
             self.plane.loop_done(self.job_id, self)
@@ -111,7 +163,9 @@ class JobLoop:
             if rec is None or rec.state == JOB_CANCELLED:
                 return None
             slot_s = rec.slot_s
+            self._slot_iterations = rec.slot_iterations
             if rec.model_json:  # else: waiting for the trainer's profile
+                self._slot_iteration = self._reported
                 await self._slot(rec)
         except asyncio.CancelledError:
             raise
@@ -136,7 +190,7 @@ class JobLoop:
 
     async def _slot(self, rec: JobRecord) -> None:
         plane = self.plane
-        cluster = plane.observed_cluster(rec.allowed_hosts)  # live tables: on the loop
+        cluster, rec = await plane.planning_inputs(rec)
         status, state = await asyncio.to_thread(plane.store.job_status, self.job_id)
         if not cluster.devices:
             await self._keep(status, state, "no devices are up")

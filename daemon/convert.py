@@ -28,7 +28,9 @@ from .records import (
     JobProgress,
     JobRecord,
     JobStatus,
+    LayerTime,
     LinkReport,
+    MeasurementRecord,
     PlanRecord,
     StageTiming,
     TimingsRecord,
@@ -39,6 +41,7 @@ __all__ = [
     "MAX_ITEMS",
     "agent_from_proto",
     "attach_from_proto",
+    "attach_response",
     "budgets_from_proto",
     "job_to_proto",
     "metric",
@@ -57,6 +60,10 @@ MAX_ITEMS = 1024
 """Links per report, allowed hosts per job, stages per timing report."""
 MAX_MODEL_CHARS = 2_000_000
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,127}")
+_LABEL = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:\-]{0,63}")
+"""A probe dtype or shape, a measured dtype: "float32", "4096x4096x4096"; may be empty."""
+MAX_LAYER_S = 86400.0
+"""Seconds one layer of one microbatch may take in a measurement."""
 MAX_VERSION = 2**63 - 1
 """Plan versions are stored as SQLite integers (signed 64 bits)."""
 _KINDS = {common_pb2.DEVICE_KIND_CPU: "cpu", common_pb2.DEVICE_KIND_CUDA: "cuda",
@@ -73,6 +80,14 @@ def name(value: str, field: str) -> str:
     if not _NAME.fullmatch(value):
         raise ValidationError(field, f"must match {_NAME.pattern}, got {value[:40]!r}"
                                      f"{' (cut)' if len(value) > 40 else ''}")
+    return value
+
+
+def label(value: str, field: str) -> str:
+    """An optional short label (a dtype, a shape): empty, or printable without spaces."""
+    if value and not _LABEL.fullmatch(value):
+        raise ValidationError(field, f"must match {_LABEL.pattern} or be empty, got "
+                                     f"{value[:40]!r}{' (cut)' if len(value) > 40 else ''}")
     return value
 
 
@@ -141,7 +156,7 @@ def submit_from_proto(req: job_pb2.SubmitJobRequest) -> JobRecord:
         allowed_hosts=tuple(name(h, f"allowed_hosts[{i}]")
                             for i, h in enumerate(req.allowed_hosts)),
         model_json=req.model_json, profile_on_attach=req.profile_on_attach,
-        request_id=req.request_id)
+        request_id=req.request_id, slot_iterations=req.slot_iterations)
 
 
 def _model_name(model_json: str) -> str:
@@ -161,6 +176,7 @@ def job_to_proto(rec: JobRecord, status: JobStatus, emulated: Iterable[str] = ()
         job_id=rec.job_id, owner=rec.owner, name=rec.name, state=_STATES[rec.state],
         global_batch=rec.global_batch, microbatch_size=rec.microbatch_size,
         schedules=list(rec.schedules), budgets=dict(rec.budgets), v=rec.V, slot_s=rec.slot_s,
+        slot_iterations=rec.slot_iterations,
         allowed_hosts=list(rec.allowed_hosts), profile_on_attach=rec.profile_on_attach,
         model_name=_model_name(rec.model_json), slot=status.slot,
         plan_version=status.plan_version, iteration_s=status.iteration_s,
@@ -215,7 +231,8 @@ def agent_from_proto(req: agent_pb2.RegisterRequest) -> AgentRecord:
             memory_gb=number(d.memory_gb, f"{f}.memory_gb", positive=True, maximum=1e6),
             price_per_hour=number(d.price_per_hour, f"{f}.price_per_hour", maximum=1e6),
             power_watts=number(d.power_watts, f"{f}.power_watts", maximum=1e7),
-            emulated=d.emulated))
+            emulated=d.emulated, probe_dtype=label(d.probe_dtype, f"{f}.probe_dtype"),
+            probe_shape=label(d.probe_shape, f"{f}.probe_shape")))
     return AgentRecord(host=host, probe_address=req.probe_address, devices=tuple(devices))
 
 
@@ -234,7 +251,8 @@ def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
             utilization=fraction(d.utilization, f"{f}.utilization"),
             colocated_processes=d.colocated_processes,
             colocated_load=fraction(d.colocated_load, f"{f}.colocated_load"),
-            emulated=d.emulated))
+            emulated=d.emulated, probe_dtype=label(d.probe_dtype, f"{f}.probe_dtype"),
+            probe_shape=label(d.probe_shape, f"{f}.probe_shape")))
     links = []
     for i, link in enumerate(req.links):
         f = f"links[{i}]"
@@ -255,11 +273,44 @@ def device_kind_enum(kind: str) -> int:
 
 # -- trainers --------------------------------------------------------------
 
-def attach_from_proto(req: trainer_pb2.AttachRequest) -> tuple[str, int, str, str]:
+def attach_from_proto(req: trainer_pb2.AttachRequest, unix_ms: int = 0
+                      ) -> tuple[str, int, str, str, MeasurementRecord | None]:
+    """(job id, rank, device id, model JSON, the rank's measurement or None). Layer
+    indices are checked against the model by the handler (it knows the model)."""
     if len(req.model_json) > MAX_MODEL_CHARS:
         raise TooLarge(f"model_json: at most {MAX_MODEL_CHARS} characters")
-    return (name(req.job_id, "job_id"), req.rank, name(req.device_id, "device_id"),
-            req.model_json)
+    job_id, device = name(req.job_id, "job_id"), name(req.device_id, "device_id")
+    return job_id, req.rank, device, req.model_json, measurement_from_proto(
+        req, job_id, device, unix_ms)
+
+
+def measurement_from_proto(req: trainer_pb2.AttachRequest, job_id: str, device_id: str,
+                           unix_ms: int) -> MeasurementRecord | None:
+    count(req.layer_times, "layer_times")
+    dtype = label(req.measured_dtype, "measured_dtype")
+    if not req.layer_times:
+        return None
+    if req.measured_microbatch < 1:
+        raise ValidationError("measured_microbatch", "must be >= 1 when layer_times are given")
+    layers = []
+    seen: set[int] = set()
+    for i, t in enumerate(req.layer_times):
+        f = f"layer_times[{i}]"
+        if t.layer in seen:
+            raise ValidationError(f"{f}.layer", f"duplicate layer {t.layer}")
+        seen.add(t.layer)
+        layers.append(LayerTime(layer=t.layer,
+                                fwd_s=number(t.fwd_s, f"{f}.fwd_s", maximum=MAX_LAYER_S),
+                                bwd_s=number(t.bwd_s, f"{f}.bwd_s", maximum=MAX_LAYER_S)))
+    return MeasurementRecord(job_id=job_id, device_id=device_id, rank=req.rank,
+                             microbatch=req.measured_microbatch, dtype=dtype,
+                             layers=tuple(layers), unix_ms=unix_ms)
+
+
+def attach_response(plan: PlanRecord | None, job: JobRecord) -> trainer_pb2.AttachResponse:
+    return trainer_pb2.AttachResponse(
+        plan=plan_to_proto(plan) if plan else common_pb2.PlanVersion(),
+        slot_iterations=job.slot_iterations, slot_s=job.slot_s)
 
 
 def metric(req: trainer_pb2.StageTimingsReport,

@@ -24,6 +24,7 @@ from hetpilot.planner.types import Cluster, Device, Job, Link, Model, Network
 
 from .config import DaemonConfig
 from .errors import FailedPrecondition, NotFound
+from .measured import Measured, fit_job
 from .metrics import Metrics
 from .planning import PlannerProcess
 from .records import (
@@ -32,12 +33,17 @@ from .records import (
     JOB_RUNNING,
     AgentRecord,
     AgentReport,
+    DeviceInfo,
+    DeviceReport,
     JobRecord,
     JobView,
+    MeasurementRecord,
     PlanRecord,
     TimingsRecord,
 )
 from .store import Store
+
+log = logging.getLogger("hetpilot.daemon")
 
 __all__ = ["MAX_LAYERS", "MAX_MICROBATCHES", "MIN_SLOT_S", "PEERS_PER_AGENT", "ControlPlane",
            "check_batch", "parse_model", "to_job"]
@@ -128,6 +134,11 @@ class ControlPlane:
         self._loop_errors: dict[str, str] = {}
         self._stopping = False
         self._queues: dict[str, dict[str, float]] = {}
+        # layer times measured by the trainers, by job and device (loaded lazily), a
+        # counter bumped by each new one, and each job's last fit with its key
+        self._measurements: dict[str, dict[str, MeasurementRecord]] = {}
+        self._measure_epoch: dict[str, int] = {}
+        self._fits: dict[str, tuple[tuple[int, int], Measured | None]] = {}
         self.planner = PlannerProcess(config.planner_memory_mb)
         self.metrics.agents_up.set(len(self._up))
 
@@ -173,6 +184,8 @@ class ControlPlane:
     def loop_done(self, job_id: str, loop: Any) -> None:
         if self._loops.get(job_id) is loop:
             del self._loops[job_id]
+        for cache in (self._measurements, self._measure_epoch, self._fits, self._models):
+            cache.pop(job_id, None)  # the store keeps the measurements
         self._loop_errors.pop(job_id, None)
         self.set_queues(job_id, {})
         self.metrics.jobs.set(len(self._loops))
@@ -399,17 +412,7 @@ class ControlPlane:
             report = self._reports.get(host)
             measured = {d.index: d for d in report.devices} if report else {}
             for d in agent.devices:
-                m = measured.get(d.index)
-                tflops = m.tflops if m is not None and m.tflops > 0 else d.tflops
-                predicted = None
-                if m is not None and not d.emulated:  # plan with predicted speeds
-                    predicted = self.adapter.predict_tflops(
-                        f"{host}:{d.index}", self.adapter.interference(host, m, d.tflops),
-                        d.tflops)
-                if predicted is not None:
-                    tflops = predicted
-                elif m is not None and 0 < m.colocated_load < 1 and not d.emulated:
-                    tflops *= 1.0 - m.colocated_load
+                tflops = self._speed(host, d, measured.get(d.index))
                 if tflops <= 0 or d.memory_gb <= 0:
                     continue
                 devices.append(Device(id=f"{host}:{d.index}", host=host, tflops=tflops,
@@ -428,25 +431,125 @@ class ControlPlane:
                           latency_us=self.config.latency_us, host_links=tuple(links))
         return Cluster(devices=tuple(devices), network=network)
 
+    def _speed(self, host: str, d: DeviceInfo, m: DeviceReport | None) -> float:
+        """The TFLOP/s the agents' view gives a device now: the latest probe (or the
+        registered speed), over the estimator's predicted slowdown when it has one, else
+        times ``1 - colocated_load``; emulated devices as reported."""
+        tflops = m.tflops if m is not None and m.tflops > 0 else d.tflops
+        predicted = None
+        if m is not None and not d.emulated:  # plan with predicted speeds
+            predicted = self.adapter.predict_tflops(
+                f"{host}:{d.index}", self.adapter.interference(host, m, d.tflops), d.tflops)
+        if predicted is not None:
+            return predicted
+        if m is not None and 0 < m.colocated_load < 1 and not d.emulated:
+            tflops *= 1.0 - m.colocated_load
+        return tflops
+
+    def device_speed(self, device_id: str) -> float:
+        """What :meth:`observed_cluster` would give ``device_id`` now; 0 when no registered
+        agent has it."""
+        host, _, index = device_id.rpartition(":")
+        agent = self._agents.get(host)
+        info = next((d for d in agent.devices if d.index == index), None) if agent else None
+        if info is None:
+            return 0.0
+        report = self._reports.get(host)
+        m = next((d for d in report.devices if d.index == index), None) if report else None
+        return max(0.0, self._speed(host, info, m))
+
     # -- trainers -----------------------------------------------------------
 
-    def attach(self, job_id: str, rank: int, device_id: str,
-               model_json: str) -> PlanRecord | None:
+    def attach(self, job_id: str, rank: int, device_id: str, model_json: str,
+               measured: MeasurementRecord | None = None) -> tuple[PlanRecord | None, JobRecord]:
+        """Attach a rank: the latest plan (None before the first) and the job. Everything is
+        checked before anything is stored: a refused attach changes nothing."""
         rec = self._own(None, job_id)
         if rec.state == JOB_CANCELLED:
             raise FailedPrecondition(f"job {job_id} is cancelled")
+        new_model = None
         if model_json and not rec.model_json:
             if not rec.profile_on_attach:
                 raise FailedPrecondition(f"job {job_id} already has a model profile")
-            parse_model(model_json)
+            new_model = parse_model(model_json)
+        model = new_model or (self._model(rec) if rec.model_json else None)
+        if measured is not None and model is not None:
+            for i, t in enumerate(measured.layers):
+                if t.layer >= model.num_layers:
+                    raise ValidationError(f"layer_times[{i}].layer",
+                                          f"must be < {model.num_layers} (the model's layers), "
+                                          f"got {t.layer}")
+        elif measured is not None:  # no model yet: the fit ignores layers beyond it
+            for i, t in enumerate(measured.layers):
+                if t.layer >= MAX_LAYERS:
+                    raise ValidationError(f"layer_times[{i}].layer",
+                                          f"must be < {MAX_LAYERS}, got {t.layer}")
+        if new_model is not None:
             rec = rec.with_changes(model_json=model_json, state=JOB_RUNNING)
             self.store.update_job(rec)
+            self._models[job_id] = new_model
             loop = self._loops.get(job_id)
             if loop is not None:
                 loop.wake()
+        if measured is not None:
+            measured = replace(measured, ref_tflops=self.device_speed(device_id))
+            self._job_measurements(job_id)  # loaded before the new one joins them
+            self.store.put_measurement(measured)
+            self._measurements[job_id][device_id] = measured
+            self._measure_epoch[job_id] = self._measure_epoch.get(job_id, 0) + 1
         self._attached[(job_id, rank)] = device_id
         plans = self.store.plans(job_id, max(0, self.store.job_status(job_id)[0].plan_version - 1))
-        return plans[-1] if plans else None
+        return (plans[-1] if plans else None), rec
+
+    def _model(self, rec: JobRecord) -> Model:
+        """The job's profiled model, parsed once."""
+        model = self._models.get(rec.job_id)
+        if model is None:
+            model = self._models[rec.job_id] = parse_model(rec.model_json)
+        return model
+
+    def _job_measurements(self, job_id: str) -> dict[str, MeasurementRecord]:
+        """The job's measurements by device, read from the store on first use."""
+        found = self._measurements.get(job_id)
+        if found is None:
+            found = self._measurements[job_id] = {
+                m.device_id: m for m in self.store.measurements(job_id)}
+        return found
+
+    async def measured(self, rec: JobRecord) -> Measured | None:
+        """The fit of the job's measurements (:mod:`hetpilot.daemon.measured`), redone
+        in a worker thread only when a measurement or the model changed since the last."""
+        if not rec.model_json:
+            return None
+        records = self._measurements.get(rec.job_id)
+        if records is None:
+            loaded = await asyncio.to_thread(self.store.measurements, rec.job_id)
+            records = self._measurements.setdefault(rec.job_id,
+                                                    {m.device_id: m for m in loaded})
+        if not records:
+            return None
+        key = (self._measure_epoch.get(rec.job_id, 0), len(rec.model_json))
+        cached = self._fits.get(rec.job_id)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        model = self._model(rec)
+        result = await asyncio.to_thread(fit_job, model, list(records.values()))
+        self._fits[rec.job_id] = (key, result)
+        if result is not None:
+            log.info("job %s: planning with speeds measured on %d device(s) (%s, fit "
+                     "error %.1f%%): %s", rec.job_id, len(result.fit.tflops), result.dtype,
+                     100 * result.fit.rms_log_error,
+                     ", ".join(f"{d} {t:.3g} TF" for d, t in sorted(result.fit.tflops.items())))
+        return result
+
+    async def planning_inputs(self, rec: JobRecord) -> tuple[Cluster, JobRecord]:
+        """The cluster and job record one slot of ``rec`` plans with: the observed cluster,
+        and when the job's trainer measured, its fitted speeds and model."""
+        cluster = self.observed_cluster(rec.allowed_hosts)  # live tables: on the loop
+        measured = await self.measured(rec)
+        if measured is None:
+            return cluster, rec
+        return measured.apply(cluster), rec.with_changes(model_json=measured.model_json)
 
     def stage_timings(self, timings: TimingsRecord) -> None:
         """Keep a rank's stage timings and, when they carry a loss or an eval metric, the
@@ -455,18 +558,27 @@ class ControlPlane:
         current = self.store.progress(timings.job_id)
         progress = current.updated(timings)  # `current` itself when nothing changed
         self.store.put_timings(timings, None if progress is current else progress)
+        loop = self._loops.get(timings.job_id)
+        if loop is not None:
+            loop.note_iteration(timings.iteration)
         try:
             self._learn(rec, timings)
         except Exception:  # learning must never fail the trainer's report
             logging.getLogger("hetpilot.daemon").exception("estimator: timings not learnt")
 
     def _learn(self, rec: JobRecord, timings: TimingsRecord) -> None:
-        """Stage timings -> slowdown samples for the estimator (hetpilot.adapt.online)."""
+        """Stage timings -> slowdown samples for the estimator (hetpilot.adapt.online).
+
+        With measured layer times the stage's work is the fitted GFLOP, not the
+        profile's: the estimator's calibration (the quietest ratio of measured to
+        predicted time on a device) then holds across stages, so a re-cut does not
+        look like a slowdown, and its predicted slowdown scales the measured speed
+        (see :mod:`hetpilot.daemon.measured`) instead of fighting it."""
         if not rec.model_json:
             return
-        model = self._models.get(rec.job_id)
-        if model is None:
-            model = self._models[rec.job_id] = parse_model(rec.model_json)
+        fitted = self._fits.get(rec.job_id)
+        model = fitted[1].model if fitted is not None and fitted[1] is not None \
+            else self._model(rec)
         found = [p for p in self.store.plans(rec.job_id, max(0, timings.plan_version - 1))
                  if p.version == timings.plan_version]
         if not found:

@@ -64,6 +64,9 @@ class StepResult:
 # -- in the planning process ------------------------------------------------------
 
 _CONTROLLERS: dict[str, Any] = {}
+_MODEL_JSON: dict[str, str] = {}
+"""The model JSON each kept controller plans with: a job's model changes when its
+trainer's measured layer times do (:mod:`hetpilot.daemon.measured`)."""
 
 
 def _orphan_watch(parent: int) -> None:
@@ -93,17 +96,23 @@ def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: b
     from hetpilot.planner.serde import plan_to_dict
 
     from .control import make_controller
+    from .core import parse_model
 
     ctrl = None if reset else _CONTROLLERS.get(job_id)
     if ctrl is None:
         _CONTROLLERS.pop(job_id, None)
         ctrl = make_controller(rec, state)  # the record's budgets are the newest
-    elif budgets is not None:
-        ctrl.set_budgets(*budgets)
+    else:
+        if budgets is not None:
+            ctrl.set_budgets(*budgets)
+        if _MODEL_JSON.get(job_id) != rec.model_json:  # new measurements: plan with them
+            ctrl.model = parse_model(rec.model_json)
+    _MODEL_JSON[job_id] = rec.model_json
     try:
         decision = ctrl.step(cluster)
     except BaseException:
         _CONTROLLERS.pop(job_id, None)  # rebuilt from the stored state next time
+        _MODEL_JSON.pop(job_id, None)
         raise
     _CONTROLLERS[job_id] = ctrl
     return StepResult(
@@ -117,6 +126,7 @@ def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: b
 
 def _forget(job_id: str) -> None:
     _CONTROLLERS.pop(job_id, None)
+    _MODEL_JSON.pop(job_id, None)
 
 
 # -- in the daemon ------------------------------------------------------------------

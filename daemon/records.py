@@ -24,7 +24,9 @@ __all__ = [
     "JobRecord",
     "JobStatus",
     "JobView",
+    "LayerTime",
     "LinkReport",
+    "MeasurementRecord",
     "PlanRecord",
     "StageTiming",
     "TimingsRecord",
@@ -94,6 +96,8 @@ class JobRecord(_Json):
     profile_on_attach: bool = False
     request_id: str = ""
     created_ms: int = 0
+    slot_iterations: int = 0
+    """Slots counted in reported training iterations (0: every ``slot_s`` seconds)."""
 
     def with_changes(self, **changes: Any) -> JobRecord:
         return replace(self, **changes)
@@ -143,6 +147,10 @@ class DeviceInfo(_Json):
     price_per_hour: float = 0.0
     power_watts: float = 0.0
     emulated: bool = False
+    probe_dtype: str = ""
+    """What the matmul probe behind ``tflops`` ran ("float32"; empty: declared)."""
+    probe_shape: str = ""
+    """Its shape, "m x k x n" as "4096x4096x4096"."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,6 +176,8 @@ class DeviceReport(_Json):
     colocated_processes: int = 0
     colocated_load: float = 0.0
     emulated: bool = False
+    probe_dtype: str = ""
+    probe_shape: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -210,6 +220,32 @@ class TimingsRecord(_Json):
     eval_metric: float | None = None
     """Held-out metric at the end of an epoch (jobs with an evaluation hook)."""
     _nested: ClassVar[dict[str, type]] = {"stages": StageTiming}
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayerTime(_Json):
+    layer: int
+    fwd_s: float
+    bwd_s: float
+
+
+@dataclass(frozen=True, kw_only=True)
+class MeasurementRecord(_Json):
+    """What one device measured on the job's own layers (a rank's Attach): the latest
+    per (job, device) is kept and fitted by :mod:`hetpilot.daemon.measured`."""
+
+    job_id: str
+    device_id: str
+    rank: int
+    microbatch: int
+    dtype: str
+    layers: tuple[LayerTime, ...]
+    ref_tflops: float = 0.0
+    """The speed the daemon planned this device with when the measurement came (0:
+    the device was unknown then): later changes of that speed (an agent reporting a
+    slowdown) scale the measured speed by the same factor."""
+    unix_ms: int = 0
+    _nested: ClassVar[dict[str, type]] = {"layers": LayerTime}
 
 
 @dataclass(frozen=True, kw_only=True)

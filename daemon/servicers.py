@@ -235,10 +235,10 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
     @_unary
     async def Attach(self, request: trainer_pb2.AttachRequest,
                      context: grpc.aio.ServicerContext) -> trainer_pb2.AttachResponse:
-        job_id, rank, device, model = convert.attach_from_proto(request)
-        plan = self.plane.attach(self._job(job_id, context), rank, device, model)
-        return trainer_pb2.AttachResponse(
-            plan=convert.plan_to_proto(plan) if plan else common_pb2.PlanVersion())
+        job_id, rank, device, model, measured = convert.attach_from_proto(
+            request, int(time.time() * 1000))
+        plan, job = self.plane.attach(self._job(job_id, context), rank, device, model, measured)
+        return convert.attach_response(plan, job)
 
     @_stream
     async def WatchPlans(self, request: trainer_pb2.TrainerWatchRequest,

@@ -6,7 +6,9 @@ tests and :class:`SqliteStore` (WAL) for the daemon. A slot's status, the
 controller's state (virtual queues included) and a new plan version are
 written in one transaction, so kill -9 leaves either the slot before or the
 slot after, never half of one; so are a trainer's stage timings and the job's
-training progress they update.
+training progress they update. The layer times each device measured for a job
+are kept too (the latest per job and device), so a restarted daemon plans with
+them at once.
 
 The SQLite schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`):
 opening a database runs the migrations it lacks in one transaction, and a
@@ -41,6 +43,7 @@ from .records import (
     JobProgress,
     JobRecord,
     JobStatus,
+    MeasurementRecord,
     PlanRecord,
     TimingsRecord,
 )
@@ -118,6 +121,14 @@ class Store(ABC):
     def progress(self, job_id: str) -> JobProgress:
         """The job's training progress; an empty one before the first."""
 
+    @abstractmethod
+    def put_measurement(self, measurement: MeasurementRecord) -> None:
+        """Keep the latest measurement of each (job, device)."""
+
+    @abstractmethod
+    def measurements(self, job_id: str) -> list[MeasurementRecord]:
+        """The job's measurements, by device id."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release; the memory store has nothing to do."""
 
@@ -131,6 +142,7 @@ class MemoryStore(Store):
         self._reports: dict[str, AgentReport] = {}
         self._timings: dict[tuple[str, int], TimingsRecord] = {}
         self._progress: dict[str, JobProgress] = {}
+        self._measurements: dict[tuple[str, str], MeasurementRecord] = {}
 
     def create_job(self, job: JobRecord) -> JobRecord:
         if job.request_id:
@@ -190,6 +202,13 @@ class MemoryStore(Store):
     def progress(self, job_id: str) -> JobProgress:
         return self._progress.get(job_id, JobProgress())
 
+    def put_measurement(self, measurement: MeasurementRecord) -> None:
+        self._measurements[(measurement.job_id, measurement.device_id)] = measurement
+
+    def measurements(self, job_id: str) -> list[MeasurementRecord]:
+        return sorted((m for (j, _), m in self._measurements.items() if j == job_id),
+                      key=lambda m: m.device_id)
+
 
 #: ``_MIGRATIONS[v]`` takes a database from schema version v to v + 1. Only ever
 #: append: a released step never changes, because databases out there ran it.
@@ -215,6 +234,12 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # timings need no change: their JSON bodies gained optional keys, and the old
     # bodies read back with loss and eval_metric None.
     ("CREATE TABLE IF NOT EXISTS progress (job_id TEXT PRIMARY KEY, body TEXT NOT NULL)",),
+    # 2 -> 3: layer times each device measured on a job (issue 14). Stored jobs,
+    # agents and reports need no change: their JSON bodies gained keys with
+    # defaults (slot_iterations 0, probe_dtype / probe_shape "").
+    ("""CREATE TABLE IF NOT EXISTS measurements (
+          job_id TEXT NOT NULL, device_id TEXT NOT NULL, body TEXT NOT NULL,
+          PRIMARY KEY (job_id, device_id))""",),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 """The schema version this code writes (``PRAGMA user_version``)."""
@@ -502,6 +527,17 @@ class SqliteStore(Store):
     def progress(self, job_id: str) -> JobProgress:
         row = self._one("SELECT body FROM progress WHERE job_id=?", (job_id,))
         return JobProgress.from_json(row[0]) if row else JobProgress()
+
+    def put_measurement(self, measurement: MeasurementRecord) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO measurements(job_id, device_id, body) "
+                       "VALUES (?,?,?)",
+                       (measurement.job_id, measurement.device_id, measurement.to_json()))
+
+    def measurements(self, job_id: str) -> list[MeasurementRecord]:
+        rows = self._all("SELECT body FROM measurements WHERE job_id=? ORDER BY device_id",
+                         (job_id,))
+        return [MeasurementRecord.from_json(r[0]) for r in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -7,7 +7,11 @@ returns, and gathers every rank's epoch record to rank 0 for the reporter):
   :mod:`hetpilot.client.channel`, whose service config retries the unary calls
   on UNAVAILABLE), a deadline on every unary call;
 * :class:`GrpcPlanSource`: Attach for every rank (rank 0 carries the model
-  profile for ``profile_on_attach`` jobs), then a background thread follows
+  profile for ``profile_on_attach`` jobs; each rank its device's measured layer
+  times when the trainer measured them, :mod:`hetpilot.trainer.speeds`, so the
+  daemon plans with the job's real speeds; :meth:`GrpcPlanSource.update_measurements`
+  sends new ones, e.g. after a plan changed the microbatch size, and it keeps
+  the job's slot settings the daemon answered), then a background thread follows
   ``WatchPlans`` from the newest version it has; when the stream breaks it
   re-attaches and resumes with exponential backoff (0.2 s doubling to 5 s, with
   jitter). ``poll`` never blocks once a plan is known and never raises: while
@@ -27,7 +31,7 @@ import queue
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -38,7 +42,12 @@ from hetpilot.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 
 from .plans import PlanVersion
 
-__all__ = ["Backoff", "DaemonError", "DaemonLink", "GrpcPlanSource", "GrpcReporter"]
+__all__ = ["Backoff", "DaemonError", "DaemonLink", "GrpcPlanSource", "GrpcReporter",
+           "Measurement"]
+
+Measurement = Mapping[str, Any]
+"""One rank's measured layer times: ``{"microbatch": m, "dtype": "bfloat16",
+"layers": {layer: (fwd_s, bwd_s)}}`` (:func:`hetpilot.trainer.speeds.as_measurement`)."""
 
 log = logging.getLogger("hetpilot.trainer.daemon")
 
@@ -93,14 +102,30 @@ class DaemonLink:
         self.stub = trainer_pb2_grpc.TrainerServiceStub(self.channel)
         self.metadata = metadata(endpoint.token)
 
-    def attach(self, rank: int, world_size: int, device_id: str,
-               model_json: str = "") -> common_pb2.PlanVersion:
-        resp = self.stub.Attach(
-            trainer_pb2.AttachRequest(job_id=self.job_id, rank=rank, world_size=world_size,
-                                      device_id=device_id, model_json=model_json),
-            metadata=self.metadata, timeout=self.timeout_s)
-        plan: common_pb2.PlanVersion = resp.plan
+    def attach(self, rank: int, world_size: int, device_id: str, model_json: str = "",
+               measurement: Measurement | None = None) -> common_pb2.PlanVersion:
+        """Attach one rank; the latest plan (version 0: none yet)."""
+        plan: common_pb2.PlanVersion = self.attach_response(
+            rank, world_size, device_id, model_json, measurement).plan
         return plan
+
+    def attach_response(self, rank: int, world_size: int, device_id: str,
+                        model_json: str = "", measurement: Measurement | None = None
+                        ) -> trainer_pb2.AttachResponse:
+        """Attach one rank with its measured layer times, if any; the whole answer (the
+        latest plan and the job's slot settings)."""
+        req = trainer_pb2.AttachRequest(job_id=self.job_id, rank=rank, world_size=world_size,
+                                        device_id=device_id, model_json=model_json)
+        if measurement:
+            req.measured_microbatch = int(measurement["microbatch"])
+            req.measured_dtype = str(measurement.get("dtype", ""))
+            req.layer_times.extend(
+                trainer_pb2.LayerTiming(layer=int(layer), fwd_s=float(f), bwd_s=float(b))
+                for layer, (f, b) in sorted(measurement["layers"].items(),
+                                            key=lambda kv: int(kv[0])))
+        resp: trainer_pb2.AttachResponse = self.stub.Attach(
+            req, metadata=self.metadata, timeout=self.timeout_s)
+        return resp
 
     def close(self) -> None:
         self.channel.close()
@@ -116,11 +141,20 @@ class GrpcPlanSource:
         *,
         model_json: str = "",
         backoff: Backoff | None = None,
+        measurements: Sequence[Measurement | None] | None = None,
     ) -> None:
         self.link = link
         self.device_ids = list(device_ids)
         """Device id of each rank, in rank order (every rank is attached by rank 0)."""
         self.model_json = model_json
+        self._pending = self._per_rank(measurements)
+        """Each rank's measured layer times not yet delivered (None: nothing to send)."""
+        self._measure_lock = threading.Lock()
+        self._retry: threading.Thread | None = None
+        self.slot_iterations = 0
+        """The job's slot length in reported iterations (0: slots of ``slot_s``), as the
+        daemon last answered an Attach."""
+        self.slot_s = 0.0
         self._backoff = backoff or Backoff()
         self._cond = threading.Condition()
         self._latest: PlanVersion | None = None
@@ -173,11 +207,87 @@ class GrpcPlanSource:
 
     # -- connection ---------------------------------------------------------------
 
-    def _attach_all(self) -> None:
+    def _per_rank(self, measurements: Sequence[Measurement | None] | None
+                  ) -> list[Measurement | None]:
+        per_rank = list(measurements or [])
+        if len(per_rank) > len(self.device_ids):
+            raise ValueError(f"measurements for {len(per_rank)} ranks, but "
+                             f"{len(self.device_ids)} device ids")
+        return per_rank + [None] * (len(self.device_ids) - len(per_rank))
+
+    def _attach_all(self) -> bool:
+        """Attach every rank, each with its measurement not yet delivered (the daemon
+        keeps a delivered one, restarts included, so re-attaches send none). False when
+        the daemon refused a measurement (INVALID_ARGUMENT): it is logged and dropped,
+        and the rank attached without it, so a bad one never blocks attaching."""
         world = len(self.device_ids)
+        delivered = True
         for rank, device in enumerate(self.device_ids):
-            pv = self.link.attach(rank, world, device, self.model_json if rank == 0 else "")
-            self._offer(pv)
+            model = self.model_json if rank == 0 else ""
+            with self._measure_lock:
+                measurement = self._pending[rank]
+            try:
+                resp = self.link.attach_response(rank, world, device, model, measurement)
+            except grpc.RpcError as exc:
+                if measurement is None or _code(exc) != grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                log.warning("the daemon refused rank %d's measured layer times (%s); "
+                            "dropped", rank, _details(exc))
+                delivered = False
+                resp = self.link.attach_response(rank, world, device, model, None)
+            with self._measure_lock:
+                if self._pending[rank] is measurement:
+                    self._pending[rank] = None
+            self.slot_iterations, self.slot_s = int(resp.slot_iterations), float(resp.slot_s)
+            self._offer(resp.plan)
+        return delivered
+
+    def update_measurements(self, measurements: Sequence[Measurement | None]) -> bool:
+        """Send new measured layer times (a list indexed by rank; None: nothing new for
+        that rank) by attaching every rank again. True when the daemon took them all.
+        Never raises for the daemon: after a transient failure a background thread
+        retries with backoff (a re-attach of the plan watcher sends them too); a refused
+        measurement is logged and dropped (see :meth:`_attach_all`)."""
+        new = self._per_rank(measurements)
+        with self._measure_lock:
+            self._pending = [n if n is not None else p
+                             for n, p in zip(new, self._pending, strict=True)]
+        try:
+            return self._attach_all()
+        except grpc.RpcError as exc:
+            code = _code(exc)
+            self.last_error = f"{code.name if code else '?'}: {_details(exc)}"
+            if code in TRANSIENT:
+                log.warning("measured layer times not delivered yet (%s); retrying",
+                            self.last_error)
+                self._retry_later()
+            else:
+                log.warning("attaching with new measured layer times failed (%s)",
+                            self.last_error)
+            return False
+
+    def _retry_later(self) -> None:
+        if self._retry is not None and self._retry.is_alive():
+            return  # it sends the newest measurements on its next try
+
+        def retry() -> None:
+            backoff = Backoff(self._backoff.initial_s, self._backoff.max_s)
+            while not self._stop.wait(backoff.next()):
+                try:
+                    self._attach_all()
+                    return
+                except grpc.RpcError as exc:
+                    if _code(exc) not in TRANSIENT:
+                        log.warning("re-attaching with measured layer times failed (%s)",
+                                    _details(exc))
+                        return
+                except Exception:  # never let it kill training
+                    log.exception("re-sending the measured layer times failed")
+                    return
+
+        self._retry = threading.Thread(target=retry, name="hetpilot-measurements",
+                                       daemon=True)
+        self._retry.start()
 
     def start(self, timeout_s: float = 60.0) -> None:
         """Attach every rank (waiting out an absent daemon up to ``timeout_s``), then follow

@@ -17,7 +17,9 @@ from hetpilot.daemon.records import (
     JobProgress,
     JobRecord,
     JobStatus,
+    LayerTime,
     LinkReport,
+    MeasurementRecord,
     PlanRecord,
     StageTiming,
     TimingsRecord,
@@ -126,6 +128,21 @@ def test_timings_and_progress(store: Store) -> None:
     assert math.isnan(got.loss or 0.0) and got.eval_metric == math.inf and got.loss_step == 9
 
 
+def test_measurements(store: Store) -> None:
+    def measured(device: str, fwd: float, unix_ms: int) -> MeasurementRecord:
+        return MeasurementRecord(job_id="j", device_id=device, rank=0, microbatch=4,
+                                 dtype="bfloat16", layers=(LayerTime(layer=0, fwd_s=fwd,
+                                                                     bwd_s=2 * fwd),),
+                                 ref_tflops=50.0, unix_ms=unix_ms)
+
+    assert store.measurements("j") == []
+    store.put_measurement(measured("b:0", 0.2, 1))
+    store.put_measurement(measured("a:0", 0.1, 2))
+    store.put_measurement(measured("a:0", 0.3, 3))  # the latest per (job, device)
+    assert store.measurements("j") == [measured("a:0", 0.3, 3), measured("b:0", 0.2, 1)]
+    assert store.measurements("other") == []
+
+
 # The schema of the daemon before schema versions (user_version 0), verbatim.
 _UNVERSIONED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -169,7 +186,7 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     old.close()
 
     s = SqliteStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 2
+    assert s.schema_version == SCHEMA_VERSION == 3
     # nothing stored before is lost
     assert s.get_job("j1") == job and s.job_status("j1") == (status, {"x": 1})
     assert s.plans("j1") == [_plan("j1", 1)] and s.agents() == [agent]

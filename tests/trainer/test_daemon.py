@@ -156,7 +156,8 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
         assert proc.returncode == 0, err[-3000:]
     assert "plan version" in outs[0][1]
     records = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
-    assert [r["epoch"] for r in records] == [0, 1, 2]
+    # one record per slot (the job's 0.5 s) and one at each epoch's end
+    assert [r["epoch"] for r in records if r["closed_by"] == "epoch"] == [0, 1, 2]
     assert all(r["plan_version"] >= 1 for r in records)
     # the profile the trainer sent on Attach became the job's model
     info = daemon.job(job_id)
@@ -168,8 +169,12 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
     store = SqliteStore(daemon.state / "state.db")
     try:
         timings = store.latest_timings(job_id)
+        measured = store.measurements(job_id)
     finally:
         store.close()
+    # each rank timed the job's layers on its device and the daemon keeps them
+    assert {m.device_id for m in measured} == {f"{HOST}:0", f"{HOST}:1"}
+    assert all(len(m.layers) == 6 and all(t.fwd_s > 0 for t in m.layers) for m in measured)
     assert timings, "no stage timings stored"
     plan_devices = set(info.devices)
     for t in timings:

@@ -34,6 +34,8 @@ class DeviceInfo(_message.Message):
     PRICE_PER_HOUR_FIELD_NUMBER: _builtins.int
     POWER_WATTS_FIELD_NUMBER: _builtins.int
     EMULATED_FIELD_NUMBER: _builtins.int
+    PROBE_DTYPE_FIELD_NUMBER: _builtins.int
+    PROBE_SHAPE_FIELD_NUMBER: _builtins.int
     index: _builtins.str
     """Index on the host ("0", "1", ...); the cluster-wide id is "<host>:<index>"."""
     name: _builtins.str
@@ -45,6 +47,11 @@ class DeviceInfo(_message.Message):
     power_watts: _builtins.float
     emulated: _builtins.bool
     """True for devices declared with --emulate; shown in every report and listing."""
+    probe_dtype: _builtins.str
+    """What the matmul probe behind tflops ran: its dtype ("float32", "bfloat16")
+    and shape ("4096x4096x4096" = m x k x n); empty for declared speeds.
+    """
+    probe_shape: _builtins.str
     def __init__(
         self,
         *,
@@ -56,10 +63,12 @@ class DeviceInfo(_message.Message):
         price_per_hour: _builtins.float = ...,
         power_watts: _builtins.float = ...,
         emulated: _builtins.bool = ...,
+        probe_dtype: _builtins.str = ...,
+        probe_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["emulated", b"emulated", "index", b"index", "kind", b"kind", "memory_gb", b"memory_gb", "name", b"name", "power_watts", b"power_watts", "price_per_hour", b"price_per_hour", "tflops", b"tflops"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["emulated", b"emulated", "index", b"index", "kind", b"kind", "memory_gb", b"memory_gb", "name", b"name", "power_watts", b"power_watts", "price_per_hour", b"price_per_hour", "probe_dtype", b"probe_dtype", "probe_shape", b"probe_shape", "tflops", b"tflops"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -158,6 +167,8 @@ class DeviceReport(_message.Message):
     COLOCATED_PROCESSES_FIELD_NUMBER: _builtins.int
     COLOCATED_LOAD_FIELD_NUMBER: _builtins.int
     EMULATED_FIELD_NUMBER: _builtins.int
+    PROBE_DTYPE_FIELD_NUMBER: _builtins.int
+    PROBE_SHAPE_FIELD_NUMBER: _builtins.int
     index: _builtins.str
     tflops: _builtins.float
     """Sustained TFLOP/s from the latest matmul probe."""
@@ -170,6 +181,9 @@ class DeviceReport(_message.Message):
     colocated_load: _builtins.float
     """0..1: the share of the device other processes take."""
     emulated: _builtins.bool
+    probe_dtype: _builtins.str
+    """What the probe behind tflops ran (see DeviceInfo)."""
+    probe_shape: _builtins.str
     def __init__(
         self,
         *,
@@ -181,10 +195,12 @@ class DeviceReport(_message.Message):
         colocated_processes: _builtins.int = ...,
         colocated_load: _builtins.float = ...,
         emulated: _builtins.bool = ...,
+        probe_dtype: _builtins.str = ...,
+        probe_shape: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["colocated_load", b"colocated_load", "colocated_processes", b"colocated_processes", "emulated", b"emulated", "index", b"index", "memory_free_gb", b"memory_free_gb", "memory_total_gb", b"memory_total_gb", "tflops", b"tflops", "utilization", b"utilization"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["colocated_load", b"colocated_load", "colocated_processes", b"colocated_processes", "emulated", b"emulated", "index", b"index", "memory_free_gb", b"memory_free_gb", "memory_total_gb", b"memory_total_gb", "probe_dtype", b"probe_dtype", "probe_shape", b"probe_shape", "tflops", b"tflops", "utilization", b"utilization"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -79,6 +79,7 @@ class SubmitJobRequest(_message.Message):
     SLOT_S_FIELD_NUMBER: _builtins.int
     ALLOWED_HOSTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
+    SLOT_ITERATIONS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     model_json: _builtins.str
     """Model profile, spec v1 section 2 JSON. Empty with profile_on_attach."""
@@ -92,6 +93,11 @@ class SubmitJobRequest(_message.Message):
     """Controller slot length in seconds; 0 means the daemon's default."""
     request_id: _builtins.str
     """Client-chosen idempotency key (retries of one submit give one job)."""
+    slot_iterations: _builtins.int
+    """Slots counted in training iterations: the controller steps each time the
+    trainer's reported iteration (StageTimingsReport.iteration) has advanced
+    by this many, or after slot_s with no report at all. 0: every slot_s.
+    """
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """"1f1b", "gpipe", "custom"; empty means 1f1b and gpipe."""
@@ -118,10 +124,11 @@ class SubmitJobRequest(_message.Message):
         slot_s: _builtins.float = ...,
         allowed_hosts: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
+        slot_iterations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "budgets", b"budgets", "global_batch", b"global_batch", "microbatch_size", b"microbatch_size", "model_json", b"model_json", "name", b"name", "profile_on_attach", b"profile_on_attach", "request_id", b"request_id", "schedules", b"schedules", "slot_s", b"slot_s", "v", b"v"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "budgets", b"budgets", "global_batch", b"global_batch", "microbatch_size", b"microbatch_size", "model_json", b"model_json", "name", b"name", "profile_on_attach", b"profile_on_attach", "request_id", b"request_id", "schedules", b"schedules", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "v", b"v"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,6 +247,7 @@ class JobInfo(_message.Message):
     EVAL_STEP_FIELD_NUMBER: _builtins.int
     LOSS_UNIX_MS_FIELD_NUMBER: _builtins.int
     TRAINER_TOKEN_FIELD_NUMBER: _builtins.int
+    SLOT_ITERATIONS_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     owner: _builtins.str
     name: _builtins.str
@@ -270,6 +278,8 @@ class JobInfo(_message.Message):
     """Bearer token of this job's trainer ranks: TrainerService calls for this job
     only (Attach, WatchPlans, ReportStageTimings). Shown to the job's owner.
     """
+    slot_iterations: _builtins.int
+    """Slots in iterations (0: every slot_s seconds); see SubmitJobRequest."""
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -324,10 +334,11 @@ class JobInfo(_message.Message):
         eval_step: _builtins.int = ...,
         loss_unix_ms: _builtins.int = ...,
         trainer_token: _builtins.str = ...,
+        slot_iterations: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_s", b"slot_s", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
     _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015

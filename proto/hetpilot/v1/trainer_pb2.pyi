@@ -11,6 +11,11 @@ profile_on_attach), then WatchPlans(job_id, after_version) for a stream of
 plan versions (reconnect with the last version seen), and after each
 iteration (or every few) ReportStageTimings with what each of its stages
 took. Plans are spec v1 section 4 JSON in PlanVersion.plan_json.
+
+A rank may carry what its device measured on the job's own layers
+(layer_times, hetpilot.trainer.speeds): the daemon fits one effective speed
+per device and effective GFLOP per layer to them and plans with those
+instead of the agents' matmul probes (docs/planning.md, "Measured speeds").
 """
 
 from collections import abc as _abc
@@ -38,6 +43,9 @@ class AttachRequest(_message.Message):
     WORLD_SIZE_FIELD_NUMBER: _builtins.int
     DEVICE_ID_FIELD_NUMBER: _builtins.int
     MODEL_JSON_FIELD_NUMBER: _builtins.int
+    LAYER_TIMES_FIELD_NUMBER: _builtins.int
+    MEASURED_MICROBATCH_FIELD_NUMBER: _builtins.int
+    MEASURED_DTYPE_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     rank: _builtins.int
     world_size: _builtins.int
@@ -45,6 +53,20 @@ class AttachRequest(_message.Message):
     """Cluster-wide device id, "<host>:<index>" as agents register them."""
     model_json: _builtins.str
     """Model profile (spec v1 section 2 JSON) for profile_on_attach jobs."""
+    measured_microbatch: _builtins.int
+    """Samples per microbatch of layer_times (>= 1 when layer_times are given);
+    the daemon scales the times linearly to the job's microbatch size.
+    """
+    measured_dtype: _builtins.str
+    """Compute dtype of the measurement ("float32", "bfloat16", ...)."""
+    @_builtins.property
+    def layer_times(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTiming]:
+        """Seconds of one forward and one backward of a microbatch of
+        measured_microbatch samples, per model layer, on this rank's device (layers
+        left out were not measured). Empty: keep what this device measured before.
+        At most 1024 entries; each layer once and below the model's layer count.
+        """
+
     def __init__(
         self,
         *,
@@ -53,20 +75,55 @@ class AttachRequest(_message.Message):
         world_size: _builtins.int = ...,
         device_id: _builtins.str = ...,
         model_json: _builtins.str = ...,
+        layer_times: _abc.Iterable[Global___LayerTiming] | None = ...,
+        measured_microbatch: _builtins.int = ...,
+        measured_dtype: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "model_json", b"model_json", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "layer_times", b"layer_times", "measured_dtype", b"measured_dtype", "measured_microbatch", b"measured_microbatch", "model_json", b"model_json", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
 
 @_typing.final
+class LayerTiming(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAYER_FIELD_NUMBER: _builtins.int
+    FWD_S_FIELD_NUMBER: _builtins.int
+    BWD_S_FIELD_NUMBER: _builtins.int
+    layer: _builtins.int
+    fwd_s: _builtins.float
+    bwd_s: _builtins.float
+    def __init__(
+        self,
+        *,
+        layer: _builtins.int = ...,
+        fwd_s: _builtins.float = ...,
+        bwd_s: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["bwd_s", b"bwd_s", "fwd_s", b"fwd_s", "layer", b"layer"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LayerTiming: _TypeAlias = LayerTiming  # noqa: Y015
+
+@_typing.final
 class AttachResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     PLAN_FIELD_NUMBER: _builtins.int
+    SLOT_ITERATIONS_FIELD_NUMBER: _builtins.int
+    SLOT_S_FIELD_NUMBER: _builtins.int
+    slot_iterations: _builtins.int
+    """The job's slot settings, so the trainer can report once per slot: a slot
+    every slot_iterations reported iterations (0: every slot_s seconds).
+    """
+    slot_s: _builtins.float
     @_builtins.property
     def plan(self) -> _common_pb2.PlanVersion:
         """The latest plan version, if any (version 0 means none yet)."""
@@ -75,10 +132,12 @@ class AttachResponse(_message.Message):
         self,
         *,
         plan: _common_pb2.PlanVersion | None = ...,
+        slot_iterations: _builtins.int = ...,
+        slot_s: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["plan", b"plan", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

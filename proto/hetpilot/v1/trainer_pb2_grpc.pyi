@@ -11,6 +11,11 @@ profile_on_attach), then WatchPlans(job_id, after_version) for a stream of
 plan versions (reconnect with the last version seen), and after each
 iteration (or every few) ReportStageTimings with what each of its stages
 took. Plans are spec v1 section 4 JSON in PlanVersion.plan_json.
+
+A rank may carry what its device measured on the job's own layers
+(layer_times, hetpilot.trainer.speeds): the daemon fits one effective speed
+per device and effective GFLOP per layer to them and plans with those
+instead of the agents' matmul probes (docs/planning.md, "Measured speeds").
 """
 
 from collections import abc as _abc

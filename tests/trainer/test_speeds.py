@@ -1,0 +1,102 @@
+"""Layer times measured on the job's device (hetpilot.trainer.speeds), on the CPU."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from hetpilot.trainer.speeds import (
+    as_measurement,
+    dtype_label,
+    emulated_layer_times,
+    measure_layer_times,
+)
+from torch import nn
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class Block(nn.Module):
+    """A residual MLP block on a tensor or on (tensor, mask); counts forward calls over
+    all its instances and their copies."""
+
+    calls = 0
+
+    def __init__(self, width: int = 32) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x: Any) -> Any:
+        Block.calls += 1
+        if isinstance(x, tuple):
+            return self(x[0]), x[1]
+        return x + torch.relu(self.fc(x))
+
+
+class Pair(nn.Module):
+    """A layer whose input is a dict with integer ids and whose output is a tuple."""
+
+    calls = 0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 32)
+
+    def forward(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        Pair.calls += 1
+        h = self.embed(batch["ids"]).mean(dim=1)
+        return h, batch["mask"]
+
+
+class Head(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(32, 3)
+
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, mask = pair
+        return self.fc(h) * mask[:, :1]
+
+
+def test_identical_layers_are_timed_once_and_the_job_is_untouched() -> None:
+    torch.manual_seed(0)
+    blocks = [Block() for _ in range(3)]
+    layers: list[Any] = [Pair(), *blocks, Block, Head()]  # a factory (the class) too
+    sample = {"ids": torch.randint(0, 10, (3, 5)), "mask": torch.ones(3, 2)}
+    before = [p.detach().clone() for p in blocks[0].parameters()]
+    Block.calls = Pair.calls = 0
+    times = measure_layer_times(layers, sample, 8, device="cpu", repeats=3, warmup=1)
+    assert len(times) == len(layers)
+    # one class each: warmup + repeats runs (a Block on a tuple calls itself once more)
+    assert Block.calls == 2 * 4 and Pair.calls == 4
+    assert all(f > 0 for f, _ in times) and all(b > 0 for _, b in times[1:])
+    assert len({times[i] for i in range(1, 5)}) == 1  # the four blocks share their timing
+    # the job's modules keep their parameters and get no gradients
+    assert all(p.grad is None for b in blocks for p in b.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(before, blocks[0].parameters(), strict=True))
+    # a block with another input shape (after a different layer) is another class
+    Block.calls = 0
+    times = measure_layer_times([nn.Linear(4, 32), Block(), nn.Linear(32, 64), Block(64),
+                                 lambda: Block(64)], torch.randn(2, 4), 4, device="cpu",
+                                repeats=2, warmup=0)
+    assert Block.calls == 4 and times[3] == times[4] != times[1]
+
+
+def test_microbatch_size_autocast_and_the_daemon_form() -> None:
+    model = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)]
+    small = measure_layer_times(model, torch.randn(2, 64), 2, device="cpu", repeats=3)
+    large = measure_layer_times(model, torch.randn(2, 64), 512, device="cpu", repeats=3)
+    assert sum(f + b for f, b in large) > sum(f + b for f, b in small)  # samples repeated
+    bf16 = measure_layer_times(model, torch.randn(2, 64), 16, device="cpu",
+                               autocast_dtype=torch.bfloat16, repeats=2)
+    assert all(f > 0 and b > 0 for f, b in bf16)
+    assert dtype_label(torch.bfloat16) == "bfloat16" and dtype_label(None) == "float32"
+    m = as_measurement(bf16, 16, dtype_label(torch.bfloat16))
+    assert m["microbatch"] == 16 and m["dtype"] == "bfloat16"
+    assert sorted(m["layers"]) == [0, 1, 2] and m["layers"][2] == bf16[2]
+    # emulated devices report the times target-time emulation gives: m * gflop / (1000 T)
+    assert emulated_layer_times([2.0, 4.0], [4.0, 8.0], 8, 4.0) == [(0.004, 0.008),
+                                                                    (0.008, 0.016)]
+    with pytest.raises(ValueError, match="microbatch"):
+        measure_layer_times(model, torch.randn(2, 64), 0, device="cpu")

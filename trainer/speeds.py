@@ -1,0 +1,201 @@
+"""Seconds per layer on the job's own device, for the daemon to plan with (issue 14).
+
+Why: the agents' matmul probe says what a device does on one large square
+matmul; a real layer runs 3-15x slower than that, by a factor that depends on
+the layer, the dtype and the microbatch size, and differs between devices. So
+each rank times the job's layers on its device and sends the times on Attach
+(:class:`hetpilot.trainer.daemon_link.GrpcPlanSource`); the daemon fits
+device speeds and layer work to them (:mod:`hetpilot.planner.measured`,
+:mod:`hetpilot.daemon.measured`).
+
+:func:`measure_layer_times` walks the layers as the profiler does
+(:mod:`hetpilot.trainer.profile`, whose helpers it uses): each layer runs on the
+previous layer's output, any pytree, and an input leaf needs a gradient exactly
+when it needed one in the previous output. Layers are timed one **class** at a
+time: layers of the same type and printed structure, parameter names, shapes,
+dtypes and ``requires_grad``, and input leaf shapes, dtypes and ``requires_grad``
+(and the same non-tensor input leaves) are one class, timed once; the next
+layer then takes the class's output as its input. GPT's 12 identical blocks
+cost one block's timing, and at most one layer is on the device at a time
+(modules are copied one by one, factories called one by one, so the job's
+modules are untouched).
+
+Per class: ``warmup`` untimed runs, then ``repeats`` timed ones; each run is a
+forward under ``torch.autocast(device.type, dtype=autocast_dtype)`` when that is
+given (mixed precision: float32 weights) and a backward from ones-like
+gradients on every floating output leaf that requires one (0 s when none
+does). CUDA times come from CUDA events (the device's own clock, waited for
+with ``Event.synchronize``); CPU times from ``time.perf_counter``. The result
+is the median.
+
+Under target-time emulation a rank's device is declared, not measured:
+:func:`emulated_layer_times` gives the times the emulation makes each op last
+(spec 5.1's ``m * gflop / (1000 T)``), which the daemon fits like measured ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import statistics
+import time
+from collections.abc import Callable, Hashable, Sequence
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from .profile import (
+    LayerSpec,
+    _backward,
+    _instantiate,
+    _layer_input,
+    _microbatch_size,
+    _needs_backward,
+)
+
+__all__ = ["as_measurement", "dtype_label", "emulated_layer_times", "measure_layer_times"]
+
+
+def measure_layer_times(
+    layers: Sequence[LayerSpec],
+    sample: Any,
+    microbatch: int,
+    *,
+    device: torch.device | str,
+    autocast_dtype: torch.dtype | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+) -> list[tuple[float, float]]:
+    """(forward, backward) seconds of a microbatch of ``microbatch`` samples through each
+    of ``layers`` on ``device`` (see the module docstring). ``sample``: any pytree whose
+    tensor leaves have a leading batch dimension; it is cut or repeated to
+    ``microbatch`` samples."""
+    if microbatch < 1:
+        raise ValueError(f"microbatch must be >= 1, got {microbatch}")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
+    dev = torch.device(device)
+    x: Any = _resized(sample, microbatch, dev)
+    done: dict[Hashable, tuple[tuple[float, float], Any]] = {}
+    out: list[tuple[float, float]] = []
+    for i, spec in enumerate(layers):
+        built = None if isinstance(spec, nn.Module) else spec()
+        module = spec if built is None else built
+        assert isinstance(module, nn.Module)
+        inp = _layer_input(x, first=i == 0)
+        key = _class_key(module, inp)
+        if key not in done:
+            layer = built if built is not None else _instantiate([module])[0]
+            times, y = _time_layer(layer.to(dev), inp, first=i == 0, device=dev,
+                                   autocast_dtype=autocast_dtype, repeats=repeats,
+                                   warmup=warmup)
+            del layer
+            done[key] = (times, _layer_input(y, first=False))  # detached, flags kept
+        times, x = done[key]
+        out.append(times)
+    return out
+
+
+def as_measurement(times: Sequence[tuple[float, float]], microbatch: int,
+                   dtype: str) -> dict[str, Any]:
+    """What :class:`~hetpilot.trainer.daemon_link.GrpcPlanSource` sends for one rank."""
+    return {"microbatch": microbatch, "dtype": dtype,
+            "layers": {i: (float(f), float(b)) for i, (f, b) in enumerate(times)}}
+
+
+def dtype_label(autocast_dtype: torch.dtype | None,
+                param_dtype: torch.dtype = torch.float32) -> str:
+    """The measurement's dtype as the daemon keeps it: "bfloat16", "float32", ..."""
+    return str(autocast_dtype or param_dtype).removeprefix("torch.")
+
+
+def emulated_layer_times(fwd_gflop: Sequence[float], bwd_gflop: Sequence[float],
+                         microbatch: int, tflops: float) -> list[tuple[float, float]]:
+    """The times target-time emulation at ``tflops`` gives each layer (at least; an op
+    never gets shorter than its real compute)."""
+    if not (math.isfinite(tflops) and tflops > 0):
+        raise ValueError(f"tflops must be > 0, got {tflops}")
+    s = 1000.0 * tflops
+    return [(microbatch * f / s, microbatch * b / s)
+            for f, b in zip(fwd_gflop, bwd_gflop, strict=True)]
+
+
+def _resized(sample: Any, microbatch: int, device: torch.device) -> Any:
+    """``sample`` with ``microbatch`` samples, on ``device``: every tensor leaf whose first
+    dimension is the sample's batch size is cut or repeated along it; others as they are."""
+    n = _microbatch_size(sample)
+
+    def leaf(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if t.dim() > 0 and t.shape[0] == n and n != microbatch:
+            reps = -(-microbatch // n)
+            t = t.repeat(reps, *([1] * (t.dim() - 1)))[:microbatch]
+        return t.detach().to(device)
+
+    return pytree.tree_map(leaf, sample)
+
+
+def _class_key(module: nn.Module, inp: Any) -> Hashable:
+    """What makes two layers time the same (see the module docstring)."""
+    params = tuple((name, tuple(p.shape), str(p.dtype), p.requires_grad)
+                   for name, p in module.named_parameters())
+    buffers = tuple((name, tuple(b.shape), str(b.dtype)) for name, b in module.named_buffers())
+    leaves, spec = pytree.tree_flatten(inp)
+    shapes = tuple((tuple(t.shape), str(t.dtype), t.requires_grad)
+                   if isinstance(t, torch.Tensor) else ("value", repr(t)[:200])
+                   for t in leaves)
+    return (type(module), repr(module), params, buffers, str(spec), shapes)
+
+
+class _Clock:
+    """Marks on the device's own timeline: CUDA events there, perf_counter elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.device = device
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def seconds(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return float(end - start)
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000.0
+
+
+def _time_layer(layer: nn.Module, x: Any, *, first: bool, device: torch.device,
+                autocast_dtype: torch.dtype | None, repeats: int,
+                warmup: int) -> tuple[tuple[float, float], Any]:
+    """Median (forward, backward) seconds of ``layer`` on ``x``, and its output."""
+    clock = _Clock(device)
+    autocast: Callable[[], Any] = (
+        (lambda: torch.autocast(device.type, dtype=autocast_dtype))
+        if autocast_dtype is not None else contextlib.nullcontext)
+    fwd: list[float] = []
+    bwd: list[float] = []
+    y: Any = None
+    with torch.enable_grad():
+        for run in range(warmup + repeats):
+            inp = _layer_input(x, first=first)
+            if clock.cuda:
+                torch.cuda.synchronize(device)  # nothing of the last run in this one
+            start = clock.mark()
+            with autocast():
+                y = layer(inp)
+            mid = clock.mark()
+            backward = _needs_backward(y)
+            if backward:
+                _backward(y)
+            end = clock.mark()
+            if run >= warmup:
+                fwd.append(clock.seconds(start, mid))
+                bwd.append(clock.seconds(mid, end) if backward else 0.0)
+    return (statistics.median(fwd), statistics.median(bwd)), y
