@@ -73,6 +73,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="how long to wait for the daemon's first plan")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not send the model profile on Attach (--daemon)")
+    parser.add_argument("--no-measure", action="store_true",
+                        help="do not time the layers on each rank's device for the daemon "
+                             "(--daemon; it then plans with the agents' matmul probe)")
     parser.add_argument("--epochs", type=int, default=1,
                         help="epochs to train (default 1: a pre-training run has one)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -216,13 +219,15 @@ def _endpoint(args: argparse.Namespace) -> Any:
                              cert_file=args.cert_file, key_file=args.key_file)
 
 
-def _connect(args: argparse.Namespace, device_ids: list[str],
-             model_json: str) -> tuple[Any, Any]:
-    """Rank 0: attach every rank and wait for the daemon's first plan."""
+def _connect(args: argparse.Namespace, device_ids: list[str], model_json: str,
+             measurements: list[Any]) -> tuple[Any, Any]:
+    """Rank 0: attach every rank (with its measured layer times) and wait for the daemon's
+    first plan."""
     from .daemon_link import DaemonLink, GrpcPlanSource
 
     link = DaemonLink(_endpoint(args), args.job, timeout_s=args.timeout)
-    source = GrpcPlanSource(link, device_ids, model_json=model_json)
+    source = GrpcPlanSource(link, device_ids, model_json=model_json,
+                            measurements=measurements)
     try:
         source.start(args.plan_wait)
         first = source.wait_first(args.plan_wait)
@@ -324,6 +329,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         print(f"rank {rank}: EMULATED conditions from {args.emulate_file} (device speed and "
               "gradient-sync links follow the file)", file=sys.stderr)
     link = grpc_reporter = None
+    device = torch.device("cuda", local) if cuda else torch.device("cpu")
     try:
         reporters: list[Any] = [JsonlReporter(args.report)] if args.report else []
         if daemon:
@@ -331,11 +337,15 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
             ids: list[Any] = [None] * world
             dist.all_gather_object(ids, device_id)
+            sample_m = _sample_size(spec)
+            measured: list[Any] = [None] * world
+            dist.all_gather_object(measured, _measure(args, spec, sample_m, tflops, profile,
+                                                      device))
             failure: list[Any] = [None]
             if rank == 0:
                 try:
                     link, source = _connect(args, [str(i) for i in ids],
-                                            json.dumps(profile) if profile else "")
+                                            json.dumps(profile) if profile else "", measured)
                 except DaemonError as exc:
                     from hetpilot.client.cli import EXIT
 
@@ -348,6 +358,16 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             if link is not None:
                 grpc_reporter = GrpcReporter(link)
                 reporters.append(grpc_reporter)
+            # timed at the sample's size; again at the plan's microbatch size when it differs
+            planned: list[Any] = [source.wait_first(0).plan.microbatch_size
+                                  if source is not None else None]
+            dist.broadcast_object_list(planned, src=0)
+            if measured[rank] is not None and planned[0] not in (None, sample_m):
+                again: list[Any] = [None] * world
+                dist.all_gather_object(again, _measure(args, spec, planned[0], tflops,
+                                                       profile, device))
+                if source is not None:
+                    source.update_measurements(again)
 
         def report(record: dict[str, Any]) -> None:
             for r in reporters:
@@ -356,7 +376,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         trainer = Trainer(
             spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
             global_batch=spec["global_batch"], device_id=device_id, plan_source=source,
-            device=torch.device("cuda", local) if cuda else "cpu",
+            device=device,
             slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
             reporter=report if reporters else None,
             report_from_rank0=daemon, keep_plan_on_refusal=daemon,
@@ -394,6 +414,44 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             link.close()
         dist.destroy_process_group()
     return 0
+
+
+def _sample_size(spec: dict[str, Any]) -> int | None:
+    from .profile import _microbatch_size
+
+    try:
+        return _microbatch_size(spec["sample"]) if "sample" in spec else None
+    except ValueError:
+        return None
+
+
+def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
+             tflops: float | None, profile: dict[str, Any] | None, device: Any) -> Any:
+    """This rank's layer times for the daemon (:mod:`hetpilot.trainer.speeds`): measured on
+    its device in the job's precision, or, under target-time EMULATION, the times the
+    emulation gives. None (the daemon keeps the agents' probe) with ``--no-measure``,
+    without a ``sample``, or under a plain float64 cast (timed layers run in float32)."""
+    import torch
+
+    from .precision import precision_for
+    from .speeds import as_measurement, dtype_label, emulated_layer_times, measure_layer_times
+
+    if args.no_measure or m is None or args.emulate_slowdown != 1.0:
+        return None
+    precision = precision_for(getattr(torch, args.dtype) if args.dtype else None)
+    if tflops is not None:
+        if profile is None:
+            return None
+        layers = profile["layers"]
+        times = emulated_layer_times([la["fwd_gflop"] for la in layers],
+                                     [la.get("bwd_gflop", 2 * la["fwd_gflop"]) for la in layers],
+                                     m, tflops)
+        return as_measurement(times, m, dtype_label(precision.compute_dtype))
+    if precision.param_dtype not in (None, torch.float32):
+        return None
+    times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
+                                autocast_dtype=precision.compute_dtype)
+    return as_measurement(times, m, dtype_label(precision.compute_dtype))
 
 
 def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:

@@ -97,6 +97,8 @@ class _Slot:
         self.total = StageStats()
         self.steps = 0
         self.started = time.perf_counter()
+        self.switch_s: float | None = None
+        """Seconds of the plan switch that opened this slot (None: it opened without one)."""
 
     def add(self, stats: StageStats | None) -> None:
         self.steps += 1
@@ -685,6 +687,8 @@ class Trainer:
         record = self._record(slot.total, slot.steps, wall)
         record["closed_by"] = why
         record["unix_s"] = time.time()
+        if slot.switch_s is not None:
+            record["switch_s"] = slot.switch_s
         ended = self.iteration >= self.iterations_per_epoch
         evaluated = self._evaluate() if ended and self.metric is not None else 0.0
         sums = torch.tensor([self._loss_sum, evaluated], dtype=torch.float64)
@@ -784,11 +788,14 @@ class Trainer:
             if slot is not None and slot.steps and (payload is not None or timed_out):
                 close(slot, "switch" if payload is not None else "seconds")
                 slot = None
-            self._take(payload)
+            switched = self._take(payload)
             if self.plan is None:
                 why = self.refused[-1][1] if self.refused else "the plan source gave no plan"
                 raise NoPlanError(why)
-            slot = slot or _Slot()
+            if slot is None:
+                slot = _Slot()
+                if switched:
+                    slot.switch_s = float(self.last_switch["total_s"])
             slot.add(self.train_step()[0])
             if self.iteration >= self.iterations_per_epoch:
                 close(slot, "epoch")
