@@ -249,13 +249,20 @@ def write_report(out: Path, result: RunResult) -> str:
         "**How the comparison is made.** One run, two phases one after the other on the same "
         "EMULATED cluster, seeds, data order and epoch count: first the *static* plan (even "
         "data parallelism from a plan file, 16 samples per device, never changed), then "
-        "*hetpilot* (the daemon's plans, switched live at epoch boundaries). Each event is "
+        "*hetpilot* (the daemon's plans, switched live before the next iteration once the "
+        "daemon publishes them). Each event is "
         "written to the emulation file when rank 0 reports the epoch before it, in both "
         "phases. The trainer's update equals full-batch training whatever the plan, so "
         "accuracy per epoch is the same in both phases up to float rounding; what differs "
         "is the time each epoch takes. Iteration time is the slowest working rank's mean "
         "over the epoch; training time excludes process start-up, plan switches and "
         "checkpoints (wall times above include them).",
+        "",
+        "**Reaction.** Seconds from each event to the trainer's first plan switch after it "
+        "(the daemon's slot is 0.5 s; agents report every 0.25 s): " + (", ".join(
+            f"epoch {ev + 1}: " + (f"{r:.2f} s" if r is not None else "no switch")
+            for (ev, _), r in zip(result.hetpilot.events, result.hetpilot.reactions_s(),
+                                  strict=True)) or "no events") + ".",
         "",
         "## Plots",
         "",

@@ -10,8 +10,11 @@ epoch count, with the same events at the same epochs:
    plans from what the agents report and re-plans as the events land.
 
 An event for epoch e is written to the emulation file when rank 0 reports
-epoch e-1, in both phases; agents report it at their next report (0.25 s) and
-trainer ranks feel it from their next iteration. The daemon and agents run
+the end of epoch e-1, in both phases; agents report it at their next report
+(0.25 s) and trainer ranks feel it from their next iteration. The trainer
+takes a new plan before any iteration and reports once per slot (the job's
+0.5 s, and at every plan switch and epoch end), so an epoch has several
+records per rank; the rows here sum them per epoch. The daemon and agents run
 through both phases (they are idle in the first: no job yet).
 """
 
@@ -67,6 +70,18 @@ class PhaseResult:
     rows: list[EpochRow] = field(default_factory=list)
     wall_s: float = 0.0
     events: list[tuple[int, str]] = field(default_factory=list)
+    event_unix_s: list[float] = field(default_factory=list)
+    """When each event was written to the emulation file."""
+    switches: list[tuple[int, float]] = field(default_factory=list)
+    """(epoch, unix time) of each plan switch rank 0 made (the record it closed)."""
+
+    def reactions_s(self) -> list[float | None]:
+        """Per event: seconds until the trainer's first switch after it (None: none)."""
+        out: list[float | None] = []
+        for at in self.event_unix_s:
+            later = [t for _, t in self.switches if t >= at]
+            out.append(min(later) - at if later else None)
+        return out
 
 
 @dataclass
@@ -280,11 +295,16 @@ cluster_token = "{cluster}"
                 done = True
             elif line.startswith("{"):
                 record = json.loads(line)
+                if record.get("closed_by") == "switch":
+                    phase.switches.append((int(record["epoch"]), float(record["unix_s"])))
+                if record.get("closed_by", "epoch") != "epoch":
+                    continue
                 last_epoch = epoch = int(record["epoch"])
                 for ev in self.events:
                     if ev.epoch == epoch + 1:
                         self.set_conditions(ev.epoch)
                         phase.events.append((ev.epoch, ev.text))
+                        phase.event_unix_s.append(time.time())
                         self.say(f"[{name}] from epoch {ev.epoch + 1}: {ev.text}")
                 if name == "hetpilot" and self.job_id:
                     # the live view may miss a beat; the report asks again at the end
@@ -346,24 +366,29 @@ cluster_token = "{cluster}"
             records = [json.loads(x) for x in report.read_text().splitlines() if x.strip()]
         except (OSError, ValueError):
             return
-        by_epoch: dict[int, list[dict[str, Any]]] = {}
+        # per epoch, per rank: its records (several slots), complete once one closes the epoch
+        by_epoch: dict[int, dict[str, list[dict[str, Any]]]] = {}
         for r in records:
-            by_epoch.setdefault(int(r["epoch"]), []).append(r)
+            by_epoch.setdefault(int(r["epoch"]), {}).setdefault(r["device_id"], []).append(r)
         price = {d: h.price_per_hour for d, h in scenario.DEVICES}
         known = {row.epoch: row for row in phase.rows}
         now = time.monotonic() - started
         for epoch in sorted(by_epoch):
-            recs = by_epoch[epoch]
-            if epoch in known or epoch > rank0_epoch or len(recs) < len(scenario.DEVICES):
+            ranks = by_epoch[epoch]
+            if epoch in known or epoch > rank0_epoch or len(ranks) < len(scenario.DEVICES) \
+                    or any(recs[-1].get("closed_by", "epoch") != "epoch"
+                           for recs in ranks.values()):
                 continue
-            working = [r for r in recs if r.get("group") is not None]
-            slowest = max(working, key=lambda r: r["iteration_s"])
+            # the epoch's mean iteration on each rank; rows show the slowest working rank
+            totals = {d: (sum(float(r["iteration_s"]) * int(r["iterations"]) for r in recs),
+                          sum(int(r["iterations"]) for r in recs)) for d, recs in ranks.items()}
+            working = [recs[-1] for recs in ranks.values() if recs[-1].get("group") is not None]
+            slowest = max(working, key=lambda r: totals[r["device_id"]][0])
+            wall, iterations = totals[slowest["device_id"]]
             devices = tuple(sorted(r["device_id"] for r in working))
             row = EpochRow(
                 epoch=epoch, plan_version=int(slowest["plan_version"]),
-                iteration_s=float(slowest["iteration_s"]),
-                epoch_s=float(slowest["iteration_s"]) * int(slowest["iterations"]),
-                devices=devices,
+                iteration_s=wall / max(iterations, 1), epoch_s=wall, devices=devices,
                 samples={r["device_id"]: int(r["group_samples"]) for r in working
                          if r.get("stage") == 0},
                 cost_per_hour=sum(price[d] for d in devices), wall_s=now)
