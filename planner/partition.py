@@ -12,14 +12,24 @@ minimises the fill-and-drain sum ``sum_j (F_j + B_j + 2 C_j)`` subject to
 every stage's bottleneck cost staying under ``tau``. Each candidate cut is
 then scored with the exact reference simulation, and the best one is refined
 by moving single cut points while that lowers the exact makespan.
+
+For few stages (at most :data:`EXHAUSTIVE_STAGES`) every cut is tried
+(:func:`exhaustive_cuts`, as long as there are at most
+:data:`EXHAUSTIVE_CUTS` of them): all of them are scored at once with numpy
+by the closed-form proxy (plus a per-cut extra term such as the gradient
+sync a cut implies), and the best few are simulated exactly. The DP's
+balance is a local view: with few microbatches the fill and drain dominate,
+and the cut that balances the pipeline is not always the fastest.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import math
 from array import array
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 
@@ -29,7 +39,15 @@ from .refmodel import GroupTimes, group_makespan
 from .schedules import inflight, order
 from .types import Device, Model
 
-__all__ = ["GroupCut", "ModelArrays", "cut_fits", "partition_group"]
+__all__ = ["EXHAUSTIVE_CUTS", "EXHAUSTIVE_STAGES", "GroupCut", "ModelArrays", "cut_fits",
+           "exhaustive_cuts", "partition_group", "stage_params_mb"]
+
+EXHAUSTIVE_STAGES = 4
+"""Groups of at most this many stages have every cut tried (see :func:`exhaustive_cuts`)."""
+EXHAUSTIVE_CUTS = 60_000
+"""... as long as there are at most this many cuts (C(L-1, S-1))."""
+_EXACT_TOP = 24
+"""Cuts of the exhaustive ranking that are simulated exactly."""
 
 _THRESHOLDS = (1.0, 1.03, 1.08, 1.15, 1.3, 1.6)
 _INF = float("inf")
@@ -509,6 +527,91 @@ def _dp_cuts(
     return found
 
 
+@lru_cache(maxsize=64)
+def _all_cuts(n_layers: int, n_stages: int) -> np.ndarray:
+    """Every cut of ``n_layers`` layers into ``n_stages`` non-empty ranges: rows of bounds
+    ``0 = b_0 < b_1 < ... < b_S = L``, shape (C(L-1, S-1), S + 1)."""
+    if n_stages == 1:
+        return np.asarray([[0, n_layers]], dtype=np.int64)
+    inner = np.fromiter(
+        (x for combo in itertools.combinations(range(1, n_layers), n_stages - 1) for x in combo),
+        dtype=np.int64, count=math.comb(n_layers - 1, n_stages - 1) * (n_stages - 1),
+    ).reshape(-1, n_stages - 1)
+    rows = inner.shape[0]
+    return np.hstack([np.zeros((rows, 1), np.int64), inner,
+                      np.full((rows, 1), n_layers, np.int64)])
+
+
+def stage_params_mb(arr: ModelArrays, bounds: np.ndarray) -> np.ndarray:
+    """Parameter MB of each stage of each cut (rows of bounds): shape (cuts, stages)."""
+    return arr.param[bounds[:, 1:]] - arr.param[bounds[:, :-1]]
+
+
+def exhaustive_cuts(
+    arr: ModelArrays,
+    devices: Sequence[Device],
+    links: Sequence[tuple[float, float]],
+    micro: int,
+    microbatches: int,
+    schedule: str,
+    extra: Callable[[np.ndarray], np.ndarray] | None = None,
+    top: int = _EXACT_TOP,
+) -> list[tuple[int, ...]] | None:
+    """The ``top`` cuts by closed-form proxy makespan (+ ``extra(bounds)``, a per-cut
+    term such as the gradient sync) among **all** cuts of ``devices`` (None when there
+    are more than :data:`EXHAUSTIVE_CUTS` or more than :data:`EXHAUSTIVE_STAGES` stages).
+
+    Vectorised over cuts: stage times, memory (recompute where only it fits, as in
+    :func:`_times_for`) and :func:`proxy_makespan`, each with the same formulas."""
+    n = len(devices)
+    if n > EXHAUSTIVE_STAGES or n > arr.num_layers or \
+            math.comb(arr.num_layers - 1, n - 1) > EXHAUSTIVE_CUTS:
+        return None
+    bounds = _all_cuts(arr.num_layers, n)
+    lo, hi = bounds[:, :-1], bounds[:, 1:]
+    flights = _in_flights(schedule, n, microbatches)
+    fwd = np.empty(lo.shape)
+    bwd = np.empty(lo.shape)
+    ok = np.ones(lo.shape[0], dtype=bool)
+    for j, dev in enumerate(devices):
+        a, b = lo[:, j], hi[:, j]
+        f = arr.fwd[b] - arr.fwd[a]
+        bk = arr.bwd[b] - arr.bwd[a]
+        params = (arr.param[b] - arr.param[a]) * (1.0 + arr.opt)
+        act = arr.act[b] - arr.act[a]
+        cap = 1000.0 * dev.memory_gb
+        rate = 1000.0 * dev.tflops
+        plain = params + flights[j] * micro * act <= cap
+        rc = params + flights[j] * micro * (arr.inp[b] - arr.inp[a]) + micro * act <= cap
+        ok &= plain | rc
+        fwd[:, j] = micro * f / rate
+        bwd[:, j] = micro * bk / rate + np.where(plain, 0.0, micro * f / rate)
+    comm = np.zeros((lo.shape[0], max(n - 1, 0)))
+    for j in range(n - 1):
+        gbps, lat = links[j]
+        comm[:, j] = lat + micro * arr.out[hi[:, j] - 1] * 8.0 / (1000.0 * gbps)
+    fill = fwd.sum(axis=1) + bwd.sum(axis=1) + 2.0 * comm.sum(axis=1)
+    top_comm = comm.max(axis=1) if n > 1 else np.zeros(lo.shape[0])
+    if schedule == "gpipe":
+        cycle = np.maximum(fwd.max(axis=1), top_comm) + np.maximum(bwd.max(axis=1), top_comm)
+    else:
+        cycle = np.maximum((fwd + bwd).max(axis=1), top_comm)
+        tail = np.zeros(lo.shape[0])
+        for j in range(n - 1, -1, -1):
+            tail = tail + fwd[:, j] + bwd[:, j] + (2.0 * comm[:, j] if j < n - 1 else 0.0)
+            cycle = np.maximum(cycle, tail / min(n - j, microbatches))
+    score = fill + (microbatches - 1) * cycle
+    if extra is not None:
+        score = score + extra(bounds)
+    score = np.where(ok, score, _INF)
+    if not np.isfinite(score).any():
+        return None
+    k = min(top, int(np.isfinite(score).sum()))
+    picked = np.argpartition(score, k - 1)[:k] if k < score.shape[0] else np.arange(k)
+    picked = picked[np.argsort(score[picked], kind="stable")]
+    return [tuple(int(x) for x in bounds[i]) for i in picked if np.isfinite(score[i])]
+
+
 def partition_group(
     arr: ModelArrays,
     devices: Sequence[Device],
@@ -541,6 +644,16 @@ def partition_group(
     proxy = always_proxy or microbatches >= 2 * n_stages + 4
     best: GroupCut | None = None
     seen: set[tuple[int, ...]] = set()
+    # few stages and few microbatches (fill and drain dominate, where the DP's balance
+    # misleads): the best of all cuts, the proxy's best few simulated exactly
+    every = None if proxy else exhaustive_cuts(arr, devices, links, micro, microbatches,
+                                               schedule)
+    if every:
+        for tried in every:
+            seen.add(tried)
+            cut = evaluate_cut(arr, devices, links, tried, micro, microbatches, schedule)
+            if cut is not None and (best is None or cut.makespan < best.makespan):
+                best = cut
     for bounds in fills:
         if bounds is None or bounds in seen:
             continue

@@ -12,7 +12,19 @@ groups (:mod:`.assign`) and scores the whole plan with the reference model
 * ``split-host`` / ``host-pairs``: halves of hosts, pairs of linked hosts;
 * ``chunk-s``: pipelines of s devices along the chain (s = 2, 4, 8);
 * ``speed-class``: per-host pipelines of devices of similar speed;
-* ``fit-dp``: replicas where the model fits, pipelines of the rest.
+* ``fit-dp``: replicas where the model fits, pipelines of the rest;
+* ``stage-major-S`` / ``stage-major-speed-S``: K = n / S identical pipelines of
+  S stages whose copies of stage s sit side by side (on one host, or in one
+  speed class): the pipelines cross hosts, and each stage's gradient
+  all-reduce runs among neighbours on fast links (PipeDream's and AMP's
+  layouts for hierarchical networks).
+
+Where every group of a structure has the same devices, links and memory
+(identical pipelines) and at most four stages, the groups share one cut
+chosen with the gradient sync in view (:meth:`Planner.joint_cut`): every cut
+is ranked by its pipeline time plus the all-reduce its stages imply, since
+moving a cut moves parameters between stages whose replicas may sit on links
+of very different speed.
 
 Each structure is also tried on device subsets without the slowest devices
 (stragglers that would only slow the whole); on small clusters every subset
@@ -39,12 +51,15 @@ import numpy as np
 from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError, InvalidPlanError
 from .partition import (
+    EXHAUSTIVE_STAGES,
     GroupCut,
     ModelArrays,
     cut_fits,
     evaluate_cut,
+    exhaustive_cuts,
     fast_makespan,
     partition_group,
+    stage_params_mb,
 )
 from .refmodel import evaluate, group_makespan, group_op_times, validate_plan
 from .schedules import format_order, warmup_order
@@ -56,6 +71,8 @@ _EXHAUSTIVE_DEVICES = 6
 BIG_CLUSTER = 64
 """Above this many devices the search narrows (see candidate_plans, Planner.cut)."""
 _BUILTIN = ("1f1b", "gpipe")
+_JOINT_TOP = 8
+"""Cuts simulated exactly for a shared cut (the proxy plus the exact sync ranks all)."""
 
 
 @dataclass(frozen=True)
@@ -145,11 +162,27 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         if d.id not in fit_ids:
             rest.setdefault(d.host, []).append(d)
     add("fit-dp", [[d] for d in fit] + list(rest.values()))
+    by_speed = sorted(chain, key=lambda d: -d.tflops)  # stable: host order within a speed
+    for size in _stage_counts(len(chain), max_stages, big):
+        add(f"stage-major-{size}", _stage_major(chain, size))
+        add(f"stage-major-speed-{size}", _stage_major(by_speed, size))
     unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
     for s in out:
         key = tuple(tuple(d.id for d in g) for g in s.groups)
         unique.setdefault(key, s)
     return list(unique.values())
+
+
+def _stage_counts(n: int, max_stages: int, big: bool) -> list[int]:
+    """Stage counts S of the stage-major structures: S divides n, K = n / S >= 2."""
+    sizes = (2, 4) if big else (2, 3, 4, 6, 8) if n <= 32 else (2, 4, 8)
+    return [s for s in sizes if s <= max_stages and n % s == 0 and n // s >= 2]
+
+
+def _stage_major(devices: Sequence[Device], size: int) -> list[tuple[Device, ...]]:
+    """K = n / size pipelines; stage s of every pipeline on devices s*K .. s*K + K - 1."""
+    k = len(devices) // size
+    return [tuple(devices[s * k + g] for s in range(size)) for g in range(k)]
 
 
 # -- planning one structure -------------------------------------------------------
@@ -318,7 +351,79 @@ class Planner:
             if not changed:
                 break
         assert counts is not None
-        return self._candidate(structure.label, cuts, counts, schedule)
+        found = self._candidate(structure.label, cuts, counts, schedule)
+        shared = self._shared_cut(structure, groups, schedule)
+        if shared is not None and (found is None or shared.iteration_s < found.iteration_s):
+            return shared
+        return found
+
+    def _shared_cut(self, structure: Structure, groups: Sequence[tuple[Device, ...]],
+                    schedule: str) -> Candidate | None:
+        """Identical groups with one cut chosen with the sync in view (:meth:`joint_cut`),
+        microbatches split evenly (the groups are equally fast)."""
+        k = len(groups)
+        if k < 2 or k > self.total:
+            return None
+        counts = [self.total // k + (1 if i < self.total % k else 0) for i in range(k)]
+        cut = self.joint_cut(groups, counts[0], schedule)
+        if cut is None:
+            return None
+        return self._candidate(f"{structure.label}+sync", [(g, cut) for g in groups], counts,
+                               schedule)
+
+    def joint_cut(self, groups: Sequence[tuple[Device, ...]], microbatches: int,
+                  schedule: str) -> GroupCut | None:
+        """One cut for K identical groups of at most four stages: the cut minimising the
+        group's makespan plus spec 5.3's sync, over every cut (None when the groups
+        differ, have one or more than four stages, or the cluster is big).
+
+        With one cut for all groups, each stage is one bucket whose ring runs over the
+        copies of that stage (group order, wrapping around), and every device holds one
+        stage, so ``T_sync = max_s AR_s``: ``2 (K-1)/K * param_mb(stage s) * 8 /
+        (1000 * min ring gbps) + 2 (K-1) * max ring latency``. All cuts are ranked by
+        the proxy makespan plus that term (:func:`exhaustive_cuts`), the best few
+        simulated exactly."""
+        k = len(groups)
+        first = groups[0]
+        n = len(first)
+        if self._big or k < 2 or not 2 <= n <= EXHAUSTIVE_STAGES:
+            return None
+        sig = self._signature(first)
+        if any(len(g) != n or self._signature(g) != sig for g in groups[1:]):
+            return None
+        link = self.cluster.link
+        ring = []
+        for j in range(n):
+            gbps, lat = math.inf, 0.0
+            for g in range(k):
+                here, there = link(groups[g][j].id, groups[(g + 1) % k][j].id)
+                gbps, lat = min(gbps, here), max(lat, there)
+            ring.append((gbps, lat))
+        factor, hops = 2.0 * (k - 1) / k, 2.0 * (k - 1)
+        ring_gbps = np.asarray([r[0] for r in ring])
+        ring_lat = np.asarray([r[1] for r in ring])
+
+        def sync(bounds: np.ndarray) -> np.ndarray:
+            params = stage_params_mb(self.arr, bounds)
+            out: np.ndarray = (factor * params * 8.0 / (1000.0 * ring_gbps)
+                               + hops * ring_lat).max(axis=1)
+            return out
+
+        def make() -> GroupCut | None:
+            ranked = exhaustive_cuts(self.arr, first, sig[1], self.micro,  # type: ignore[arg-type]
+                                     microbatches, schedule, extra=sync, top=_JOINT_TOP)
+            best, best_t = None, math.inf
+            for bounds in ranked or ():
+                cut = self.at(first, bounds, microbatches, schedule)
+                if cut is None:
+                    continue
+                total = cut.makespan + float(sync(np.asarray([bounds]))[0])
+                if total < best_t:
+                    best, best_t = cut, total
+            return best
+
+        return _CUTS.get((self._key, sig, tuple(ring), k, microbatches, schedule, "joint"),
+                         make)
 
     def _assign(self, cuts: list[tuple[tuple[Device, ...], GroupCut]],
                 schedule: str) -> list[int] | None:
