@@ -13,7 +13,12 @@ from the problem's previous solve made its answer to the same inputs depend,
 by about 1e-7, on what was solved before), so solutions are memoised on their
 inputs: a controller re-planning an unchanged structure each slot, or the
 same structure in several device subsets, asks again. cvxpy is imported when
-the first problem is built, not with this module. Rounding then works on the *exact*
+the first problem is built, not with this module. When no bound is active at the
+optimum (every class gets some microbatches and none reaches its cap: the common
+case, and every LP of a 1f1b plan whose classes all take part), the optimum is
+unique and has a closed form, all classes finishing together (:func:`closed_form`,
+proof there); :func:`solve_lp` then answers without cvxpy, which is not imported
+at all by a plan whose LPs are all of that kind. Rounding then works on the *exact*
 makespans: floor the LP solution (keeping every group at >= 1 microbatch),
 hand out the remaining microbatches one at a time to the group whose makespan
 grows least, and finally move single microbatches off the slowest group while
@@ -34,7 +39,8 @@ import numpy as np
 
 from .errors import SolverError
 
-__all__ = ["AssignmentLP", "assign_microbatches", "lp_problem", "solve_lp", "warm_up"]
+__all__ = ["CLOSED_FORM", "AssignmentLP", "assign_microbatches", "closed_form", "lp_problem", "solve_lp",
+           "warm_up"]
 
 _SOLVERS = ("CLARABEL", "HIGHS")
 
@@ -135,6 +141,55 @@ def warm_up() -> None:
     lp_problem(2).solve([0.0, 0.0], [1.0, 1.0], [2.0, 2.0], 2)
 
 
+CLOSED_FORM = True
+"""Whether :func:`solve_lp` answers an LP whose optimum has no active bound in closed
+form (:func:`closed_form`) instead of handing it to cvxpy. Tests turn it off to compare
+with cvxpy."""
+
+
+def closed_form(
+    fill: Sequence[float],
+    cycle: Sequence[float],
+    cap: Sequence[float],
+    total: int,
+    count: Sequence[int] | None = None,
+) -> np.ndarray | None:
+    """The LP's optimum when no bound ``0 <= M_c <= cap_c`` is active there, else None.
+
+    With every class finishing at the same time ``t``, ``M_c = (t - a_c) / b_c``
+    and ``sum_c n_c M_c = N`` give
+
+        t* = (N + sum_c n_c a_c / b_c) / sum_c n_c / b_c.
+
+    If those ``M_c`` lie in ``[0, cap_c]``, ``(M, t*)`` is feasible, and it is the
+    LP's *unique* optimum: any feasible ``(M', t)`` has ``M'_c <= (t - a_c) / b_c``
+    (every ``b_c > 0``), so ``N = sum_c n_c M'_c <= sum_c n_c (t - a_c) / b_c``,
+    which is ``< N`` for ``t < t*``; hence ``t >= t*``, and at ``t = t*`` each
+    ``M'_c <= M_c`` with equal weighted sums forces ``M' = M``. So this is the
+    answer any exact LP solver gives (cvxpy's interior point gets it to about
+    1e-8). When a bound would be active (a class whose fill alone outlasts the
+    others, a gpipe memory cap) or an input is outside the LP's domain, this
+    returns None and the LP goes to cvxpy.
+    """
+    a = np.asarray(fill, dtype=float)
+    b = np.asarray(cycle, dtype=float)
+    caps = np.asarray(cap, dtype=float)
+    n = np.ones(len(a)) if count is None else np.asarray(count, dtype=float)
+    if (len(a) == 0 or not (len(b) == len(caps) == len(n) == len(a))
+            or not np.all(np.isfinite(a) & np.isfinite(b) & np.isfinite(caps))
+            or np.any(a < 0) or np.any(b <= 0) or np.any(n < 1) or total < 0):
+        return None
+    weight = n / b
+    t = (float(total) + float(np.sum(weight * a))) / float(np.sum(weight))
+    m = (t - a) / b
+    # Strictly inside, with a margin over the float error of the formula: a bound
+    # within reach of rounding is left to the solver.
+    margin = 1e-9 * max(1.0, float(total))
+    if not (np.all(m > margin) and np.all(m < caps - margin)):
+        return None
+    return m
+
+
 def solve_lp(
     fill: Sequence[float],
     cycle: Sequence[float],
@@ -142,8 +197,14 @@ def solve_lp(
     total: int,
     count: Sequence[int] | None = None,
 ) -> np.ndarray:
-    """:meth:`AssignmentLP.solve` for ``len(fill)`` classes; builds (and compiles) the
-    problem for that size only when the memo cannot answer."""
+    """:meth:`AssignmentLP.solve` for ``len(fill)`` classes: in closed form when no
+    bound is active at the optimum (:func:`closed_form`, the same optimum; cvxpy is
+    then not even imported), else with cvxpy, building (and compiling) the problem
+    for that size only when the memo cannot answer."""
+    if CLOSED_FORM:
+        found = closed_form(fill, cycle, cap, total, count)
+        if found is not None:
+            return found
     return _solve_memo(fill, cycle, cap, total, count,
                        lambda *args: lp_problem(len(fill))._solve(*args))
 

@@ -48,6 +48,9 @@ EXHAUSTIVE_CUTS = 60_000
 """... as long as there are at most this many cuts (C(L-1, S-1))."""
 _EXACT_TOP = 24
 """Cuts of the exhaustive ranking that are simulated exactly."""
+_VECTOR_OPS = 1024
+"""Groups of at most this many ops (2 S M) have all their cuts simulated at once
+(:func:`vector_makespans`); longer ones are ranked by the closed-form proxy."""
 
 _THRESHOLDS = (1.0, 1.03, 1.08, 1.15, 1.3, 1.6)
 _INF = float("inf")
@@ -542,6 +545,75 @@ def _all_cuts(n_layers: int, n_stages: int) -> np.ndarray:
                       np.full((rows, 1), n_layers, np.int64)])
 
 
+@lru_cache(maxsize=1024)
+def op_sequence(schedule: str, stages: int, microbatches: int) -> tuple[tuple[int, bool, int], ...]:
+    """One topological order of every (stage, is_backward, microbatch) op of a group under a
+    built-in schedule: each stage's ops in its order, each op after its dependencies."""
+    orders = [order(schedule, stages, j, microbatches) for j in range(stages)]
+    done: set[tuple[int, bool, int]] = set()
+    pos = [0] * stages
+    seq: list[tuple[int, bool, int]] = []
+    total = 2 * stages * microbatches
+    while len(seq) < total:
+        progressed = False
+        for j in range(stages):
+            while pos[j] < len(orders[j]):
+                is_bwd, k = orders[j][pos[j]]
+                if not is_bwd:
+                    ready = j == 0 or (j - 1, False, k) in done
+                else:
+                    ready = (j, False, k) in done if j == stages - 1 else (j + 1, True, k) in done
+                if not ready:
+                    break
+                done.add((j, is_bwd, k))
+                seq.append((j, is_bwd, k))
+                pos[j] += 1
+                progressed = True
+        if not progressed:  # pragma: no cover - built-in schedules never deadlock
+            raise RuntimeError(f"{schedule} deadlocks: {stages} stages, {microbatches} microbatches")
+    return tuple(seq)
+
+
+def vector_makespans(fwd: np.ndarray, bwd: np.ndarray, comm: np.ndarray, schedule: str,
+                     microbatches: int) -> np.ndarray:
+    """Spec 5.2's makespan of one group for many cuts at once: ``fwd``/``bwd`` of shape
+    (cuts, S), ``comm`` (cuts, S - 1). The reference simulation, run on columns: every op
+    starts at the later of its inputs and its stage's previous op; each direction of each
+    boundary is a FIFO channel."""
+    n, stages = fwd.shape
+    zero = np.zeros(n)
+    clock = [zero] * stages
+    f_end: dict[int, np.ndarray] = {}
+    f_arrive: dict[tuple[int, int], np.ndarray] = {}
+    b_arrive: dict[tuple[int, int], np.ndarray] = {}
+    fwd_chan = [zero] * stages
+    bwd_chan = [zero] * stages
+    last = stages - 1
+    f_cols = [fwd[:, j] for j in range(stages)]
+    b_cols = [bwd[:, j] for j in range(stages)]
+    c_cols = [comm[:, j] for j in range(stages - 1)]
+    for j, is_bwd, k in op_sequence(schedule, stages, microbatches):
+        if not is_bwd:
+            t = (clock[j] if j == 0 else np.maximum(f_arrive.pop((j, k)), clock[j])) + f_cols[j]
+            clock[j] = t
+            if j == last:
+                f_end[k] = t
+            else:
+                arrive = np.maximum(t, fwd_chan[j]) + c_cols[j]
+                fwd_chan[j] = arrive
+                f_arrive[(j + 1, k)] = arrive
+        else:
+            ready = f_end.pop(k) if j == last else b_arrive.pop((j, k))
+            t = np.maximum(ready, clock[j]) + b_cols[j]
+            clock[j] = t
+            if j:
+                arrive = np.maximum(t, bwd_chan[j - 1]) + c_cols[j - 1]
+                bwd_chan[j - 1] = arrive
+                b_arrive[(j - 1, k)] = arrive
+    out: np.ndarray = np.max(np.vstack(clock), axis=0)
+    return out
+
+
 def stage_params_mb(arr: ModelArrays, bounds: np.ndarray) -> np.ndarray:
     """Parameter MB of each stage of each cut (rows of bounds): shape (cuts, stages)."""
     return arr.param[bounds[:, 1:]] - arr.param[bounds[:, :-1]]
@@ -557,12 +629,14 @@ def exhaustive_cuts(
     extra: Callable[[np.ndarray], np.ndarray] | None = None,
     top: int = _EXACT_TOP,
 ) -> list[tuple[int, ...]] | None:
-    """The ``top`` cuts by closed-form proxy makespan (+ ``extra(bounds)``, a per-cut
-    term such as the gradient sync) among **all** cuts of ``devices`` (None when there
-    are more than :data:`EXHAUSTIVE_CUTS` or more than :data:`EXHAUSTIVE_STAGES` stages).
+    """The ``top`` cuts by makespan (+ ``extra(bounds)``, a per-cut term such as the
+    gradient sync) among **all** cuts of ``devices`` (None when there are more than
+    :data:`EXHAUSTIVE_CUTS` or more than :data:`EXHAUSTIVE_STAGES` stages).
 
-    Vectorised over cuts: stage times, memory (recompute where only it fits, as in
-    :func:`_times_for`) and :func:`proxy_makespan`, each with the same formulas."""
+    Vectorised over cuts: stage times and memory (recompute where only it fits, as in
+    :func:`_times_for`), then the makespan simulated for every cut at once
+    (:func:`vector_makespans`) when the group has at most :data:`_VECTOR_OPS` ops, else
+    :func:`proxy_makespan`'s closed form, each with the same formulas."""
     n = len(devices)
     if n > EXHAUSTIVE_STAGES or n > arr.num_layers or \
             math.comb(arr.num_layers - 1, n - 1) > EXHAUSTIVE_CUTS:
@@ -590,17 +664,21 @@ def exhaustive_cuts(
     for j in range(n - 1):
         gbps, lat = links[j]
         comm[:, j] = lat + micro * arr.out[hi[:, j] - 1] * 8.0 / (1000.0 * gbps)
-    fill = fwd.sum(axis=1) + bwd.sum(axis=1) + 2.0 * comm.sum(axis=1)
-    top_comm = comm.max(axis=1) if n > 1 else np.zeros(lo.shape[0])
-    if schedule == "gpipe":
-        cycle = np.maximum(fwd.max(axis=1), top_comm) + np.maximum(bwd.max(axis=1), top_comm)
-    else:
-        cycle = np.maximum((fwd + bwd).max(axis=1), top_comm)
-        tail = np.zeros(lo.shape[0])
-        for j in range(n - 1, -1, -1):
-            tail = tail + fwd[:, j] + bwd[:, j] + (2.0 * comm[:, j] if j < n - 1 else 0.0)
-            cycle = np.maximum(cycle, tail / min(n - j, microbatches))
-    score = fill + (microbatches - 1) * cycle
+    if 2 * n * microbatches <= _VECTOR_OPS:  # simulate every cut (the reference's rules)
+        score = vector_makespans(fwd, bwd, comm, schedule, microbatches)
+    else:  # long pipelines: the closed-form proxy ranks them
+        fill = fwd.sum(axis=1) + bwd.sum(axis=1) + 2.0 * comm.sum(axis=1)
+        top_comm = comm.max(axis=1) if n > 1 else np.zeros(lo.shape[0])
+        if schedule == "gpipe":
+            cycle = np.maximum(fwd.max(axis=1), top_comm) + np.maximum(bwd.max(axis=1),
+                                                                        top_comm)
+        else:
+            cycle = np.maximum((fwd + bwd).max(axis=1), top_comm)
+            tail = np.zeros(lo.shape[0])
+            for j in range(n - 1, -1, -1):
+                tail = tail + fwd[:, j] + bwd[:, j] + (2.0 * comm[:, j] if j < n - 1 else 0.0)
+                cycle = np.maximum(cycle, tail / min(n - j, microbatches))
+        score = fill + (microbatches - 1) * cycle
     if extra is not None:
         score = score + extra(bounds)
     score = np.where(ok, score, _INF)
@@ -622,13 +700,16 @@ def partition_group(
     *,
     refine_steps: int | None = None,
     always_proxy: bool = False,
+    thorough: bool = False,
 ) -> GroupCut | None:
     """Best cut found for ``devices`` (stage order), or None if nothing fits.
 
     ``always_proxy`` ranks cuts by the closed-form proxy whatever M is (the
     planner sets it on big clusters, where thousands of groups are cut per
     search and an exact simulation per hill-climbing step is too slow); the
-    DP's cut and the refined cut are still compared exactly."""
+    DP's cut and the refined cut are still compared exactly. ``thorough`` tries every
+    cut (:func:`exhaustive_cuts`) at any M, not only at few microbatches (the planner
+    sets it on small clusters)."""
     n_stages = len(devices)
     n_layers = arr.num_layers
     if n_stages > n_layers:
@@ -646,14 +727,15 @@ def partition_group(
     seen: set[tuple[int, ...]] = set()
     # few stages and few microbatches (fill and drain dominate, where the DP's balance
     # misleads): the best of all cuts, the proxy's best few simulated exactly
-    every = None if proxy else exhaustive_cuts(arr, devices, links, micro, microbatches,
-                                               schedule)
+    every = None if always_proxy or (proxy and not thorough) else exhaustive_cuts(
+        arr, devices, links, micro, microbatches, schedule)
     if every:
         for tried in every:
             seen.add(tried)
             cut = evaluate_cut(arr, devices, links, tried, micro, microbatches, schedule)
             if cut is not None and (best is None or cut.makespan < best.makespan):
                 best = cut
+        proxy = False  # compare the DP's cuts and refine exactly, like the cuts above
     for bounds in fills:
         if bounds is None or bounds in seen:
             continue

@@ -29,6 +29,8 @@ from .types import SCHEDULES, Cluster, Group, Model, Plan, Stage
 __all__ = [
     "Evaluation",
     "GroupTimes",
+    "builtin_makespan_1f1b",
+    "builtin_makespan_gpipe",
     "evaluate",
     "group_makespan",
     "group_op_times",
@@ -188,9 +190,132 @@ def _cached_makespan(
     schedule: str,
     microbatches: int,
 ) -> float:
+    if schedule == "1f1b":
+        return builtin_makespan_1f1b(fwd, bwd, comm, microbatches)
+    if schedule == "gpipe":
+        return builtin_makespan_gpipe(fwd, bwd, comm, microbatches)
     n = len(fwd)
     orders = [order(schedule, n, j, microbatches) for j in range(n)]
     return pipeline_makespan(fwd, bwd, comm, orders)
+
+
+# The built-in schedules' simulations, visiting ops in an order fixed in advance.
+#
+# :func:`pipeline_makespan` finds, with a work list, an op whose inputs are known
+# and computes its end as ``max(ready, stage clock) + duration`` and each transfer's
+# arrival as ``max(end, channel free) + comm``. Those values do not depend on the
+# order in which ops are visited, only on each op being visited after the ops it
+# reads (the previous op of its stage, the op that sent its input, the previous
+# transfer on its channel). For gpipe and 1f1b such an order is known in advance,
+# so the two functions below skip the work list, the readiness tests and the op
+# orders, and compute every op with the same operands and the same float
+# operations: the same makespan, bit for bit (tests/planner/test_refmodel.py checks
+# them against pipeline_makespan). Still O(S * M) steps, about 3x fewer of them.
+
+def builtin_makespan_1f1b(fwd: Sequence[float], bwd: Sequence[float], comm: Sequence[float],
+                          microbatches: int) -> float:
+    """:func:`pipeline_makespan` under 1f1b, the same float.
+
+    Stage j's order is ``w_j = min(S - 1 - j, M)`` warm-up forwards, then
+    (F(w_j + i), B(i)) for i < M - w_j, then B(M - w_j) .. B(M - 1). Visited:
+    first each stage's forwards up to and including its first pair's
+    (``min(S - j, M)`` of them), stage 0 first; then rounds r = 0 .. M - 1, each
+    over the stages last to first, stage j running B(r) (it needs stage j + 1's
+    B(r), just visited, or on the last stage its own F(r)) and then, if its order
+    has one, F(w_j + r + 1) (stage j - 1 ran it in round r - 1, or in the
+    warm-up). Each stage's ops, and so each channel's transfers, keep their order.
+    """
+    n = len(fwd)
+    m = microbatches
+    if m <= 0:
+        return 0.0
+    last = n - 1
+    f_arrive = [[0.0] * m for _ in range(n)]  # f_arrive[j][k]: F(k)'s input at stage j
+    last_f_end = [0.0] * m
+    clock = [0.0] * n
+    fwd_chan = [0.0] * n  # channel j -> j + 1 free at
+    bwd_chan = [0.0] * n  # channel j + 1 -> j free at (indexed by j)
+    warm = [min(last - j, m) for j in range(n)]
+    for j in range(n):
+        f_dur, t, chan = fwd[j], 0.0, 0.0
+        mine = f_arrive[j]
+        nxt = f_arrive[j + 1] if j != last else last_f_end
+        c = comm[j] if j != last else 0.0
+        for k in range(min(n - j, m)):
+            ready = mine[k] if j else 0.0
+            t = (ready if ready > t else t) + f_dur
+            if j != last:
+                arrive = (t if t > chan else chan) + c
+                chan = arrive
+                nxt[k] = arrive
+            else:
+                nxt[k] = t
+        clock[j] = t
+        fwd_chan[j] = chan
+    for r in range(m):
+        ready = last_f_end[r]  # B(r) of the last stage needs its own F(r)
+        for j in range(last, -1, -1):
+            t = clock[j]
+            t = (ready if ready > t else t) + bwd[j]
+            if j:
+                chan = bwd_chan[j - 1]
+                ready = (t if t > chan else chan) + comm[j - 1]  # B(r)'s input at stage j - 1
+                bwd_chan[j - 1] = ready
+            k = warm[j] + r + 1
+            if k < m:
+                f_ready = f_arrive[j][k] if j else 0.0
+                t = (f_ready if f_ready > t else t) + fwd[j]
+                if j != last:
+                    chan = fwd_chan[j]
+                    arrive = (t if t > chan else chan) + comm[j]
+                    fwd_chan[j] = arrive
+                    f_arrive[j + 1][k] = arrive
+                else:
+                    last_f_end[k] = t
+            clock[j] = t
+    return max(clock)
+
+
+def builtin_makespan_gpipe(fwd: Sequence[float], bwd: Sequence[float], comm: Sequence[float],
+                           microbatches: int) -> float:
+    """:func:`pipeline_makespan` under gpipe, the same float: every stage's forwards,
+    stage 0 first, then every stage's backwards, the last stage first."""
+    n = len(fwd)
+    m = microbatches
+    if m <= 0:
+        return 0.0
+    last = n - 1
+    ready_at = [0.0] * m  # inputs of the stage being visited
+    clock = [0.0] * n
+    for j in range(n):
+        f_dur, t, chan = fwd[j], 0.0, 0.0
+        c = comm[j] if j != last else 0.0
+        out = [0.0] * m
+        for k in range(m):
+            ready = ready_at[k]
+            t = (ready if ready > t else t) + f_dur
+            if j != last:
+                arrive = (t if t > chan else chan) + c
+                chan = arrive
+                out[k] = arrive
+            else:
+                out[k] = t  # the last stage's backwards start from its own forwards
+        clock[j] = t
+        ready_at = out
+    for j in range(last, -1, -1):
+        b_dur, t, chan = bwd[j], clock[j], 0.0
+        c = comm[j - 1] if j else 0.0
+        out = [0.0] * m
+        for k in range(m):
+            ready = ready_at[k]
+            t = (ready if ready > t else t) + b_dur
+            if j:
+                arrive = (t if t > chan else chan) + c
+                chan = arrive
+                out[k] = arrive
+        clock[j] = t
+        ready_at = out
+    return max(clock)
 
 
 def group_makespan(times: GroupTimes, schedule: str, microbatches: int,

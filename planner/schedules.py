@@ -6,7 +6,10 @@ An op is ``(is_backward, microbatch)``; ``(False, 3)`` is F3, ``(True, 3)`` B3.
 from __future__ import annotations
 
 import functools
+import threading
 from collections.abc import Callable
+from itertools import accumulate
+from operator import itemgetter
 from typing import ParamSpec, TypeVar
 
 from .errors import InvalidPlanError
@@ -37,12 +40,49 @@ def _memo_short(maxsize: int, ops: Callable[..., int]) -> Callable[[Callable[P, 
     return wrap
 
 
+class _Order(tuple):  # type: ignore[type-arg]
+    """An op order that knows its in-flight peak (:func:`inflight` reads it instead of
+    scanning): the built-in and warm-up orders, which the planner and the baselines
+    build only to ask for it. Equal to, and hashed as, the plain tuple of its ops."""
+
+    peak: int
+
+    def __new__(cls, ops: list[Op], peak: int) -> _Order:
+        self = super().__new__(cls, ops)
+        self.peak = peak
+        return self
+
+    def __reduce__(self) -> tuple[object, ...]:
+        return (_Order, (list(self), self.peak))
+
+
+_OPS_LOCK = threading.Lock()
+_OPS: tuple[tuple[Op, ...], tuple[Op, ...]] = ((), ())
+"""``(False, k)`` and ``(True, k)`` for k below their length: the ops every order shares
+(one tuple of both, so that a reader never pairs old forwards with new backwards)."""
+
+
+def _op_tables(m: int) -> tuple[tuple[Op, ...], tuple[Op, ...]]:
+    """The shared forward and backward ops of microbatches 0 .. m - 1 (or more)."""
+    global _OPS
+    tables = _OPS
+    if len(tables[0]) < m:
+        with _OPS_LOCK:
+            tables = _OPS
+            if len(tables[0]) < m:
+                size = max(m, 2 * len(tables[0]), 64)
+                tables = _OPS = (tuple((False, k) for k in range(size)),
+                                 tuple((True, k) for k in range(size)))
+    return tables
+
+
 @_memo_short(4096, lambda schedule, num_stages, stage, microbatches: 2 * microbatches)
 def order(schedule: str, num_stages: int, stage: int, microbatches: int) -> tuple[Op, ...]:
     """The op order of a built-in schedule on one stage."""
     m = microbatches
     if schedule == "gpipe":
-        return tuple((False, k) for k in range(m)) + tuple((True, k) for k in range(m))
+        fwd, bwd = _op_tables(m)
+        return _Order([*fwd[:m], *bwd[:m]], m)
     if schedule == "1f1b":
         return warmup_order(num_stages - stage - 1, m)
     raise ValueError(f"no built-in order for schedule {schedule!r}")
@@ -58,12 +98,13 @@ def warmup_order(warmup: int, microbatches: int) -> tuple[Op, ...]:
     """
     m = microbatches
     w = max(0, min(warmup, m))
-    ops: list[Op] = [(False, k) for k in range(w)]
-    for i in range(m - w):
-        ops.append((False, w + i))
-        ops.append((True, i))
-    ops.extend((True, k) for k in range(m - w, m))
-    return tuple(ops)
+    fwd, bwd = _op_tables(m)
+    # F0 .. F(w-1), then F(w+i), B(i) for i < M - w, then B(M-w) .. B(M-1); by slices
+    # of the shared ops (orders of thousands of microbatches are rebuilt on each call)
+    ops: list[Op] = [*fwd[:w], *[fwd[0]] * (2 * (m - w)), *bwd[m - w:m]] if m else []
+    ops[w:2 * m - w:2] = fwd[w:m]
+    ops[w + 1:2 * m - w:2] = bwd[:m - w]
+    return _Order(ops, min(w + 1, m))
 
 
 def custom_order(ops: tuple[str, ...], microbatches: int, field: str) -> tuple[Op, ...]:
@@ -113,11 +154,17 @@ def format_order(ops: tuple[Op, ...]) -> tuple[str, ...]:
     return tuple(f"{'B' if b else 'F'}{k}" for b, k in ops)
 
 
-@_memo_short(16384, len)
 def inflight(ops: tuple[Op, ...]) -> int:
     """Most forwards run on a stage without their backward (spec 5.4)."""
-    live = peak = 0
-    for is_bwd, _ in ops:
-        live += -1 if is_bwd else 1
-        peak = max(peak, live)
-    return peak
+    return ops.peak if isinstance(ops, _Order) else _inflight(ops)
+
+
+@_memo_short(16384, len)
+def _inflight(ops: tuple[Op, ...]) -> int:
+    # the running count of forwards less backwards, in C: +1 per F, -1 per B
+    live = accumulate(map(_STEP.__getitem__, map(_IS_BWD, ops)))
+    return max(0, max(live, default=0))
+
+
+_IS_BWD = itemgetter(0)
+_STEP = {False: 1, True: -1}

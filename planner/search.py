@@ -71,6 +71,8 @@ _EXHAUSTIVE_DEVICES = 6
 BIG_CLUSTER = 64
 """Above this many devices the search narrows (see candidate_plans, Planner.cut)."""
 _BUILTIN = ("1f1b", "gpipe")
+_THOROUGH_CLUSTER = 16
+"""Up to this many devices every cut of a group of <= 4 stages is tried at any M."""
 _JOINT_TOP = 8
 """Cuts simulated exactly for a shared cut (the proxy plus the exact sync ranks all)."""
 
@@ -269,6 +271,7 @@ class Planner:
         self.total = job.microbatches
         self._key = (_model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
+        self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
         self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...]]] = {}
 
@@ -291,9 +294,10 @@ class Planner:
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)
         return _CUTS.get(
-            (self._key, sig, microbatches, schedule, self._big),
+            (self._key, sig, microbatches, schedule, self._big, self._thorough),
             lambda: partition_group(self.arr, devs, sig[1], self.micro,  # type: ignore[arg-type]
-                                    microbatches, schedule, always_proxy=self._big),
+                                    microbatches, schedule, always_proxy=self._big,
+                                    thorough=self._thorough),
         )
 
     def at(self, devs: Sequence[Device], bounds: tuple[int, ...], microbatches: int,
@@ -323,9 +327,10 @@ class Planner:
         total = self.total
         groups = [g for g in structure.groups if g]
         speed = [sum(d.tflops for d in g) for g in groups]
+        whole = sum(speed)
         cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
         for g, sp in zip(groups, speed, strict=True):
-            guess = max(1, min(total, round(total * sp / sum(speed))))
+            guess = max(1, min(total, round(total * sp / whole)))
             c = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
             if c is not None:
                 cuts.append((g, c))

@@ -243,15 +243,29 @@ def test_planner_does_not_import_torch_or_grpc() -> None:
 
 def test_cvxpy_is_imported_by_the_first_lp_not_by_the_planner() -> None:
     """Importing the planner leaves cvxpy out (start-up of `hetpilot plan`, the daemon);
-    planning a heterogeneous cluster solves its assignment LP with cvxpy."""
+    assignment LPs whose optimum lies inside the bounds have a closed form (all classes
+    finishing together: assign.closed_form) and leave it out too; planning a cluster
+    where a bound is active at the optimum (a slow class that gets no share, a memory
+    cap) solves that LP with cvxpy."""
     code = ("import sys\n"
-            "from hetpilot.planner import catalog\n"
+            "from hetpilot.planner import assign, catalog\n"
             "from hetpilot.planner.search import make_plan\n"
             "from hetpilot.planner.types import Job\n"
             "assert 'cvxpy' not in sys.modules, 'imported with the planner'\n"
             "cluster = catalog.make_cluster([('A100', 2), ('V100', 2), ('T4', 2)])\n"
             "make_plan(cluster, catalog.MODELS['gpt2-small'](), Job(global_batch=64, microbatch_size=4))\n"
-            "assert 'cvxpy' in sys.modules, 'the LP did not go through cvxpy'\n")
+            "assert 'cvxpy' not in sys.modules, 'imported for LPs with a closed form'\n"
+            "bounded = []\n"
+            "closed_form = assign.closed_form\n"
+            "def spy(*args):\n"
+            "    found = closed_form(*args)\n"
+            "    bounded.append(found is None)\n"
+            "    return found\n"
+            "assign.closed_form = spy\n"
+            "cluster = catalog.make_cluster([('H100', 2), ('T4', 2)])\n"
+            "make_plan(cluster, catalog.MODELS['gpt2-small'](), Job(global_batch=8, microbatch_size=1))\n"
+            "assert any(bounded), 'no LP with an active bound: pick another case'\n"
+            "assert 'cvxpy' in sys.modules, 'an LP with an active bound did not go through cvxpy'\n")
     _run_python(code)
 
 

@@ -1,0 +1,221 @@
+"""Shortcuts that keep `hetpilot plan` fast at thousands of microbatches, each checked
+against the plain path it replaces: the same answer (bit for bit where the plain
+path is the reference model's), and cvxpy imported only by an LP that needs it."""
+
+from __future__ import annotations
+
+import pickle
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from hetpilot.planner import assign
+from hetpilot.planner.refmodel import (
+    GroupTimes,
+    builtin_makespan_1f1b,
+    builtin_makespan_gpipe,
+    group_makespan,
+    pipeline_makespan,
+)
+from hetpilot.planner.schedules import Op, inflight, order, warmup_order
+
+# -- op orders ---------------------------------------------------------------------
+
+
+def _plain_warmup_order(warmup: int, m: int) -> tuple[Op, ...]:
+    """The order as the spec words it, one op at a time."""
+    w = max(0, min(warmup, m))
+    ops: list[Op] = [(False, k) for k in range(w)]
+    for i in range(m - w):
+        ops.append((False, w + i))
+        ops.append((True, i))
+    ops.extend((True, k) for k in range(m - w, m))
+    return tuple(ops)
+
+
+def _plain_inflight(ops: tuple[Op, ...]) -> int:
+    live = peak = 0
+    for is_bwd, _ in ops:
+        live += -1 if is_bwd else 1
+        peak = max(peak, live)
+    return peak
+
+
+@pytest.mark.parametrize("m", [*range(0, 13), 63, 64, 65, 2047, 2048, 2049, 4097])
+def test_orders_are_the_plain_orders_and_know_their_peak(m: int) -> None:
+    for warmup in range(-1, 10):
+        got = warmup_order(warmup, m)
+        want = _plain_warmup_order(warmup, m)
+        assert got == want and hash(got) == hash(want) and tuple(got) == want
+        assert inflight(got) == _plain_inflight(want) == inflight(want)
+    for stages in (1, 2, 5):
+        for j in range(stages):
+            assert order("1f1b", stages, j, m) == _plain_warmup_order(stages - 1 - j, m)
+            gpipe = order("gpipe", stages, j, m)
+            assert gpipe == tuple((False, k) for k in range(m)) + tuple((True, k) for k in range(m))
+            assert inflight(gpipe) == _plain_inflight(tuple(gpipe))
+
+
+def test_inflight_of_any_order_is_the_plain_scan() -> None:
+    r = random.Random(3)
+    for _ in range(500):
+        ops = tuple((r.random() < 0.5, r.randrange(9)) for _ in range(r.randrange(0, 40)))
+        assert inflight(ops) == _plain_inflight(ops)
+
+
+def test_orders_pickle_and_compare_as_tuples() -> None:
+    got = order("1f1b", 4, 1, 7)
+    back = pickle.loads(pickle.dumps(got))
+    assert back == got and inflight(back) == inflight(tuple(got)) == 3
+    assert {got: 1}[tuple(got)] == 1
+
+
+# -- the reference simulation of the built-in schedules ------------------------------
+
+
+def _random_times(r: random.Random, n: int) -> tuple[tuple[float, ...], ...]:
+    digits = r.choice([0, 1, 17])  # few digits: many equal times, ties in every max
+
+    def value(hi: float) -> float:
+        v = r.uniform(0.0, hi)
+        return round(v, digits) if digits < 17 else v
+
+    fwd = tuple(value(2.0) for _ in range(n))
+    bwd = tuple(value(4.0) for _ in range(n))
+    comm = tuple(value(1.5) if r.random() < 0.8 else 0.0 for _ in range(n - 1))
+    return fwd, bwd, comm
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_builtin_simulations_are_the_reference_bit_for_bit(seed: int) -> None:
+    r = random.Random(seed)
+    for _ in range(300):
+        n = r.randint(1, 12)
+        fwd, bwd, comm = _random_times(r, n)
+        m = r.choice([1, 2, 3, n, n + 1, r.randint(1, 2 * n + 3), r.randint(1, 80)])
+        for schedule, fast in (("1f1b", builtin_makespan_1f1b), ("gpipe", builtin_makespan_gpipe)):
+            orders = [order(schedule, n, j, m) for j in range(n)]
+            want = pipeline_makespan(fwd, bwd, comm, orders)
+            assert fast(fwd, bwd, comm, m) == want, (schedule, fwd, bwd, comm, m)
+            assert group_makespan(GroupTimes(fwd, bwd, comm), schedule, m) == want
+
+
+def test_builtin_simulations_at_thousands_of_microbatches() -> None:
+    r = random.Random(11)
+    for n in (1, 8, 42):
+        fwd, bwd, comm = _random_times(r, n)
+        for schedule, fast in (("1f1b", builtin_makespan_1f1b), ("gpipe", builtin_makespan_gpipe)):
+            orders = [order(schedule, n, j, 4096) for j in range(n)]
+            assert fast(fwd, bwd, comm, 4096) == pipeline_makespan(fwd, bwd, comm, orders)
+
+
+# -- the assignment LP ----------------------------------------------------------------
+
+
+def _random_lp(r: random.Random) -> tuple[list[float], list[float], list[float], int, list[int]]:
+    k = r.randint(1, 6)
+    fill = [r.uniform(0.0, 5.0) if r.random() < 0.9 else 0.0 for _ in range(k)]
+    cycle = [10 ** r.uniform(-3, 0) for _ in range(k)]
+    count = [r.randint(1, 100) for _ in range(k)]
+    total = r.randint(1, 5000)
+    cap = [float(r.choice([total, r.randint(1, total)])) for _ in range(k)]
+    while sum(c * n for c, n in zip(cap, count, strict=True)) < total:
+        cap = [c * 2 for c in cap]
+    return fill, cycle, cap, total, count
+
+
+def test_closed_form_is_the_lp_optimum_cvxpy_finds() -> None:
+    """Where it answers, the closed form is feasible, no worse than cvxpy's optimum, and
+    within cvxpy's tolerance of its solution (the optimum is unique there)."""
+    r = random.Random(1)
+    answered = 0
+    for _ in range(400):
+        fill, cycle, cap, total, count = _random_lp(r)
+        got = assign.closed_form(fill, cycle, cap, total, count)
+        if got is None:
+            continue
+        answered += 1
+        lp = assign.lp_problem(len(fill))._solve(fill, cycle, cap, total, count)
+        a, b, n = np.asarray(fill), np.asarray(cycle), np.asarray(count)
+        assert np.all(got >= 0) and np.all(got <= np.asarray(cap))
+        assert float(n @ got) == pytest.approx(total, rel=1e-12)
+        t_closed, t_lp = float(np.max(a + b * got)), float(np.max(a + b * lp))
+        assert t_closed <= t_lp * (1 + 1e-12)
+        assert t_closed == pytest.approx(t_lp, rel=1e-7)
+        assert np.allclose(got, lp, rtol=1e-5, atol=1e-5 * max(1.0, float(np.max(lp))))
+    assert answered > 100
+
+
+def test_closed_form_declines_lps_with_an_active_bound() -> None:
+    # the second class's fill alone outlasts the first's share of all microbatches
+    assert assign.closed_form([0.0, 100.0], [1.0, 1.0], [10.0, 10.0], 10) is None
+    # a cap binds (a gpipe memory limit)
+    assert assign.closed_form([0.0, 0.0], [1.0, 1.0], [2.0, 100.0], 10) is None
+    # outside the LP's domain: left to cvxpy, which reports it
+    assert assign.closed_form([0.0, 0.0], [0.0, 1.0], [10.0, 10.0], 10) is None
+    both = assign.closed_form([0.0, 0.0], [1.0, 1.0], [100.0, 100.0], 10)
+    assert both is not None and both.tolist() == [5.0, 5.0]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_assignment_is_the_same_with_and_without_the_closed_form(
+        seed: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    r = random.Random(seed)
+    for _ in range(150):
+        k = r.randint(2, 8)
+        n_classes = r.randint(1, k)
+        classes = [r.randrange(n_classes) for _ in range(k)]
+        a = [r.uniform(0, 5) for _ in range(n_classes)]
+        b = [10 ** r.uniform(-3, 0) for _ in range(n_classes)]
+        total = r.randint(k, 3000)
+        fill, cycle = [a[c] for c in classes], [b[c] for c in classes]
+
+        def span(g: int, m: int, fill: list[float] = fill, cycle: list[float] = cycle) -> float:
+            return fill[g] + cycle[g] * m + 0.01 * (m % 3)  # near affine, as makespans are
+
+        got = []
+        for closed in (True, False):
+            monkeypatch.setattr(assign, "CLOSED_FORM", closed)
+            assign._SOLVED.clear()
+            got.append(assign.assign_microbatches(span, fill, cycle, [total] * k, total, classes))
+        assert got[0] == got[1]
+
+
+# -- imports --------------------------------------------------------------------------
+
+_HEAVY = ("cvxpy", "scipy", "sklearn", "torch", "grpc")
+
+
+def _run(code: str) -> str:
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=False, timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def test_planner_imports_no_solver_and_no_heavy_module() -> None:
+    code = ("import sys\n"
+            "import hetpilot.planner, hetpilot.planner.search, hetpilot.planner.cli\n"
+            "import hetpilot.planner.assign, hetpilot.planner.refmodel, hetpilot.cli\n"
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {_HEAVY!r})\n"
+            "assert not bad, bad\n")
+    _run(code)
+
+
+def test_a_1024_device_plan_imports_no_solver_and_no_heavy_module() -> None:
+    """The issue-15 case (1024 devices, 4 kinds, 42 layers, 4096 microbatches): every
+    assignment LP has its optimum inside the bounds, so nothing imports cvxpy."""
+    code = ("import sys\n"
+            "from hetpilot.planner import catalog\n"
+            "from hetpilot.planner.search import make_plan\n"
+            "from hetpilot.planner.types import Job\n"
+            "kinds = ['H100', 'A100', 'V100', 'A10G']\n"
+            "cluster = catalog.make_cluster([(kinds[i % 4], 8) for i in range(128)])\n"
+            "job = Job(global_batch=4096, microbatch_size=1, schedules=('1f1b', 'gpipe', 'custom'))\n"
+            "plan = make_plan(cluster, catalog.MODELS['llama-13b'](), job)\n"
+            "assert plan.global_batch == 4096\n"
+            f"bad = sorted(m for m in sys.modules if m.split('.')[0] in {_HEAVY!r})\n"
+            "assert not bad, bad\n")
+    _run(code)
