@@ -1,10 +1,13 @@
-"""``hetpilot sim`` (spec v1 section 7): drive policies through a scenario.
+"""``hetpilot sim`` (docs/spec.md section 7): drive policies through a scenario.
 
 Output on stdout is JSON lines (``--json`` names that default): one object
 per slot and one summary object (``"summary": true``) per policy. ``--table``
 prints a readable table instead. ``--sweep-V 0.1,1,10`` prints one line per
 V (the trade-off: average iteration time against average cost and backlog).
-``--plot out.png`` draws the chosen policies side by side.
+``--plot out.png`` draws the chosen policies side by side; a path that cannot
+be written is bad input, found before the run. A long run draws a progress bar
+on stderr when that is a terminal (never with ``--json``; see
+:mod:`hetpilot.sim.progress`).
 
 Exit codes: 0 ok; 2 bad input (one line on stderr naming the field), also
 with ``--strict`` when a budget is below the cheapest feasible plan at slot 0
@@ -15,23 +18,28 @@ does its best); 3 when no slot of the run could place a plan.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
+import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hetpilot.planner.errors import ValidationError
 
 from .engine import SlotRecord, simulate, summarize
 from .policies import POLICY_NAMES, CachedSearch, parse_policies
+from .progress import SlotProgress, progress_wanted, slot_steps
 from .scenario import Scenario, Timeline, load_scenario
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--scenario", required=True, metavar="S.json")
+    parser.add_argument("--scenario", required=True, metavar="S.json",
+                        help="cluster, model, job, slots and events (format: see docs/spec.md)")
     parser.add_argument("--policy", default="lyapunov", metavar="NAME[,NAME...]",
                         help=f"one or more of {', '.join(POLICY_NAMES)} (default lyapunov)")
     parser.add_argument("--emit-plans", action="store_true", help="add each slot's plan")
@@ -45,7 +53,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--V", type=float, dest="V", metavar="V", help="override the job's V")
     parser.add_argument("--hysteresis", type=float, metavar="FRAC",
                         help="controller hysteresis (default 0.02)")
-    parser.add_argument("--plot", metavar="out.png", help="plot iteration time, cost and backlog")
+    parser.add_argument("--plot", metavar="out.png",
+                        help="plot iteration time, cost and backlog (png, pdf, svg, ...); "
+                             "checked before the run")
     parser.add_argument("--sweep-V", dest="sweep_v", metavar="V1,V2,...",
                         help="run the first policy once per V and print the trade-off")
     parser.add_argument("--strict", action="store_true",
@@ -76,7 +86,40 @@ def _check_args(args: argparse.Namespace) -> list[float]:
             if not (math.isfinite(v) and v > 0):
                 raise ValidationError("--sweep-V", f"values must be > 0, got {part}")
             sweep.append(v)
+    if args.plot is not None:
+        _check_plot(args.plot)
     return sweep
+
+
+def _check_plot(path: str) -> None:
+    """Fail before the run, not after minutes of it, if ``--plot`` cannot be written:
+    a missing folder, a folder given as the file, no write permission, a read-only
+    file system, or a format matplotlib does not write. Probes by opening the file
+    for appending (which creates it if missing; a file created here is removed)."""
+    target = Path(path)
+    suffix = target.suffix.lower().lstrip(".")
+    if suffix:
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        formats = FigureCanvasBase.get_supported_filetypes()
+        if suffix not in formats:
+            raise ValidationError("--plot", f"cannot write {path!r}: unknown image format "
+                                            f"{target.suffix!r}; use one of {', '.join(sorted(formats))}")
+    folder = target.parent
+    if not folder.is_dir():
+        why = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise ValidationError("--plot", f"cannot write {path!r}: {str(folder)!r} {why}")
+    if target.is_dir():
+        raise ValidationError("--plot", f"cannot write {path!r}: it is a folder")
+    existed = target.exists()
+    try:
+        with open(target, "ab"):
+            pass
+    except OSError as exc:
+        raise ValidationError("--plot", f"cannot write {path!r}: {exc.strerror or exc}") from None
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.unlink(target)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -100,33 +143,52 @@ def _run(args: argparse.Namespace) -> int:
 
     search = CachedSearch(planner_search)
     timeline = Timeline(scenario, args.slots)
+    devices = len(scenario.cluster.devices)
+    step = slot_steps(1, 1, devices)
+    total = slot_steps(len(timeline), len(sweep) or len(policies), devices)
+    bar = SlotProgress(total, progress_wanted(args, total, sys.stdout, sys.stderr))
     if sweep:
-        return _sweep(scenario, timeline, policies[0], sweep, search, args)
+        with bar:
+            trade_off = _sweep(scenario, timeline, policies[0], sweep, search, args, bar, step)
+        if args.table:
+            _print_table(trade_off)
+        if args.plot:
+            from .plot import plot_sweep
+
+            try:
+                plot_sweep(trade_off, args.plot, title=args.scenario)
+            except OSError as exc:
+                return _fail(f"--plot: cannot write {args.plot!r}: {exc.strerror or exc}", 2)
+        return 0
     runs: dict[str, list[SlotRecord]] = {}
     rows: list[dict[str, Any]] = []
-    for name in policies:
-        records: list[SlotRecord] = []
-        seen: set[str] = set()
-        for rec in simulate(scenario, name, seed=args.seed, noise=args.noise, slots=args.slots,
-                            V=args.V, hysteresis=args.hysteresis, timeline=timeline, search=search):
-            records.append(rec)
-            for w in rec.warnings:
-                if w.startswith("job.budgets.") and w not in seen:
-                    seen.add(w)
-                    if args.strict and rec.slot == 0:
-                        return _fail(w.split("; ")[0], 2)
-                    print(f"hetpilot: warning: {name}: {w}", file=sys.stderr)
-            row = rec.to_dict(args.emit_plans)
+    with bar:
+        for name in policies:
+            bar.begin(name)
+            records: list[SlotRecord] = []
+            seen: set[str] = set()
+            for rec in simulate(scenario, name, seed=args.seed, noise=args.noise, slots=args.slots,
+                                V=args.V, hysteresis=args.hysteresis, timeline=timeline,
+                                search=search):
+                bar.advance(step)
+                records.append(rec)
+                for w in rec.warnings:
+                    if w.startswith("job.budgets.") and w not in seen:
+                        seen.add(w)
+                        if args.strict and rec.slot == 0:
+                            return _fail(w.split("; ")[0], 2)
+                        print(f"hetpilot: warning: {name}: {w}", file=sys.stderr)
+                row = rec.to_dict(args.emit_plans)
+                if args.table:
+                    rows.append(row)
+                else:
+                    print(json.dumps(row), flush=False)
+            summary = summarize(records)
+            runs[name] = records
             if args.table:
-                rows.append(row)
+                rows.append(summary)
             else:
-                print(json.dumps(row), flush=False)
-        summary = summarize(records)
-        runs[name] = records
-        if args.table:
-            rows.append(summary)
-        else:
-            print(json.dumps(summary), flush=True)
+                print(json.dumps(summary), flush=True)
     if args.table:
         _print_table(rows)
     if args.plot:
@@ -142,12 +204,18 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _sweep(scenario: Scenario, timeline: Timeline, policy: str, values: Sequence[float],
-           search: CachedSearch, args: argparse.Namespace) -> int:
+           search: CachedSearch, args: argparse.Namespace, bar: SlotProgress,
+           step: int) -> list[dict[str, Any]]:
+    """One row per V (printed at once as JSON lines unless ``--table``)."""
     rows = []
     for v in values:
-        records = list(simulate(scenario, policy, seed=args.seed, noise=args.noise,
-                                slots=args.slots, V=v, hysteresis=args.hysteresis,
-                                timeline=timeline, search=search))
+        bar.begin(f"{policy} V={v:g}")
+        records = []
+        for rec in simulate(scenario, policy, seed=args.seed, noise=args.noise,
+                            slots=args.slots, V=v, hysteresis=args.hysteresis,
+                            timeline=timeline, search=search):
+            bar.advance(step)
+            records.append(rec)
         s = summarize(records)
         row = {
             "V": v,
@@ -164,13 +232,7 @@ def _sweep(scenario: Scenario, timeline: Timeline, policy: str, values: Sequence
         rows.append(row)
         if not args.table:
             print(json.dumps(row), flush=True)
-    if args.table:
-        _print_table(rows)
-    if args.plot:
-        from .plot import plot_sweep
-
-        plot_sweep(rows, args.plot, title=args.scenario)
-    return 0
+    return rows
 
 
 _SLOT_COLS = (("policy", "policy"), ("slot", "slot"), ("iteration_s", "T s"),
