@@ -22,7 +22,8 @@ TOKEN_ENV = "HETPILOT_TOKEN"
 _IDEMPOTENT = {
     "hetpilot.v1.JobService": ("SubmitJob", "GetJob", "ListJobs", "CancelJob", "UpdateBudgets"),
     "hetpilot.v1.AgentService": ("Register", "Heartbeat"),
-    "hetpilot.v1.TrainerService": ("Attach", "ReportStageTimings"),
+    "hetpilot.v1.TrainerService": ("Attach", "ReportStageTimings", "FinishJob"),
+    "hetpilot.v1.ClusterService": ("ListNodes", "DrainHost", "ResumeHost"),
 }
 
 _SERVICE_CONFIG = json.dumps({

@@ -10,6 +10,11 @@ reported: the loss and the step it belongs to, and the held-out metric for
 jobs with an evaluation hook. A diverged run shows "nan" (JSON: the string
 "NaN", as proto3 JSON writes non-finite doubles).
 
+A job ends SUCCEEDED or FAILED (the trainer says so; ``job`` shows the
+reason) or CANCELLED; ``jobs`` shows each job's state, start and end time,
+plan version, iteration time and what it has cost so far, fitted to the
+terminal's width (:mod:`hetpilot.client.tables`).
+
 Exit codes: 0 ok; 1 other failure; 2 bad input (a bad job file or argument,
 or INVALID_ARGUMENT / RESOURCE_EXHAUSTED from the daemon); 3 no such job
 (NOT_FOUND: also another owner's job); 4 not authenticated; 5 daemon
@@ -38,9 +43,10 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
-from .channel import Endpoint, metadata, open_sync
+from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
+from .tables import Column, print_table, terminal_width
 
-__all__ = ["EXIT", "add_arguments", "job_request_from_toml", "run"]
+__all__ = ["EXIT", "add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
 
 EXIT = {
     grpc.StatusCode.INVALID_ARGUMENT: 2, grpc.StatusCode.RESOURCE_EXHAUSTED: 2,
@@ -49,7 +55,8 @@ EXIT = {
     grpc.StatusCode.DEADLINE_EXCEEDED: 5, grpc.StatusCode.FAILED_PRECONDITION: 6,
 }
 _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
-          job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
+          job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_SUCCEEDED: "succeeded",
+          job_pb2.JOB_STATE_FAILED: "failed", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
 _JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
              "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts"}
 
@@ -58,14 +65,20 @@ class InputError(ValueError):
     """Bad job file or argument (exit 2)."""
 
 
-def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+def common_arguments(parser: argparse.ArgumentParser, token_help: str = "your bearer token"
+                     ) -> None:
+    """The flags of every command that calls the daemon."""
     parser.add_argument("--daemon", metavar="HOST:PORT", help="default: $HETPILOT_ADDRESS")
-    parser.add_argument("--token-file", help="file with your bearer token (default: $HETPILOT_TOKEN)")
+    parser.add_argument("--token-file", help=f"file with {token_help} (default: ${TOKEN_ENV})")
     parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
     parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
     parser.add_argument("--key-file", default="")
     parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+
+
+def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
+    common_arguments(parser)
     if name == "submit":
         parser.add_argument("job_file", metavar="job.toml")
     elif name == "jobs":
@@ -169,7 +182,8 @@ def _job_dict(info: job_pb2.JobInfo) -> dict[str, Any]:
 def _ints(out: dict[str, Any]) -> dict[str, Any]:
     """MessageToDict writes 64-bit integers as strings (proto3 JSON); scripts want numbers."""
     for key in ("slot", "plan_version", "version", "created_unix_ms", "loss_step", "eval_step",
-                "loss_unix_ms"):
+                "loss_unix_ms", "started_unix_ms", "ended_unix_ms", "state_since_unix_ms",
+                "registered_unix_ms", "measured_unix_ms", "unix_ms"):
         if key in out:
             out[key] = int(out[key])
     return out
@@ -226,25 +240,52 @@ def _fmt_costs(costs: Any, budgets: Any) -> str:
     return ", ".join(parts)
 
 
-def _print_jobs(jobs: list[job_pb2.JobInfo]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _fmt_spent(spent: Any) -> str:
+    """What a job has cost so far: dollars, kWh."""
+    parts = []
+    for k in sorted(spent, key=lambda k: (k != "price_per_hour", k)):
+        v = spent[k]
+        if k == "price_per_hour":
+            parts.append(f"${v:.2f}")
+        elif k == "power_watts":
+            parts.append(f"{v / 1000:.3g} kWh" if v >= 1000 else f"{v:.3g} Wh")
+        else:
+            parts.append(f"{k} {v:.3g}")
+    return ", ".join(parts) or "-"
 
-    table = Table(title="hetpilot jobs")
-    table.add_column("id", no_wrap=True)
-    for col in ("name", "state", "model", "batch", "plan v", "iter s", "loss",
-                "avg cost / budget", "devices"):
-        table.add_column(col)
+
+def _when(unix_ms: int) -> str:
+    """Local time, to the minute; "-" for none."""
+    return time.strftime("%m-%d %H:%M", time.localtime(unix_ms / 1000)) if unix_ms else "-"
+
+
+#: The columns of ``hetpilot jobs``, most important kept longest (tables.fit).
+_JOB_COLUMNS = (
+    Column("id", 100), Column("name", 70, shrink=True), Column("state", 95),
+    Column("started", 45), Column("ended", 40), Column("plan v", 80, justify="right"),
+    Column("iter s", 75, justify="right"), Column("cost so far", 60),
+    Column("loss", 55, justify="right"), Column("avg cost / budget", 30),
+    Column("devices", 35), Column("batch", 25), Column("model", 20, shrink=True),
+)
+
+
+def _print_jobs(jobs: list[job_pb2.JobInfo], width: int | None = None) -> None:
+    rows = []
     for j in jobs:
         devices = str(len(j.devices))
         if j.emulated_devices:
             devices += f" ({len(j.emulated_devices)} emulated)"
-        table.add_row(j.job_id, j.name, _STATE.get(j.state, "?"), j.model_name or "-",
-                      f"{j.global_batch}/{j.microbatch_size}", str(j.plan_version),
-                      f"{j.iteration_s:.3f}" if j.plan_version else "-",
-                      _fmt_value(j.loss) if j.HasField("loss") else "-",
-                      _fmt_costs(j.average_costs, j.budgets), devices or "-")
-    Console().print(table)
+        rows.append((j.job_id, j.name, _STATE.get(j.state, "?"), _when(j.started_unix_ms),
+                     _when(j.ended_unix_ms), str(j.plan_version),
+                     f"{j.iteration_s:.3f}" if j.plan_version else "-",
+                     _fmt_spent(j.cost_so_far),
+                     _fmt_value(j.loss) if j.HasField("loss") else "-",
+                     _fmt_costs(j.average_costs, j.budgets) or "-", devices,
+                     f"{j.global_batch}/{j.microbatch_size}", j.model_name or "-"))
+    if not rows:
+        print("no jobs (cancelled ones: --all)")
+        return
+    print_table("hetpilot jobs", _JOB_COLUMNS, rows, width)
 
 
 def _print_job(j: job_pb2.JobInfo) -> None:
@@ -254,6 +295,9 @@ def _print_job(j: job_pb2.JobInfo) -> None:
     table = Table(title=f"job {j.job_id}", show_header=False)
     emu = set(j.emulated_devices)
     rows = [("name", j.name), ("owner", j.owner), ("state", _STATE.get(j.state, "?")),
+            *([("reason", j.reason)] if j.reason else []),
+            ("submitted / started / ended", f"{_when(j.created_unix_ms)} / "
+             f"{_when(j.started_unix_ms)} / {_when(j.ended_unix_ms)}"),
             ("model", j.model_name or ("(profile on attach)" if j.profile_on_attach else "-")),
             ("batch / microbatch", f"{j.global_batch} / {j.microbatch_size}"),
             ("V", f"{j.v:g}"),
@@ -265,6 +309,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             *([("eval metric", _fmt_eval(j))] if j.HasField("eval_metric") else []),
             ("cost now / budget", _fmt_costs(j.costs, j.budgets)),
             ("average cost / budget", _fmt_costs(j.average_costs, j.budgets)),
+            ("cost so far", _fmt_spent(j.cost_so_far)),
             ("queues", ", ".join(f"{k} {v:.2f}" for k, v in sorted(j.queues.items())) or "-"),
             ("devices", ", ".join(d + (" (emulated)" if d in emu else "") for d in j.devices)
              or "-"),
@@ -272,7 +317,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             ("warnings", "; ".join(j.warnings) or "-")]
     for k, v in rows:
         table.add_row(k, v)
-    Console().print(table)
+    Console(width=terminal_width()).print(table)
 
 
 def _fail(message: str, code: int) -> int:
@@ -280,28 +325,42 @@ def _fail(message: str, code: int) -> int:
     return code
 
 
-def run(args: argparse.Namespace) -> int:
+Md = tuple[tuple[str, str], ...]
+
+
+def call(args: argparse.Namespace, command: Callable[[grpc.Channel, Md], int]) -> int:
+    """Open a channel as the common flags say, run ``command`` on it, and map what goes
+    wrong to an exit code with one line on stderr."""
+    token = ""
     try:
-        token = Path(args.token_file).read_text().strip() if args.token_file else None
-        ep = Endpoint.from_env(args.daemon, token, ca_file=args.ca_file,
+        ep = Endpoint.from_env(args.daemon, Path(args.token_file).read_text().strip()
+                               if args.token_file else None, ca_file=args.ca_file,
                                cert_file=args.cert_file, key_file=args.key_file)
+        token = ep.token
         with open_sync(ep) as channel:
-            stub = job_pb2_grpc.JobServiceStub(channel)
-            return _COMMANDS[args.command](stub, metadata(ep.token), args)
+            return command(channel, metadata(ep.token))
     except (InputError, ValueError, OSError) as exc:
         return _fail(str(exc), 2)
     except grpc.RpcError as exc:
         code = exc.code()  # type: ignore[attr-defined]
-        return _fail(f"{code.name}: {exc.details()}",  # type: ignore[attr-defined]
-                     EXIT.get(code, 1))
+        message = f"{code.name}: {exc.details()}"  # type: ignore[attr-defined]
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            given = "" if token else "; none was given"
+            message += f" (the token comes from --token-file FILE, else ${TOKEN_ENV}{given})"
+        return _fail(message, EXIT.get(code, 1))
 
 
-Md = tuple[tuple[str, str], ...]
+def run(args: argparse.Namespace) -> int:
+    return call(args, lambda channel, md: _COMMANDS[args.command](
+        job_pb2_grpc.JobServiceStub(channel), md, args))
 
 
 def _submit(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
     info = stub.SubmitJob(job_request_from_toml(args.job_file), metadata=md, timeout=args.timeout)
     print(json.dumps(_job_dict(info)) if args.json else info.job_id)
+    if not args.json:  # e.g. allowed_hosts naming a host no agent registered as
+        for warning in info.warnings:
+            print(f"hetpilot: warning: {warning}", file=sys.stderr)
     return 0
 
 

@@ -5,9 +5,13 @@ TrainerService needs a job's trainer token (:meth:`Authenticator.job_token`,
 given to the job's owner in JobInfo.trainer_token), which the servicer then
 holds to that one job, or the cluster token where
 ``auth.cluster_token_for_trainers`` still allows it; health and reflection are
-open (probes and grpcurl). The servicers ask :meth:`Authenticator.owner` /
-:meth:`Authenticator.trainer_job` who the caller is; the interceptor has
-already refused anyone else with UNAUTHENTICATED.
+open (probes and grpcurl). ClusterService takes an owner's token or the cluster
+token: any owner may list the nodes, and the servicer holds draining and
+resuming hosts to the cluster token (there is no separate admin role: the
+cluster token's holder already decides what the daemon believes about every
+host). The servicers ask :meth:`Authenticator.owner` /
+:meth:`Authenticator.trainer_job` / :meth:`Authenticator.is_cluster` who the
+caller is; the interceptor has already refused anyone else with UNAUTHENTICATED.
 
 A trainer token is ``hpj_<job_id>_<HMAC-SHA256(key, job_id)>`` with a key the
 daemon keeps in its state dir: derived, so nothing per job is stored, and it
@@ -33,6 +37,7 @@ ANONYMOUS = "anonymous"
 _OWNER_PREFIX = "/hetpilot.v1.JobService/"
 _AGENT_PREFIX = "/hetpilot.v1.AgentService/"
 _TRAINER_PREFIX = "/hetpilot.v1.TrainerService/"
+_CLUSTER_PREFIX = "/hetpilot.v1.ClusterService/"
 _JOB_TOKEN_PREFIX = "hpj_"
 #: Methods whose handlers are not unary-unary (the refusal must match the shape).
 _STREAMING = {
@@ -133,6 +138,8 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             ok = self._auth.is_cluster(metadata)
         elif method.startswith(_TRAINER_PREFIX):
             ok = self._auth.may_train(metadata)
+        elif method.startswith(_CLUSTER_PREFIX):
+            ok = self._auth.owner(metadata) is not None or self._auth.is_cluster(metadata)
         else:
             ok = True
         if ok:

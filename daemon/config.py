@@ -138,6 +138,9 @@ class DaemonConfig:
     planner_memory_mb: int = 8192
     """Address-space limit of the planning process (RLIMIT_AS); a slot whose solve
     needs more fails with an error in the job's warnings; 0: no limit."""
+    insecure_local: bool = False
+    """``--insecure-local``: no authentication, loopback ``listen`` only (a one-machine
+    trial; see :mod:`hetpilot.daemon.quickstart`)."""
     auth: AuthConfig = field(default_factory=AuthConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
 
@@ -148,6 +151,13 @@ class DaemonConfig:
                 check_address(self.metrics_listen, "metrics_listen", listen=True)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
+        if self.insecure_local:
+            from .quickstart import is_loopback
+
+            if not is_loopback(self.listen):
+                raise ConfigError(f"--insecure-local: listen address {self.listen} is not a "
+                                  "loopback address (127.0.0.1, ::1, localhost): without "
+                                  "tokens only this machine may connect")
         for name in ("slot_s", "report_interval_s", "heartbeat_timeout_s", "grace_s",
                      "intra_host_gbps", "inter_host_gbps"):
             _positive(name, getattr(self, name))

@@ -39,12 +39,12 @@ from typing import TYPE_CHECKING, Any
 from hetpilot.planner.controller import Controller, ControllerConfig
 from hetpilot.planner.errors import PlanningError
 
-from .records import JOB_CANCELLED, JobRecord, JobStatus, PlanRecord
+from .records import JobRecord, JobStatus, PlanRecord
 
 if TYPE_CHECKING:
     from .core import ControlPlane
 
-__all__ = ["MAX_BACKOFF_S", "JobLoop", "backoff_s", "make_controller"]
+__all__ = ["MAX_BACKOFF_S", "JobLoop", "accrue", "backoff_s", "make_controller"]
 
 log = logging.getLogger("hetpilot.daemon.control")
 
@@ -56,6 +56,18 @@ def backoff_s(failures: int, slot_s: float) -> float:
     """Delay before retry number ``failures`` (1, 2, ...): min(slot, 1 s), doubling."""
     first = min(slot_s, 1.0)
     return min(first * 2.0 ** min(failures - 1, 30), max(slot_s, MAX_BACKOFF_S))
+
+
+def accrue(status: JobStatus, rec: JobRecord, now_ms: int) -> dict[str, float]:
+    """``status.spent`` plus the cost rates of ``status`` (the plan that ran since that
+    slot) over the wall time since the later of that slot and the job's first Attach:
+    nothing runs, so nothing is spent, before a trainer attaches."""
+    spent = dict(status.spent)
+    if rec.started_ms:
+        hours = max(0, now_ms - max(status.updated_ms, rec.started_ms)) / 3.6e6
+        for kind, rate in status.costs.items():
+            spent[kind] = spent.get(kind, 0.0) + rate * hours
+    return spent
 
 
 def make_controller(rec: JobRecord, state: Mapping[str, Any] | None) -> Controller:
@@ -94,6 +106,9 @@ class JobLoop:
         """``_reported`` when the last slot ran."""
         self._reported_at = 0.0
         self._forced = False
+        self.no_devices = False
+        """The last slot found no device to plan on: the plane wakes the loop when an
+        agent comes up (or a host is resumed) instead of leaving it a slot without a plan."""
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
@@ -160,7 +175,7 @@ class JobLoop:
         slot_s = self.plane.config.slot_s
         try:
             rec = self.plane.store.get_job(self.job_id)
-            if rec is None or rec.state == JOB_CANCELLED:
+            if rec is None or rec.ended:
                 return None
             slot_s = rec.slot_s
             self._slot_iterations = rec.slot_iterations
@@ -192,8 +207,12 @@ class JobLoop:
         plane = self.plane
         cluster, rec = await plane.planning_inputs(rec)
         status, state = await asyncio.to_thread(plane.store.job_status, self.job_id)
+        self.no_devices = not cluster.devices
         if not cluster.devices:
-            await self._keep(status, state, "no devices are up")
+            drained = sorted(plane.drained())
+            await self._keep(rec, status, state, "no devices are up" + (
+                f" (drained: {', '.join(drained[:8])}{' ...' if len(drained) > 8 else ''})"
+                if drained else ""))
             return
         budgets, self._budgets = self._budgets, None
         t0 = time.perf_counter()
@@ -201,7 +220,7 @@ class JobLoop:
             out, self._generation = await plane.planner.step(
                 self.job_id, rec, state, self._generation, budgets, cluster)
         except PlanningError as exc:
-            await self._keep(status, state, f"no plan: {exc}")
+            await self._keep(rec, status, state, f"no plan: {exc}")
             return
         finally:
             plane.metrics.solve_s.observe(time.perf_counter() - t0)
@@ -215,10 +234,12 @@ class JobLoop:
                 iteration_s=out.iteration_s, costs=out.costs, queues=out.queues,
                 switch_cost_s=out.switch_cost_s, warnings=out.warnings,
                 created_ms=int(time.time() * 1000))
+        now_ms = int(time.time() * 1000)
         new_status = JobStatus(
             slot=out.slot + 1, plan_version=max(out.version, status.plan_version),
             iteration_s=out.iteration_s, costs=out.costs, cost_sums=sums,
-            queues=out.queues, devices=out.devices, warnings=out.warnings)
+            queues=out.queues, devices=out.devices, warnings=out.warnings,
+            spent=accrue(status, rec, now_ms), updated_ms=now_ms)
         # a failure here (the store) is _iteration's: it rebuilds the controller, which
         # has stepped, from the state last stored
         await asyncio.to_thread(plane.store.record_slot, self.job_id, status=new_status,
@@ -227,10 +248,18 @@ class JobLoop:
         if new_plan is not None:
             plane.metrics.plan_versions.inc()
             plane.notify(self.job_id)
+            log.info("job %s: plan v%d (slot %d): predicted iteration %.4g s on %d device(s)"
+                     ", %s", self.job_id, new_plan.version, new_plan.slot, new_plan.iteration_s,
+                     len(out.devices), ", ".join(f"{k} {v:.4g}" for k, v in
+                                                 sorted(out.costs.items())) or "no costs")
 
-    async def _keep(self, status: JobStatus, state: dict[str, Any] | None,
+    async def _keep(self, rec: JobRecord, status: JobStatus, state: dict[str, Any] | None,
                     warning: str) -> None:
-        """Record a slot that decided nothing: the same status, with ``warning``."""
+        """Record a slot that decided nothing: the same status, with ``warning`` (the
+        trainer keeps running its last plan, so its cost keeps counting)."""
+        now_ms = int(time.time() * 1000)
         await asyncio.to_thread(self.plane.store.record_slot, self.job_id,
-                                status=replace(status, warnings=(warning,)),
+                                status=replace(status, warnings=(warning,),
+                                               spent=accrue(status, rec, now_ms),
+                                               updated_ms=now_ms),
                                 controller_state=state or {})

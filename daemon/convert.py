@@ -14,13 +14,16 @@ from typing import Literal
 
 from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.types import COST_KINDS
-from hetpilot.v1 import agent_pb2, common_pb2, job_pb2, trainer_pb2
+from hetpilot.v1 import agent_pb2, cluster_pb2, common_pb2, job_pb2, trainer_pb2
 
 from .errors import TooLarge
+from .nodes import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeView
 from .records import (
     JOB_CANCELLED,
+    JOB_FAILED,
     JOB_PENDING,
     JOB_RUNNING,
+    JOB_SUCCEEDED,
     AgentRecord,
     AgentReport,
     DeviceInfo,
@@ -43,8 +46,11 @@ __all__ = [
     "attach_from_proto",
     "attach_response",
     "budgets_from_proto",
+    "drain_from_proto",
+    "finish_from_proto",
     "job_to_proto",
     "metric",
+    "nodes_to_proto",
     "peers_to_proto",
     "plan_to_proto",
     "report_from_proto",
@@ -70,7 +76,16 @@ _KINDS = {common_pb2.DEVICE_KIND_CPU: "cpu", common_pb2.DEVICE_KIND_CUDA: "cuda"
           common_pb2.DEVICE_KIND_EMULATED: "emulated"}
 _KIND_ENUM = {v: k for k, v in _KINDS.items()}
 _STATES = {JOB_PENDING: job_pb2.JOB_STATE_PENDING, JOB_RUNNING: job_pb2.JOB_STATE_RUNNING,
-           JOB_CANCELLED: job_pb2.JOB_STATE_CANCELLED}
+           JOB_CANCELLED: job_pb2.JOB_STATE_CANCELLED,
+           JOB_SUCCEEDED: job_pb2.JOB_STATE_SUCCEEDED, JOB_FAILED: job_pb2.JOB_STATE_FAILED}
+_OUTCOMES = {trainer_pb2.JOB_OUTCOME_SUCCEEDED: JOB_SUCCEEDED,
+             trainer_pb2.JOB_OUTCOME_FAILED: JOB_FAILED}
+_OUTCOME_ENUM = {v: k for k, v in _OUTCOMES.items()}
+_NODE_STATES = {NODE_UP: cluster_pb2.NODE_STATE_UP, NODE_DOWN: cluster_pb2.NODE_STATE_DOWN,
+                NODE_DRAINING: cluster_pb2.NODE_STATE_DRAINING}
+MAX_FINISH_REASON = 2000
+"""Characters of a trainer's FinishJob reason (an error message, not a traceback)."""
+MAX_DRAIN_REASON = 500
 
 
 def name(value: str, field: str) -> str:
@@ -183,9 +198,11 @@ def job_to_proto(rec: JobRecord, status: JobStatus, emulated: Iterable[str] = ()
         costs=dict(status.costs), average_costs=status.average_costs(),
         queues=dict(status.queues), devices=list(status.devices),
         emulated_devices=[d for d in status.devices if d in emu],
-        created_unix_ms=rec.created_ms, warnings=list(status.warnings),
+        created_unix_ms=rec.created_ms, warnings=[safe_text(w) for w in status.warnings],
         loss_step=progress.loss_step, eval_step=progress.eval_step,
-        loss_unix_ms=progress.loss_unix_ms)
+        loss_unix_ms=progress.loss_unix_ms, started_unix_ms=rec.started_ms,
+        ended_unix_ms=rec.ended_ms, reason=safe_text(rec.reason),
+        cost_so_far=dict(status.spent))
     if progress.loss is not None:  # optional fields: unset means "no loss reported yet"
         info.loss = progress.loss
     if progress.eval_metric is not None:
@@ -341,3 +358,70 @@ def timings_from_proto(req: trainer_pb2.StageTimingsReport, unix_ms: int) -> Tim
                          iteration=version(req.iteration, "iteration"),
                          stages=tuple(stages), unix_ms=unix_ms, loss=metric(req, "loss"),
                          eval_metric=metric(req, "eval_metric"))
+
+
+def finish_from_proto(req: trainer_pb2.FinishJobRequest) -> tuple[str, str, str]:
+    """(job id, "succeeded" or "failed", reason)."""
+    job_id = name(req.job_id, "job_id")
+    outcome = _OUTCOMES.get(req.outcome)
+    if outcome is None:
+        raise ValidationError("outcome", "must be JOB_OUTCOME_SUCCEEDED or JOB_OUTCOME_FAILED, "
+                                         f"got {req.outcome}")
+    if len(req.reason) > MAX_FINISH_REASON:
+        raise ValidationError("reason", f"at most {MAX_FINISH_REASON} characters, got "
+                                        f"{len(req.reason)}")
+    return job_id, outcome, req.reason
+
+
+def outcome_to_proto(state: str) -> trainer_pb2.JobOutcome.ValueType:
+    """The JobOutcome of a finished job's state."""
+    return _OUTCOME_ENUM[state]
+
+
+# -- cluster ---------------------------------------------------------------
+
+def drain_from_proto(req: cluster_pb2.DrainHostRequest) -> tuple[str, str]:
+    """(host, reason)."""
+    if len(req.reason) > MAX_DRAIN_REASON:
+        raise ValidationError("reason", f"at most {MAX_DRAIN_REASON} characters, got "
+                                        f"{len(req.reason)}")
+    return name(req.host, "host"), req.reason
+
+
+def node_to_proto(node: NodeView) -> cluster_pb2.NodeInfo:
+    devices = []
+    for d in node.devices:
+        r = d.report
+        info = d.info
+        devices.append(cluster_pb2.DeviceStatus(
+            device_id=d.device_id, name=safe_text(info.name), kind=_KIND_ENUM[info.kind],
+            emulated=info.emulated,
+            tflops=r.tflops if r is not None and r.tflops > 0 else info.tflops,
+            probe_dtype=(r.probe_dtype if r is not None else "") or info.probe_dtype,
+            probe_shape=(r.probe_shape if r is not None else "") or info.probe_shape,
+            planned_tflops=d.planned_tflops,
+            memory_free_gb=r.memory_free_gb if r is not None else 0.0,
+            memory_total_gb=(r.memory_total_gb if r is not None and r.memory_total_gb
+                             else info.memory_gb),
+            utilization=r.utilization if r is not None else 0.0,
+            colocated_load=r.colocated_load if r is not None else 0.0,
+            colocated_processes=r.colocated_processes if r is not None else 0,
+            price_per_hour=info.price_per_hour, power_watts=info.power_watts,
+            job_speeds=[cluster_pb2.JobSpeed(job_id=j.job_id, tflops=j.tflops, dtype=j.dtype,
+                                             microbatch=j.microbatch,
+                                             measured_unix_ms=j.unix_ms)
+                        for j in d.job_speeds]))
+    return cluster_pb2.NodeInfo(
+        host=node.agent.host, state=_NODE_STATES[node.state], state_since_unix_ms=node.since_ms,
+        alive=node.alive, last_seen_age_s=node.last_seen_age_s,
+        registered_unix_ms=node.agent.registered_ms, probe_address=node.agent.probe_address,
+        drain_reason=safe_text(node.drain.reason) if node.drain is not None else "",
+        devices=devices, jobs=list(node.jobs))
+
+
+def nodes_to_proto(nodes: Sequence[NodeView], links: Iterable[tuple[str, LinkReport]],
+                   unix_ms: int) -> cluster_pb2.ListNodesResponse:
+    return cluster_pb2.ListNodesResponse(
+        nodes=[node_to_proto(n) for n in nodes], unix_ms=unix_ms,
+        links=[cluster_pb2.LinkStatus(from_host=host, to_host=link.peer_host, gbps=link.gbps,
+                                      rtt_us=link.rtt_us) for host, link in links])

@@ -29,12 +29,15 @@ from .metrics import Metrics
 from .planning import PlannerProcess
 from .records import (
     JOB_CANCELLED,
+    JOB_FAILED,
     JOB_PENDING,
     JOB_RUNNING,
+    JOB_SUCCEEDED,
     AgentRecord,
     AgentReport,
     DeviceInfo,
     DeviceReport,
+    DrainRecord,
     JobRecord,
     JobView,
     MeasurementRecord,
@@ -95,6 +98,16 @@ def check_batch(global_batch: int, microbatch_size: int) -> None:
                               f"{MAX_MICROBATCHES}: raise microbatch_size")
 
 
+def _now_ms() -> int:
+    return int(time.time() * 1000)
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    """Up to ``limit`` names, then how many more (a warning must stay one short line)."""
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
 def to_job(rec: JobRecord) -> Job:
     return job_from_dict({"global_batch": rec.global_batch,
                           "microbatch_size": rec.microbatch_size,
@@ -124,6 +137,12 @@ class ControlPlane:
         extra = max(0.0, config.restart_grace_s - config.heartbeat_timeout_s)
         self._last_seen: dict[str, float] = dict.fromkeys(self._agents, now + extra)
         self._up: frozenset[str] = frozenset(self._agents)
+        # for `hetpilot nodes`: drained hosts (persisted), when each host entered its
+        # state (wall clock; the daemon's start for those it knew) and was last heard of
+        self._drained: dict[str, DrainRecord] = {d.host: d for d in store.drains()}
+        self.started_ms = _now_ms()
+        self._since: dict[str, int] = dict.fromkeys(self._agents, self.started_ms)
+        self._heard_ms: dict[str, int] = {}
         self.membership_epoch = 0
         self._peers_cache: dict[str, tuple[tuple[str, str], ...]] = {}
         self._ring: tuple[list[str], dict[str, int]] | None = None
@@ -148,7 +167,7 @@ class ControlPlane:
         from .control import JobLoop
 
         for rec in self.store.list_jobs():
-            if rec.state != JOB_CANCELLED:
+            if not rec.ended:
                 self._start_loop(rec.job_id, JobLoop)
         self._tasks.append(asyncio.create_task(self._sweep(), name="liveness-sweep"))
 
@@ -230,11 +249,33 @@ class ControlPlane:
         rec = spec.with_changes(
             job_id=uuid.uuid4().hex[:12], owner=owner,
             state=JOB_RUNNING if spec.model_json else JOB_PENDING,
-            slot_s=spec.slot_s or self.config.slot_s, created_ms=int(time.time() * 1000))
-        rec = self.store.create_job(rec)
-        if rec.state != JOB_CANCELLED:
-            self._start_loop(rec.job_id)
-        return rec
+            slot_s=spec.slot_s or self.config.slot_s, created_ms=_now_ms())
+        created = self.store.create_job(rec)
+        if created is rec:  # not a retry of an earlier submit
+            log.info("job %s submitted by %s: %r, batch %d / microbatch %d, budgets %s, "
+                     "slot %g s%s", rec.job_id, owner, rec.name, rec.global_batch,
+                     rec.microbatch_size, dict(rec.budgets) or "none", rec.slot_s,
+                     f", allowed hosts {_names(list(rec.allowed_hosts))}"
+                     if rec.allowed_hosts else "")
+            unknown = self._unknown_hosts(rec)
+            if unknown:
+                log.warning("job %s: %s", rec.job_id, unknown)
+        if not created.ended:
+            self._start_loop(created.job_id)
+        return created
+
+    def _unknown_hosts(self, rec: JobRecord) -> str | None:
+        """A warning naming the job's allowed hosts that no agent registered as, if any:
+        such a name is most likely a typo, and a job allowed only unknown hosts never
+        gets a plan. Computed when asked, so it goes once the host registers."""
+        unknown = [h for h in rec.allowed_hosts if h not in self._agents]
+        if not unknown:
+            return None
+        scope = ("none of them is known: the job gets no devices until one registers"
+                 if len(unknown) == len(rec.allowed_hosts)
+                 else "the job plans on the others")
+        return (f"allowed_hosts: no agent has registered as {_names(unknown)}; {scope} "
+                f"(known hosts: {_names(sorted(self._agents)) or 'none yet'})")
 
     def _own(self, owner: str | None, job_id: str) -> JobRecord:
         if not job_id:
@@ -249,6 +290,9 @@ class ControlPlane:
         error = self._loop_errors.get(rec.job_id)
         if error is not None:
             status = replace(status, warnings=(error, *status.warnings))
+        unknown = None if rec.ended else self._unknown_hosts(rec)
+        if unknown is not None:
+            status = replace(status, warnings=(*status.warnings, unknown))
         return JobView(rec, status, self.store.progress(rec.job_id))
 
     def get(self, owner: str | None, job_id: str) -> JobView:
@@ -259,22 +303,50 @@ class ControlPlane:
                 if include_cancelled or r.state != JOB_CANCELLED]
 
     async def cancel(self, owner: str, job_id: str) -> JobView:
+        """Idempotent for a cancelled job. A failed job may be cancelled (then no trainer
+        can attach to run it again); one that succeeded stays so."""
         rec = self._own(owner, job_id)
+        if rec.state == JOB_SUCCEEDED:
+            raise FailedPrecondition(f"job {job_id} has already succeeded: nothing to cancel")
         if rec.state != JOB_CANCELLED:
-            rec = rec.with_changes(state=JOB_CANCELLED)
-            self.store.update_job(rec)
-            loop = self._loops.pop(job_id, None)
-            if loop is not None:
-                await loop.stop()
-            self.metrics.jobs.set(len(self._loops))
-            self.notify(job_id)
+            rec = await self._end(rec, JOB_CANCELLED, "cancelled by the owner")
         return self._view(rec)
+
+    async def finish(self, job_id: str, outcome: str, reason: str) -> JobRecord:
+        """The trainer says the job ended (``outcome``: succeeded or failed). The same
+        outcome again is a no-op (a retried call keeps the first reason); a cancelled
+        job, or one that ended the other way, refuses."""
+        rec = self._own(None, job_id)
+        if rec.state == outcome:
+            return rec
+        if rec.state == JOB_CANCELLED:
+            raise FailedPrecondition(f"job {job_id} is cancelled: it cannot be finished")
+        if rec.ended:
+            raise FailedPrecondition(f"job {job_id} has already ended ({rec.state})")
+        if not reason:
+            reason = "finished" if outcome == JOB_SUCCEEDED else "the trainer failed"
+        return await self._end(rec, outcome, reason)
+
+    async def _end(self, rec: JobRecord, state: str, reason: str) -> JobRecord:
+        """Store the job's end, stop its control loop and end its plan streams. Jobs
+        plan on the whole cluster without reserving devices from each other, so an
+        ended job frees nothing in other jobs' planning: its load on the devices
+        shows in the agents' next reports."""
+        rec = rec.with_changes(state=state, ended_ms=_now_ms(), reason=reason)
+        self.store.update_job(rec)
+        log.info("job %s %s: %s", rec.job_id, state, reason)
+        loop = self._loops.pop(rec.job_id, None)
+        if loop is not None:
+            await loop.stop()
+        self.metrics.jobs.set(len(self._loops))
+        self.notify(rec.job_id)
+        return rec
 
     def update_budgets(self, owner: str, job_id: str, budgets: Mapping[str, float],
                        V: float | None) -> JobView:
         rec = self._own(owner, job_id)
-        if rec.state == JOB_CANCELLED:
-            raise FailedPrecondition(f"job {job_id} is cancelled")
+        if rec.ended:
+            raise FailedPrecondition(f"job {job_id} has ended ({rec.state})")
         new = rec.with_changes(budgets={**rec.budgets, **budgets},
                                V=rec.V if V is None else V)
         job = to_job(new)
@@ -302,7 +374,7 @@ class ControlPlane:
                 last = plan.version
                 yield plan
             rec = self.store.get_job(job_id)
-            if rec is None or rec.state == JOB_CANCELLED or self._stopping:
+            if rec is None or rec.ended or self._stopping:
                 return
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=5.0)
@@ -318,16 +390,29 @@ class ControlPlane:
         changed = known is None or replace(known, registered_ms=0) != replace(
             agent, registered_ms=0)
         self._agents[agent.host] = agent
-        self._seen(agent.host)
+        if known is None:
+            self._since[agent.host] = _now_ms()
+            log.info("agent %s joined: %d device(s) (%s)%s", agent.host, len(agent.devices),
+                     ", ".join(sorted({d.kind for d in agent.devices})),
+                     f", probe server {agent.probe_address}" if agent.probe_address else "")
+        elif changed:
+            log.info("agent %s registered again with other devices or probe address "
+                     "(%d device(s))", agent.host, len(agent.devices))
+        self._seen(agent.host, joined=known is None)
         if changed:
             self._membership_changed()
         return self.peers(agent.host)
 
-    def _seen(self, host: str) -> None:
+    def _seen(self, host: str, joined: bool = False) -> None:
         self._last_seen[host] = self.clock()
+        self._heard_ms[host] = _now_ms()
         if host not in self._up:
             self._up = self._up | {host}
+            if not joined:  # a new host's join is logged by register
+                log.info("agent %s is back up", host)
+            self._since[host] = _now_ms()
             self._membership_changed()
+            self._wake_idle()
 
     def report(self, report: AgentReport) -> tuple[tuple[str, str], ...]:
         agent = self._agents.get(report.agent_id)
@@ -383,6 +468,10 @@ class ControlPlane:
         cutoff = self.clock() - self.config.heartbeat_timeout_s
         up = frozenset(h for h in self._up if self._last_seen.get(h, 0.0) >= cutoff)
         if up != self._up:
+            for host in sorted(self._up - up):
+                self._since[host] = _now_ms()
+                log.info("agent %s left: silent for over %g s (heartbeat timeout); its "
+                         "devices leave the next plans", host, self.config.heartbeat_timeout_s)
             self._up = up
             self._membership_changed()
             return True
@@ -397,16 +486,82 @@ class ControlPlane:
     def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]:
         return [(a, a.host in self._up, self._reports.get(a.host)) for a in self._agents.values()]
 
+    # -- drain ----------------------------------------------------------------
+
+    def _known(self, host: str) -> str:
+        if host not in self._agents:
+            raise NotFound(f"host {host[:64]!r} is not a registered agent (known: "
+                           f"{_names(sorted(self._agents)) or 'none'})")
+        return host
+
+    def drained(self) -> Mapping[str, DrainRecord]:
+        return self._drained
+
+    def drain(self, host: str, reason: str = "") -> DrainRecord:
+        """Leave ``host`` out of planning from each job's next slot on; the loops whose
+        current plan uses it are woken, so their plans move off at once. Persisted."""
+        found = self._drained.get(self._known(host))
+        if found is not None:
+            return found
+        rec = DrainRecord(host=host, since_ms=_now_ms(), reason=reason)
+        self.store.put_drain(rec)
+        self._drained[host] = rec
+        woken = self._wake_jobs_on(host)
+        log.info("host %s drained%s: jobs plan without it from their next slot (%d job(s) "
+                 "use it now)", host, f" ({reason})" if reason else "", woken)
+        return rec
+
+    def resume(self, host: str) -> None:
+        """Plan on ``host`` again from each job's next slot."""
+        if self._drained.get(self._known(host)) is None:
+            return
+        self.store.delete_drain(host)
+        del self._drained[host]
+        self._since[host] = _now_ms()
+        log.info("host %s resumed: jobs may plan on it again from their next slot", host)
+        self._wake_idle()
+
+    def _wake_idle(self) -> None:
+        """Run a slot now in the loops that found no device last time: a job submitted
+        before its agents registered gets its first plan when they come, not a slot later."""
+        for loop in self._loops.values():
+            if getattr(loop, "no_devices", False):
+                loop.wake()
+
+    def _wake_jobs_on(self, host: str) -> int:
+        woken = 0
+        for job_id, loop in list(self._loops.items()):
+            if any(d.rpartition(":")[0] == host for d in self.store.job_status(job_id)[0].devices):
+                loop.wake()
+                woken += 1
+        return woken
+
+    def host_times(self, host: str) -> tuple[int, int]:
+        """(since when the host is in its state, when it was last heard of; 0: not since
+        the daemon started), wall-clock ms."""
+        drain = self._drained.get(host)
+        since = drain.since_ms if drain is not None else self._since.get(host, self.started_ms)
+        return since, self._heard_ms.get(host, 0)
+
+    def job_fits(self) -> dict[str, Measured]:
+        """The measured-speed fit each running job planned its last slot with."""
+        return {job_id: fit for job_id, (_, fit) in self._fits.items()
+                if fit is not None and job_id in self._loops}
+
+    def running_jobs(self) -> list[str]:
+        return list(self._loops)
+
     def emulated_devices(self) -> frozenset[str]:
         return frozenset(f"{a.host}:{d.index}" for a in self._agents.values()
                          for d in a.devices if d.emulated)
 
     def observed_cluster(self, allowed_hosts: tuple[str, ...] = ()) -> Cluster:
-        """The cluster as the latest reports show it: devices of up agents only."""
+        """The cluster as the latest reports show it: devices of up agents only, drained
+        hosts left out."""
         allowed = set(allowed_hosts)
         devices: list[Device] = []
         for host in sorted(self._up):
-            if allowed and host not in allowed:
+            if (allowed and host not in allowed) or host in self._drained:
                 continue
             agent = self._agents[host]
             report = self._reports.get(host)
@@ -465,8 +620,8 @@ class ControlPlane:
         """Attach a rank: the latest plan (None before the first) and the job. Everything is
         checked before anything is stored: a refused attach changes nothing."""
         rec = self._own(None, job_id)
-        if rec.state == JOB_CANCELLED:
-            raise FailedPrecondition(f"job {job_id} is cancelled")
+        if rec.state in (JOB_CANCELLED, JOB_SUCCEEDED):
+            raise FailedPrecondition(f"job {job_id} is {rec.state}")
         new_model = None
         if model_json and not rec.model_json:
             if not rec.profile_on_attach:
@@ -484,12 +639,26 @@ class ControlPlane:
                 if t.layer >= MAX_LAYERS:
                     raise ValidationError(f"layer_times[{i}].layer",
                                           f"must be < {MAX_LAYERS}, got {t.layer}")
+        changes: dict[str, Any] = {}
         if new_model is not None:
-            rec = rec.with_changes(model_json=model_json, state=JOB_RUNNING)
+            changes.update(model_json=model_json, state=JOB_RUNNING)
+        if rec.state == JOB_FAILED:  # a restarted trainer: the job runs again
+            changes.update(state=JOB_RUNNING if rec.model_json or new_model else JOB_PENDING,
+                           ended_ms=0, reason="")
+        if not rec.started_ms:
+            changes.update(started_ms=_now_ms())
+        if changes:
+            revived = rec.state == JOB_FAILED
+            rec = rec.with_changes(**changes)
             self.store.update_job(rec)
-            self._models[job_id] = new_model
+            if new_model is not None:
+                self._models[job_id] = new_model
+            if revived:
+                log.info("job %s: a trainer attached again after it failed; running again",
+                         job_id)
+                self._start_loop(job_id)
             loop = self._loops.get(job_id)
-            if loop is not None:
+            if loop is not None and new_model is not None:
                 loop.wake()
         if measured is not None:
             measured = replace(measured, ref_tflops=self.device_speed(device_id))

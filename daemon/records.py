@@ -14,12 +14,16 @@ from typing import Any, ClassVar, NamedTuple, Self
 
 __all__ = [
     "JOB_CANCELLED",
+    "JOB_ENDED",
+    "JOB_FAILED",
     "JOB_PENDING",
     "JOB_RUNNING",
+    "JOB_SUCCEEDED",
     "AgentRecord",
     "AgentReport",
     "DeviceInfo",
     "DeviceReport",
+    "DrainRecord",
     "JobProgress",
     "JobRecord",
     "JobStatus",
@@ -35,6 +39,10 @@ __all__ = [
 JOB_PENDING = "pending"
 JOB_RUNNING = "running"
 JOB_CANCELLED = "cancelled"
+JOB_SUCCEEDED = "succeeded"
+JOB_FAILED = "failed"
+JOB_ENDED = frozenset({JOB_CANCELLED, JOB_SUCCEEDED, JOB_FAILED})
+"""States in which a job has no control loop and takes no budget change."""
 
 
 def _plain(value: Any) -> Any:
@@ -98,6 +106,16 @@ class JobRecord(_Json):
     created_ms: int = 0
     slot_iterations: int = 0
     """Slots counted in reported training iterations (0: every ``slot_s`` seconds)."""
+    started_ms: int = 0
+    """When the first trainer rank attached (0: none yet): the job's cost counts from here."""
+    ended_ms: int = 0
+    """When the job ended (succeeded, failed, cancelled); 0 while it has not."""
+    reason: str = ""
+    """Why it ended (a failed trainer's error, "finished", "cancelled by the owner")."""
+
+    @property
+    def ended(self) -> bool:
+        return self.state in JOB_ENDED
 
     def with_changes(self, **changes: Any) -> JobRecord:
         return replace(self, **changes)
@@ -116,9 +134,23 @@ class JobStatus(_Json):
     queues: dict[str, float] = field(default_factory=dict)
     devices: tuple[str, ...] = ()
     warnings: tuple[str, ...] = ()
+    spent: dict[str, float] = field(default_factory=dict)
+    """Each cost rate integrated over the wall time it ran since the first Attach
+    (``price_per_hour`` -> dollars, ``power_watts`` -> watt-hours)."""
+    updated_ms: int = 0
+    """Wall clock of this slot (where the next slot's ``spent`` picks up)."""
 
     def average_costs(self) -> dict[str, float]:
         return {k: v / self.slot for k, v in self.cost_sums.items()} if self.slot else {}
+
+
+@dataclass(frozen=True, kw_only=True)
+class DrainRecord(_Json):
+    """A drained host (``hetpilot drain``): left out of every job's planning until resumed."""
+
+    host: str
+    since_ms: int
+    reason: str = ""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,6 +23,8 @@ from grpc_reflection.v1alpha import reflection
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
     trainer_pb2,
@@ -34,8 +36,9 @@ from .config import DaemonConfig, TlsConfig
 from .core import ControlPlane
 from .decode import DecodeInterceptor
 from .metrics import Metrics
+from .quickstart import announce_generated, generated_auth, insecure_auth
 from .sdnotify import Notifier
-from .servicers import AgentServicer, JobServicer, TrainerServicer
+from .servicers import AgentServicer, ClusterServicer, JobServicer, TrainerServicer
 from .store import SqliteStore
 
 __all__ = ["SERVICES", "serve", "server_credentials"]
@@ -46,6 +49,7 @@ SERVICES = (
     job_pb2.DESCRIPTOR.services_by_name["JobService"].full_name,
     agent_pb2.DESCRIPTOR.services_by_name["AgentService"].full_name,
     trainer_pb2.DESCRIPTOR.services_by_name["TrainerService"].full_name,
+    cluster_pb2.DESCRIPTOR.services_by_name["ClusterService"].full_name,
 )
 
 
@@ -99,7 +103,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     state_dir.mkdir(parents=True, exist_ok=True)
     notifier = Notifier()
     auth_config = config.auth.resolved()
-    if auth_config.allow_unauthenticated:
+    generated = None
+    if config.insecure_local:
+        auth_config = insecure_auth(auth_config, config.listen)
+    elif (generated := generated_auth(auth_config, state_dir)) is not None:
+        auth_config = generated[0]
+    elif auth_config.allow_unauthenticated:
         log.warning("auth.allow_unauthenticated is set: every caller is owner 'anonymous' "
                     "and a cluster member; for development on a trusted machine only")
     # the store and the job loops first: nothing listens before they are known good
@@ -128,6 +137,7 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     agent_pb2_grpc.add_AgentServiceServicer_to_server(
         AgentServicer(plane, config.tls.agents_by_certificate), server)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane, auth), server)
+    cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(plane, auth), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection(
@@ -152,6 +162,8 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     health_task = asyncio.create_task(_store_health(store, health_servicer), name="store-health")
     _write_endpoints(state_dir, grpc_addr, metrics_addr)
     log.info("serving on %s (metrics %s)", grpc_addr, metrics_addr or "off")
+    if generated is not None:
+        announce_generated(generated[1], grpc_addr)
     notifier.notify(READY=1, STATUS=f"serving on {grpc_addr}", MAINPID=os.getpid())
     watchdog = None
     interval = notifier.watchdog_interval_s()

@@ -14,6 +14,8 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
     common_pb2,
     job_pb2,
     job_pb2_grpc,
@@ -33,9 +35,10 @@ from .errors import (
     StorageFull,
     TooLarge,
 )
+from .nodes import node_views
 from .records import JobView
 
-__all__ = ["AgentServicer", "JobServicer", "TrainerServicer", "status_of"]
+__all__ = ["AgentServicer", "ClusterServicer", "JobServicer", "TrainerServicer", "status_of"]
 
 T = TypeVar("T")
 
@@ -256,3 +259,50 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
         self._job(timings.job_id, context)
         self.plane.stage_timings(timings)
         return trainer_pb2.StageTimingsAck()
+
+    @_unary
+    async def FinishJob(self, request: trainer_pb2.FinishJobRequest,
+                        context: grpc.aio.ServicerContext) -> trainer_pb2.FinishJobResponse:
+        job_id, outcome, reason = convert.finish_from_proto(request)
+        rec = await self.plane.finish(self._job(job_id, context), outcome, reason)
+        return trainer_pb2.FinishJobResponse(outcome=convert.outcome_to_proto(rec.state))
+
+
+class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
+    """Nodes for owners and the cluster token; drain and resume for the cluster token."""
+
+    def __init__(self, plane: ControlPlane, auth: Authenticator) -> None:
+        self.plane, self.auth = plane, auth
+
+    def _admin(self, context: grpc.aio.ServicerContext, what: str) -> None:
+        if not self.auth.is_cluster(context.invocation_metadata()):
+            raise PermissionDenied(f"{what} needs the cluster token (auth.cluster_token); "
+                                   "an owner's token may only list the nodes")
+
+    def _node(self, host: str) -> cluster_pb2.NodeInfo:
+        nodes, _ = node_views(self.plane, None)
+        return convert.node_to_proto(next(n for n in nodes if n.agent.host == host))
+
+    @_unary
+    async def ListNodes(self, request: cluster_pb2.ListNodesRequest,
+                        context: grpc.aio.ServicerContext) -> cluster_pb2.ListNodesResponse:
+        md = context.invocation_metadata()
+        owner = None if self.auth.is_cluster(md) else self.auth.owner(md)
+        nodes, links = node_views(self.plane, owner, request.links)
+        return convert.nodes_to_proto(nodes, links, int(time.time() * 1000))
+
+    @_unary
+    async def DrainHost(self, request: cluster_pb2.DrainHostRequest,
+                        context: grpc.aio.ServicerContext) -> cluster_pb2.NodeInfo:
+        host, reason = convert.drain_from_proto(request)
+        self._admin(context, "draining a host")
+        self.plane.drain(host, reason)
+        return self._node(host)
+
+    @_unary
+    async def ResumeHost(self, request: cluster_pb2.ResumeHostRequest,
+                         context: grpc.aio.ServicerContext) -> cluster_pb2.NodeInfo:
+        host = convert.name(request.host, "host")
+        self._admin(context, "resuming a host")
+        self.plane.resume(host)
+        return self._node(host)

@@ -8,7 +8,7 @@ written in one transaction, so kill -9 leaves either the slot before or the
 slot after, never half of one; so are a trainer's stage timings and the job's
 training progress they update. The layer times each device measured for a job
 are kept too (the latest per job and device), so a restarted daemon plans with
-them at once.
+them at once, and so are the drained hosts, so a restart keeps them drained.
 
 The SQLite schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`):
 opening a database runs the migrations it lacks in one transaction, and a
@@ -40,6 +40,7 @@ from .errors import DamagedStore, StorageError, StorageFull, StorageUnavailable
 from .records import (
     AgentRecord,
     AgentReport,
+    DrainRecord,
     JobProgress,
     JobRecord,
     JobStatus,
@@ -129,6 +130,18 @@ class Store(ABC):
     def measurements(self, job_id: str) -> list[MeasurementRecord]:
         """The job's measurements, by device id."""
 
+    @abstractmethod
+    def put_drain(self, drain: DrainRecord) -> None:
+        """Mark the host drained (replacing an earlier record of it)."""
+
+    @abstractmethod
+    def delete_drain(self, host: str) -> None:
+        """Resume the host; nothing happens when it was not drained."""
+
+    @abstractmethod
+    def drains(self) -> list[DrainRecord]:
+        """Every drained host, by host name."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release; the memory store has nothing to do."""
 
@@ -143,6 +156,7 @@ class MemoryStore(Store):
         self._timings: dict[tuple[str, int], TimingsRecord] = {}
         self._progress: dict[str, JobProgress] = {}
         self._measurements: dict[tuple[str, str], MeasurementRecord] = {}
+        self._drains: dict[str, DrainRecord] = {}
 
     def create_job(self, job: JobRecord) -> JobRecord:
         if job.request_id:
@@ -209,6 +223,15 @@ class MemoryStore(Store):
         return sorted((m for (j, _), m in self._measurements.items() if j == job_id),
                       key=lambda m: m.device_id)
 
+    def put_drain(self, drain: DrainRecord) -> None:
+        self._drains[drain.host] = drain
+
+    def delete_drain(self, host: str) -> None:
+        self._drains.pop(host, None)
+
+    def drains(self) -> list[DrainRecord]:
+        return [self._drains[h] for h in sorted(self._drains)]
+
 
 #: ``_MIGRATIONS[v]`` takes a database from schema version v to v + 1. Only ever
 #: append: a released step never changes, because databases out there ran it.
@@ -240,6 +263,10 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     ("""CREATE TABLE IF NOT EXISTS measurements (
           job_id TEXT NOT NULL, device_id TEXT NOT NULL, body TEXT NOT NULL,
           PRIMARY KEY (job_id, device_id))""",),
+    # 3 -> 4: drained hosts (issue 16). Stored jobs and slot statuses need no change:
+    # their JSON bodies gained keys with defaults (started_ms, ended_ms, reason; spent,
+    # updated_ms), and the new states ("succeeded", "failed") are only ever written.
+    ("CREATE TABLE IF NOT EXISTS drains (host TEXT PRIMARY KEY, body TEXT NOT NULL)",),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 """The schema version this code writes (``PRAGMA user_version``)."""
@@ -538,6 +565,19 @@ class SqliteStore(Store):
         rows = self._all("SELECT body FROM measurements WHERE job_id=? ORDER BY device_id",
                          (job_id,))
         return [MeasurementRecord.from_json(r[0]) for r in rows]
+
+    def put_drain(self, drain: DrainRecord) -> None:
+        with self._transaction() as db:
+            db.execute("INSERT OR REPLACE INTO drains(host, body) VALUES (?,?)",
+                       (drain.host, drain.to_json()))
+
+    def delete_drain(self, host: str) -> None:
+        with self._transaction() as db:
+            db.execute("DELETE FROM drains WHERE host=?", (host,))
+
+    def drains(self) -> list[DrainRecord]:
+        return [DrainRecord.from_json(r[0])
+                for r in self._all("SELECT body FROM drains ORDER BY host")]
 
     def close(self) -> None:
         with self._lock:

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 
 #: name -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("hetpilot.planner.cli", "plan a cluster, model and batch (spec v1 section 7)"),
-    "evaluate": ("hetpilot.planner.cli", "judge a plan with the reference model"),
+    "plan": ("hetpilot.planner.cli", "plan a cluster, model and batch (formats: see docs/spec.md)"),
+    "evaluate": ("hetpilot.planner.cli", "judge a plan with the reference model (see docs/spec.md)"),
     "train-check": ("hetpilot.trainer.cli",
                     "check the trainer against full-batch training on N local ranks (float64)"),
-    "profile": ("hetpilot.trainer.cli", "measure a model's per-layer profile (spec section 2)"),
+    "profile": ("hetpilot.trainer.cli", "measure a model's per-layer profile (format: see docs/spec.md)"),
     "train": ("hetpilot.trainer.cli", "run a training job on a plan file (under torchrun)"),
     "export": ("hetpilot.trainer.cli",
                "write a training checkpoint as one state_dict of nn.Sequential(*layers)"),
@@ -33,7 +33,12 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("hetpilot.client.cli", "follow a job's plan versions live"),
     "budget": ("hetpilot.client.cli", "change a job's budgets or V (price_per_hour=20 V=5)"),
     "cancel": ("hetpilot.client.cli", "cancel a job"),
-    "sim": ("hetpilot.sim.cli", "drive policies through a scenario and score every slot"),
+    "nodes": ("hetpilot.client.nodes",
+              "list agents and devices: state, speeds, memory, load, price (--links: links)"),
+    "drain": ("hetpilot.client.nodes",
+              "leave a host out of planning from each job's next slot (cluster token)"),
+    "resume": ("hetpilot.client.nodes", "plan on a drained host again (cluster token)"),
+    "sim": ("hetpilot.sim.cli", "drive policies through a scenario and score every slot (see docs/spec.md)"),
     "demo": ("hetpilot.demo.cli",
              "run daemon, agents and a 4-rank trainer on this machine (EMULATED devices); "
              "write a report"),

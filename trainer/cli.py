@@ -401,8 +401,14 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         try:
             trainer.fit(args.epochs, max_steps=args.steps, slot_iterations=slot_iterations,
                         slot_s=slot_s, on_record=on_record)
-        except NoPlanError as exc:
-            return _fail(f"the daemon's plan was refused: {exc}", 1)
+        except Exception as exc:  # rank 0 with --daemon: the job FAILED (no restart left)
+            if hasattr(source, "finish"):
+                source.finish(exc, grpc_reporter)
+            if isinstance(exc, NoPlanError):
+                return _fail(f"the daemon's plan was refused: {exc}", 1)
+            raise
+        if hasattr(source, "finish"):  # rank 0 with --daemon: the job SUCCEEDED
+            source.finish(None, grpc_reporter)
     except ValidationError as exc:
         return _fail(str(exc))
     finally:

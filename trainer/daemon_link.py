@@ -19,7 +19,13 @@ returns, and gathers every rank's epoch record to rank 0 for the reporter):
 * :class:`GrpcReporter`: sends each rank's epoch record as a
   ``StageTimingsReport`` from a sender thread with a bounded queue, so a slow or
   absent daemon never stalls training (reports that cannot be sent are dropped
-  and counted).
+  and counted);
+* :meth:`GrpcPlanSource.finish`: when training returns (SUCCEEDED) or rank 0's
+  training loop raises on torchrun's last attempt (FAILED, with the error), it
+  tells the daemon (``FinishJob``), after stopping the plan watcher: a watcher
+  re-attaching after the job ended would make a failed job run again. A failure
+  torchrun will restart (restarts left) is not reported; a rank killed outright
+  reports nothing (see docs/operating.md, "Job lifecycle").
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import queue
 import random
 import threading
@@ -43,7 +50,7 @@ from hetpilot.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
 from .plans import PlanVersion
 
 __all__ = ["Backoff", "DaemonError", "DaemonLink", "GrpcPlanSource", "GrpcReporter",
-           "Measurement"]
+           "Measurement", "restarts_left"]
 
 Measurement = Mapping[str, Any]
 """One rank's measured layer times: ``{"microbatch": m, "dtype": "bfloat16",
@@ -71,6 +78,17 @@ def _code(exc: grpc.RpcError) -> grpc.StatusCode | None:
 
 def _details(exc: grpc.RpcError) -> str:
     return str(exc.details()) if hasattr(exc, "details") else str(exc)
+
+
+def restarts_left() -> int:
+    """How many more times torchrun's agent would restart this worker group (0 outside
+    torchrun). Its count is per agent (node), which is what decides whether this rank 0
+    comes back."""
+    try:
+        return max(0, int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+                   - int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    except ValueError:
+        return 0
 
 
 class Backoff:
@@ -126,6 +144,24 @@ class DaemonLink:
         resp: trainer_pb2.AttachResponse = self.stub.Attach(
             req, metadata=self.metadata, timeout=self.timeout_s)
         return resp
+
+    def finish(self, succeeded: bool, reason: str = "") -> bool:
+        """Tell the daemon the job ended (FinishJob); True when it took it. Never raises:
+        training is over either way, so a daemon that is away or refuses only costs a
+        warning (the channel retries UNAVAILABLE)."""
+        outcome = (trainer_pb2.JOB_OUTCOME_SUCCEEDED if succeeded
+                   else trainer_pb2.JOB_OUTCOME_FAILED)
+        try:
+            self.stub.FinishJob(trainer_pb2.FinishJobRequest(
+                job_id=self.job_id, outcome=outcome, reason=reason[:2000]),
+                metadata=self.metadata, timeout=self.timeout_s)
+            return True
+        except grpc.RpcError as exc:
+            code = _code(exc)
+            log.warning("could not tell the daemon that job %s %s (%s: %s)", self.job_id,
+                        "succeeded" if succeeded else "failed", code.name if code else "?",
+                        _details(exc))
+            return False
 
     def close(self) -> None:
         self.channel.close()
@@ -352,6 +388,23 @@ class GrpcPlanSource:
         if self._thread is not None:
             self._thread.join(timeout=5)
 
+    def finish(self, error: BaseException | None = None,
+               reporter: GrpcReporter | None = None) -> bool:
+        """Training ended: SUCCEEDED without ``error``, else FAILED with it, unless
+        torchrun will restart the workers (then nothing is said: the restart attaches
+        again). Stops the plan watcher first, and delivers what ``reporter`` holds (the
+        last loss belongs to the job before it ends). True when the daemon took it."""
+        self.close()
+        if reporter is not None:
+            reporter.close()
+        if error is None:
+            return self.link.finish(True, "finished")
+        if restarts_left():
+            log.warning("training failed (%s); torchrun restarts it (%d restart(s) left): "
+                        "not reported to the daemon", error, restarts_left())
+            return False
+        return self.link.finish(False, f"{type(error).__name__}: {error}")
+
 
 class GrpcReporter:
     """Sends epoch records (``Trainer`` reports) as ``ReportStageTimings``, off the training path.
@@ -426,7 +479,9 @@ class GrpcReporter:
                 self._queue.task_done()
 
     def close(self, timeout_s: float = 10.0) -> None:
-        """Deliver what is queued (up to ``timeout_s``), then stop the sender."""
+        """Deliver what is queued (up to ``timeout_s``), then stop the sender. Again: no-op."""
+        if not self._thread.is_alive():
+            return
         deadline = time.monotonic() + timeout_s
         while self._queue.unfinished_tasks and time.monotonic() < deadline:
             time.sleep(0.02)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from hetpilot.v1 import agent_pb2, common_pb2, job_pb2
 
@@ -36,3 +38,16 @@ def submit_request(**kw: object) -> job_pb2.SubmitJobRequest:
                                    microbatch_size=4, slot_s=0.3, v=10.0)
     args.update(kw)
     return job_pb2.SubmitJobRequest(**args)  # type: ignore[arg-type]
+
+
+def wait_until(what: str, pred: Callable[[], Any], timeout: float = 30.0,
+               period: float = 0.1) -> Any:
+    """Poll ``pred`` until it returns something truthy (returned); fail naming ``what``."""
+    deadline = time.monotonic() + timeout
+    value = None
+    while time.monotonic() < deadline:
+        value = pred()
+        if value:
+            return value
+        time.sleep(period)
+    raise AssertionError(f"timed out waiting for {what}; last {value!r}")

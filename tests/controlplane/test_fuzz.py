@@ -11,6 +11,8 @@ from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
     trainer_pb2,
@@ -117,6 +119,30 @@ def test_update_and_timings(fuzz_daemon: RunningDaemon, req: job_pb2.UpdateBudge
         job_pb2.SubmitJobRequest(profile_on_attach=True, global_batch=8, microbatch_size=1,
                                  request_id="fuzz-trainer"), metadata=OWNER_MD).trainer_token
     assert _code(trainer.ReportStageTimings, treq, metadata(token)) in ALLOWED
+
+
+drain = st.builds(cluster_pb2.DrainHostRequest, host=text | st.just("fz"),
+                  reason=text | st.just("r" * 600))
+finish = st.builds(trainer_pb2.FinishJobRequest, job_id=text, outcome=enum,
+                   reason=text | st.just("r" * 2500))
+
+
+@SETTINGS
+@given(req=drain, freq=finish, links=st.booleans())
+def test_cluster_and_finish(fuzz_daemon: RunningDaemon, req: cluster_pb2.DrainHostRequest,
+                            freq: trainer_pb2.FinishJobRequest, links: bool) -> None:
+    ch = fuzz_daemon.channel()
+    cluster = cluster_pb2_grpc.ClusterServiceStub(ch)
+    assert _code(cluster.DrainHost, req, CLUSTER_MD) in ALLOWED
+    assert _code(cluster.ResumeHost, cluster_pb2.ResumeHostRequest(host=req.host),
+                 CLUSTER_MD) in ALLOWED
+    assert _code(cluster.ListNodes, cluster_pb2.ListNodesRequest(links=links), OWNER_MD) == \
+        grpc.StatusCode.OK
+    token = job_pb2_grpc.JobServiceStub(ch).SubmitJob(
+        job_pb2.SubmitJobRequest(profile_on_attach=True, global_batch=8, microbatch_size=1,
+                                 request_id="fuzz-finish"), metadata=OWNER_MD).trainer_token
+    trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+    assert _code(trainer.FinishJob, freq, metadata(token)) in ALLOWED
 
 
 def test_still_serving_after_fuzz(fuzz_daemon: RunningDaemon) -> None:

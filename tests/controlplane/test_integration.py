@@ -9,7 +9,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +16,7 @@ from typing import Any
 import pytest
 
 from .conftest import CLUSTER_TOKEN, OTHER_TOKEN, OWNER_TOKEN, wait_endpoints
-from .helpers import EXAMPLES
+from .helpers import EXAMPLES, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(150)]
 
@@ -48,15 +47,6 @@ price_per_hour = 50.0
 """
 
 
-def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    value = None
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise AssertionError(f"timed out waiting for {what}; last {value!r}")
 
 
 class Cluster:
@@ -113,6 +103,10 @@ class Cluster:
         for proc in self.procs.values():
             proc.kill()
             proc.wait(timeout=10)
+
+
+def _wait(pred: Callable[[], Any], timeout: float, what: str) -> Any:
+    return wait_until(what, pred, timeout, period=0.2)
 
 
 @pytest.fixture

@@ -14,6 +14,7 @@ from hetpilot.daemon.records import (
     AgentReport,
     DeviceInfo,
     DeviceReport,
+    DrainRecord,
     JobProgress,
     JobRecord,
     JobStatus,
@@ -143,6 +144,28 @@ def test_measurements(store: Store) -> None:
     assert store.measurements("other") == []
 
 
+def test_drains(store: Store) -> None:
+    assert store.drains() == []
+    b, a = DrainRecord(host="b", since_ms=5, reason="disk"), DrainRecord(host="a", since_ms=6)
+    store.put_drain(b)
+    store.put_drain(a)
+    assert store.drains() == [a, b]  # by host
+    store.put_drain(DrainRecord(host="b", since_ms=7))  # replaces
+    store.delete_drain("a")
+    store.delete_drain("never-drained")  # a no-op
+    assert store.drains() == [DrainRecord(host="b", since_ms=7)]
+
+
+def test_job_end_and_cost_fields_round_trip(store: Store) -> None:
+    job = _job("j1").with_changes(state="failed", started_ms=5, ended_ms=9, reason="OOM")
+    store.create_job(job)
+    assert store.get_job("j1") == job and store.get_job("j1").ended  # type: ignore[union-attr]
+    status = JobStatus(slot=2, costs={"price_per_hour": 2.0}, spent={"price_per_hour": 0.5},
+                       updated_ms=8)
+    store.record_slot("j1", status=status, controller_state={})
+    assert store.job_status("j1")[0] == status
+
+
 # The schema of the daemon before schema versions (user_version 0), verbatim.
 _UNVERSIONED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -174,10 +197,16 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     old_timings = {"job_id": "j1", "rank": 0, "plan_version": 1, "iteration": 4, "unix_ms": 9,
                    "stages": [{"stage_index": 0, "device_id": "a:0", "fwd_s": 1.0,
                                "bwd_s": 2.0, "comm_s": 0.0, "samples_per_s": 3.0}]}
+    # job and status bodies as the daemon wrote them before issue 16 (no end, no cost)
+    old_job = {k: v for k, v in json.loads(job.to_json()).items()
+               if k not in ("started_ms", "ended_ms", "reason")}
+    old_status = {k: v for k, v in json.loads(status.to_json()).items()
+                  if k not in ("spent", "updated_ms")}
     with old:
         old.execute("INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
-                    ("j1", "alice", "", job.to_json()))
-        old.execute("INSERT INTO job_status VALUES (?,?,?)", ("j1", status.to_json(), '{"x": 1}'))
+                    ("j1", "alice", "", json.dumps(old_job)))
+        old.execute("INSERT INTO job_status VALUES (?,?,?)",
+                    ("j1", json.dumps(old_status), '{"x": 1}'))
         old.execute("INSERT INTO plans VALUES (?,?,?)", ("j1", 1, _plan("j1", 1).to_json()))
         old.execute("INSERT INTO agents VALUES (?,?)", ("a", agent.to_json()))
         old.execute("INSERT INTO reports VALUES (?,?)",
@@ -186,7 +215,7 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     old.close()
 
     s = SqliteStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 3
+    assert s.schema_version == SCHEMA_VERSION == 4
     # nothing stored before is lost
     assert s.get_job("j1") == job and s.job_status("j1") == (status, {"x": 1})
     assert s.plans("j1") == [_plan("j1", 1)] and s.agents() == [agent]
@@ -194,13 +223,18 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     [t] = s.latest_timings("j1")
     assert (t.iteration, t.stages[0].fwd_s, t.loss, t.eval_metric) == (4, 1.0, None, None)
     assert s.progress("j1") == JobProgress()
-    # and the new table works
+    # a job and a slot status stored before issue 16 read back with its new fields empty
+    assert (job.started_ms, job.ended_ms, job.reason, job.ended) == (0, 0, "", False)
+    assert s.job_status("j1")[0].spent == {} and s.drains() == []
+    # and the new tables work
+    s.put_drain(DrainRecord(host="a", since_ms=1))
     progress = JobProgress(loss=0.5, loss_step=5)
     s.put_timings(TimingsRecord(job_id="j1", rank=0, plan_version=1, iteration=5, stages=(),
                                 loss=0.5), progress)
     s.close()
     s = SqliteStore(path)  # opening a current database again changes nothing
     assert s.schema_version == SCHEMA_VERSION and s.progress("j1") == progress
+    assert s.drains() == [DrainRecord(host="a", since_ms=1)]
     assert s.get_job("j1") == job and s.latest_timings("j1")[0].loss == 0.5
     s.close()
 

@@ -162,6 +162,9 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
     # the profile the trainer sent on Attach became the job's model
     info = daemon.job(job_id)
     assert info.model_name == "mlp" and info.plan_version >= 1
+    # rank 0 said training returned: the job succeeded, and its loop and streams ended
+    assert info.state == job_pb2.JOB_STATE_SUCCEEDED and info.reason == "finished"
+    assert info.ended_unix_ms >= info.started_unix_ms > info.created_unix_ms > 0
     # the last epoch's loss reached the job's status (mlp has no eval hook)
     assert info.HasField("loss") and info.loss == pytest.approx(records[-1]["loss"])
     assert info.loss_step == records[-1]["step"] and not info.HasField("eval_metric")
@@ -255,3 +258,48 @@ def test_source_keeps_last_plan_while_daemon_is_away(daemon: Daemon) -> None:
         assert [t.iteration for t in store.latest_timings(job_id)] == [4]
     finally:
         store.close()
+
+
+@pytest.mark.timeout(60)
+def test_source_finish_reports_the_outcome_unless_torchrun_restarts(
+        daemon: Daemon, monkeypatch: pytest.MonkeyPatch) -> None:
+    from hetpilot.trainer.daemon_link import DaemonLink, GrpcPlanSource
+
+    model = (Path(__file__).resolve().parents[2] / "examples" / "model.json").read_text()
+
+    def source(job_id: str) -> GrpcPlanSource:
+        link = DaemonLink(Endpoint(address=daemon.address,
+                                   token=daemon.job(job_id).trainer_token), job_id)
+        src = GrpcPlanSource(link, [f"{HOST}:0"], model_json=model)
+        src.start(10)
+        return src
+
+    failed = daemon.setup_job(devices=1)
+    src = source(failed)
+    # torchrun has restarts left: it starts the ranks again, so the job is not failed
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    assert src.finish(RuntimeError("rank 1 lost")) is False
+    assert daemon.job(failed).state != job_pb2.JOB_STATE_FAILED
+    src.link.close()
+    # the last attempt failed: the job is FAILED, with the error
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
+    src = source(failed)
+    assert src.finish(RuntimeError("rank 1 lost")) is True
+    info = daemon.job(failed)
+    assert info.state == job_pb2.JOB_STATE_FAILED and info.reason == "RuntimeError: rank 1 lost"
+    src.link.close()
+    # a trainer re-launched by hand (--resume) attaches again: the job runs again
+    src = source(failed)
+    assert daemon.job(failed).state == job_pb2.JOB_STATE_RUNNING
+    assert src.finish() is True and daemon.job(failed).state == job_pb2.JOB_STATE_SUCCEEDED
+    src.link.close()
+    # a cancelled job cannot be finished: a warning, never an exception
+    cancelled = daemon.setup_job(devices=1)
+    src = source(cancelled)
+    with daemon.channel() as ch:
+        job_pb2_grpc.JobServiceStub(ch).CancelJob(job_pb2.CancelJobRequest(job_id=cancelled),
+                                                  metadata=metadata(OWNER_TOKEN), timeout=10)
+    assert src.finish() is False
+    assert daemon.job(cancelled).state == job_pb2.JOB_STATE_CANCELLED
+    src.link.close()

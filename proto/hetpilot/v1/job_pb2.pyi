@@ -34,6 +34,12 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     """Waiting for a model profile (profile_on_attach) or for devices."""
     JOB_STATE_RUNNING: _JobState.ValueType  # 2
     JOB_STATE_CANCELLED: _JobState.ValueType  # 3
+    JOB_STATE_SUCCEEDED: _JobState.ValueType  # 4
+    """The trainer said it finished (TrainerService.FinishJob): training ended normally."""
+    JOB_STATE_FAILED: _JobState.ValueType  # 5
+    """The trainer said it failed; JobInfo.reason says why. A trainer that attaches
+    again (a restart, a re-launch with --resume) makes the job RUNNING again.
+    """
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper): ...
 
@@ -42,6 +48,12 @@ JOB_STATE_PENDING: JobState.ValueType  # 1
 """Waiting for a model profile (profile_on_attach) or for devices."""
 JOB_STATE_RUNNING: JobState.ValueType  # 2
 JOB_STATE_CANCELLED: JobState.ValueType  # 3
+JOB_STATE_SUCCEEDED: JobState.ValueType  # 4
+"""The trainer said it finished (TrainerService.FinishJob): training ended normally."""
+JOB_STATE_FAILED: JobState.ValueType  # 5
+"""The trainer said it failed; JobInfo.reason says why. A trainer that attaches
+again (a restart, a re-launch with --resume) makes the job RUNNING again.
+"""
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
 
 @_typing.final
@@ -218,6 +230,26 @@ class JobInfo(_message.Message):
         def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
         def WhichOneof(self, oneof_group: _Never) -> None: ...
 
+    @_typing.final
+    class CostSoFarEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     OWNER_FIELD_NUMBER: _builtins.int
     NAME_FIELD_NUMBER: _builtins.int
@@ -248,6 +280,10 @@ class JobInfo(_message.Message):
     LOSS_UNIX_MS_FIELD_NUMBER: _builtins.int
     TRAINER_TOKEN_FIELD_NUMBER: _builtins.int
     SLOT_ITERATIONS_FIELD_NUMBER: _builtins.int
+    STARTED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    ENDED_UNIX_MS_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    COST_SO_FAR_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     owner: _builtins.str
     name: _builtins.str
@@ -280,6 +316,13 @@ class JobInfo(_message.Message):
     """
     slot_iterations: _builtins.int
     """Slots in iterations (0: every slot_s seconds); see SubmitJobRequest."""
+    started_unix_ms: _builtins.int
+    """When the job's first trainer rank attached (0: none yet), and when the job
+    ended (SUCCEEDED, FAILED or CANCELLED; 0 while it has not).
+    """
+    ended_unix_ms: _builtins.int
+    reason: _builtins.str
+    """Why the job ended: the trainer's failure, "finished", "cancelled by the owner"."""
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -302,6 +345,13 @@ class JobInfo(_message.Message):
     def emulated_devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
     def warnings(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def cost_so_far(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]:
+        """What the job has cost so far, per cost kind: each slot's cost rates times the
+        wall time they ran, from the first Attach on ("price_per_hour": dollars,
+        "power_watts": watt-hours). Up to the last slot.
+        """
+
     def __init__(
         self,
         *,
@@ -335,10 +385,14 @@ class JobInfo(_message.Message):
         loss_unix_ms: _builtins.int = ...,
         trainer_token: _builtins.str = ...,
         slot_iterations: _builtins.int = ...,
+        started_unix_ms: _builtins.int = ...,
+        ended_unix_ms: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        cost_so_far: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "schedules", b"schedules", "slot", b"slot", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "cost_so_far", b"cost_so_far", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "ended_unix_ms", b"ended_unix_ms", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "reason", b"reason", "schedules", b"schedules", "slot", b"slot", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "started_unix_ms", b"started_unix_ms", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
     _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015
@@ -376,7 +430,7 @@ class ListJobsRequest(_message.Message):
 
     INCLUDE_CANCELLED_FIELD_NUMBER: _builtins.int
     include_cancelled: _builtins.bool
-    """Cancelled jobs are left out unless set."""
+    """Cancelled jobs are left out unless set (SUCCEEDED and FAILED ones are listed)."""
     def __init__(
         self,
         *,

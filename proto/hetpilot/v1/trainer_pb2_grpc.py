@@ -50,6 +50,11 @@ class TrainerServiceStub:
                 request_serializer=hetpilot_dot_v1_dot_trainer__pb2.StageTimingsReport.SerializeToString,
                 response_deserializer=hetpilot_dot_v1_dot_trainer__pb2.StageTimingsAck.FromString,
                 _registered_method=True)
+        self.FinishJob = channel.unary_unary(
+                '/hetpilot.v1.TrainerService/FinishJob',
+                request_serializer=hetpilot_dot_v1_dot_trainer__pb2.FinishJobRequest.SerializeToString,
+                response_deserializer=hetpilot_dot_v1_dot_trainer__pb2.FinishJobResponse.FromString,
+                _registered_method=True)
 
 
 class TrainerServiceServicer:
@@ -74,6 +79,16 @@ class TrainerServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FinishJob(self, request, context):
+        """The job ended: rank 0 calls it when training returns (SUCCEEDED) or fails
+        (FAILED, with the reason). The job's control loop stops and its plan
+        streams end. Idempotent: the same outcome again answers OK; another
+        outcome, or a cancelled job, answers FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -91,6 +106,11 @@ def add_TrainerServiceServicer_to_server(servicer, server):
                     servicer.ReportStageTimings,
                     request_deserializer=hetpilot_dot_v1_dot_trainer__pb2.StageTimingsReport.FromString,
                     response_serializer=hetpilot_dot_v1_dot_trainer__pb2.StageTimingsAck.SerializeToString,
+            ),
+            'FinishJob': grpc.unary_unary_rpc_method_handler(
+                    servicer.FinishJob,
+                    request_deserializer=hetpilot_dot_v1_dot_trainer__pb2.FinishJobRequest.FromString,
+                    response_serializer=hetpilot_dot_v1_dot_trainer__pb2.FinishJobResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -174,6 +194,33 @@ class TrainerService:
             '/hetpilot.v1.TrainerService/ReportStageTimings',
             hetpilot_dot_v1_dot_trainer__pb2.StageTimingsReport.SerializeToString,
             hetpilot_dot_v1_dot_trainer__pb2.StageTimingsAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FinishJob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpilot.v1.TrainerService/FinishJob',
+            hetpilot_dot_v1_dot_trainer__pb2.FinishJobRequest.SerializeToString,
+            hetpilot_dot_v1_dot_trainer__pb2.FinishJobResponse.FromString,
             options,
             channel_credentials,
             insecure,
