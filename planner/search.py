@@ -249,6 +249,8 @@ def clear_memos() -> None:
     from .refmodel import _cached_makespan
 
     _model_arrays.cache_clear()  # with them each model's memos of stage costs and DP cuts
+    with _FOUND_LOCK:
+        _FOUND.clear()
     _CUTS.data.clear()
     _EVALS.data.clear()
     _STAGES.clear()
@@ -696,10 +698,20 @@ def _stragglers(devices: Sequence[Device]) -> set[str]:
     return {d.id for d in devices if d.tflops < 0.5 * median[d.host]}
 
 
+_FOUND: OrderedDict[tuple[object, ...], tuple[Candidate, ...]] = OrderedDict()
+_FOUND_LOCK = threading.Lock()
+_FOUND_SIZE = 64
+
+
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     focus: int | None = None,
                     pairs: Collection[tuple[str, str]] | None = None) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
+
+    Memoised on everything the search reads (the cluster, the model, the batch,
+    microbatch size and schedules, ``focus``, ``pairs``; not budgets or V, which
+    only the controller weighs): a controller stepping every slot on a cluster
+    that did not change gets the same candidates back at once.
 
     Every candidate is valid under the reference model. The list is what the
     Lyapunov controller chooses from; :func:`make_plan` takes the fastest.
@@ -716,6 +728,23 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     device subsets and no baselines. :func:`structure_pairs` reads them off
     candidates.
     """
+    key = (cluster, _model_token(model), job.global_batch, job.microbatch_size,
+           tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)))
+    with _FOUND_LOCK:
+        hit = _FOUND.get(key)
+        if hit is not None:
+            _FOUND.move_to_end(key)
+            return list(hit)
+    found = _search(cluster, model, job, focus=focus, pairs=pairs)
+    with _FOUND_LOCK:
+        _FOUND[key] = tuple(found)
+        while len(_FOUND) > _FOUND_SIZE:
+            _FOUND.popitem(last=False)
+    return found
+
+
+def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
+            pairs: Collection[tuple[str, str]] | None) -> list[Candidate]:
     planner = Planner(cluster, model, job)
     schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
     found: list[Candidate] = []
