@@ -101,7 +101,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     elif name == "budget":
         parser.add_argument("job_id")
         parser.add_argument("settings", nargs="+", metavar="KIND=VALUE",
-                            help="price_per_hour=20, power_watts=900, V=5")
+                            help="price_per_hour=20, power_watts=900, V=5 (V=auto: the learned default)")
 
 
 def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
@@ -159,6 +159,9 @@ def _settings(items: list[str]) -> tuple[dict[str, float], float | None]:
     v = None
     for item in items:
         key, sep, raw = item.partition("=")
+        if key == "V" and raw == "auto":  # back to the learned default (sent as 0)
+            v = 0.0
+            continue
         try:
             value = float(raw)
         except ValueError:
@@ -300,7 +303,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
              f"{_when(j.started_unix_ms)} / {_when(j.ended_unix_ms)}"),
             ("model", j.model_name or ("(profile on attach)" if j.profile_on_attach else "-")),
             ("batch / microbatch", f"{j.global_batch} / {j.microbatch_size}"),
-            ("V", f"{j.v:g}"),
+            ("V", f"{j.v:g}" if j.v else "learned (default; docs/controller.md)"),
             ("slot", f"{j.slot} x {j.slot_iterations} iterations (or {j.slot_s:g} s without "
                      "reports)" if j.slot_iterations else f"{j.slot} x {j.slot_s:g} s"),
             ("plan version", str(j.plan_version)),
@@ -400,7 +403,7 @@ def _budget(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     if args.json:
         print(json.dumps(_job_dict(info)))
     else:
-        print(f"{info.job_id}: budgets {dict(info.budgets)}, V {info.v:g}")
+        print(f"{info.job_id}: budgets {dict(info.budgets)}, V {f'{info.v:g}' if info.v else 'learned'}")
     return 0
 
 

@@ -167,7 +167,8 @@ def submit_from_proto(req: job_pb2.SubmitJobRequest) -> JobRecord:
         job_id="", owner="", state="", name=req.name or "job",
         global_batch=req.global_batch, microbatch_size=req.microbatch_size,
         schedules=tuple(req.schedules), budgets=budgets_from_proto(req.budgets),
-        V=number(req.v, "v") or 10.0, slot_s=number(req.slot_s, "slot_s", maximum=86400 * 7),
+        V=number(req.v, "v"),  # 0: the job gives none, the learned default (DEFAULT_V)
+        slot_s=number(req.slot_s, "slot_s", maximum=86400 * 7),
         allowed_hosts=tuple(name(h, f"allowed_hosts[{i}]")
                             for i, h in enumerate(req.allowed_hosts)),
         model_json=req.model_json, profile_on_attach=req.profile_on_attach,

@@ -112,7 +112,8 @@ def to_job(rec: JobRecord) -> Job:
     return job_from_dict({"global_batch": rec.global_batch,
                           "microbatch_size": rec.microbatch_size,
                           "schedule": list(rec.schedules) or "any",
-                          "budgets": dict(rec.budgets), "V": rec.V})
+                          "budgets": dict(rec.budgets),
+                          **({"V": rec.V} if rec.V else {})})  # 0: no V given, the default
 
 
 class ControlPlane:

@@ -152,7 +152,8 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     async def UpdateBudgets(self, request: job_pb2.UpdateBudgetsRequest,
                             context: grpc.aio.ServicerContext) -> job_pb2.JobInfo:
         budgets = convert.budgets_from_proto(request.budgets)
-        v = convert.number(request.v, "v", positive=True) if request.HasField("v") else None
+        # v = 0 goes back to the learned default (DEFAULT_V); unset keeps V
+        v = convert.number(request.v, "v") if request.HasField("v") else None
         return self._info(self.plane.update_budgets(self._owner(context),
                                                     convert.name(request.job_id, "job_id"),
                                                     budgets, v))

@@ -9,13 +9,15 @@ controller trade speed for cost under budgets.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
+import numpy as np
+
 from .types import COST_KINDS, Cluster, Plan
 
-__all__ = ["Candidate", "plan_costs"]
+__all__ = ["Candidate", "Frontier", "budget_multiplier", "frontier", "plan_costs"]
 
 
 def plan_costs(cluster: Cluster, plan: Plan) -> Mapping[str, float]:
@@ -37,3 +39,84 @@ class Candidate:
     def score(self, V: float, queues: Mapping[str, float]) -> float:
         """Drift-plus-penalty objective ``V * T + sum_k Q_k * c_k``."""
         return V * self.iteration_s + sum(q * self.costs.get(k, 0.0) for k, q in queues.items())
+
+
+#: A cost/time frontier: costs ascending, iteration times strictly descending,
+#: convex (the lower convex hull of a slot's candidates for one cost kind).
+Frontier = tuple[np.ndarray, np.ndarray]
+
+
+def frontier(points: Sequence[tuple[float, float]]) -> Frontier:
+    """The lower convex hull of (cost rate, iteration time) ``points``: the plans
+    and the time-shared mixes of two plans that no other mix beats on both."""
+    pareto: list[tuple[float, float]] = []  # cost ascending, time strictly descending
+    for c, t in sorted(points):
+        if pareto and t >= pareto[-1][1]:
+            continue
+        while pareto and c <= pareto[-1][0]:
+            pareto.pop()
+        pareto.append((c, t))
+    hull: list[tuple[float, float]] = []
+    for p in pareto:  # monotone chain: keep the turns that bend the right way
+        while len(hull) >= 2:
+            (c1, t1), (c2, t2) = hull[-2], hull[-1]
+            if (t2 - t1) * (p[0] - c1) >= (p[1] - t1) * (c2 - c1):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return (np.array([c for c, _ in hull], dtype=float), np.array([t for _, t in hull], dtype=float))
+
+
+def budget_multiplier(frontiers: Sequence[Frontier], budget: float) -> float | None:
+    """The Lagrange multiplier (seconds of iteration time per unit of cost rate) of
+
+        min avg_s T_s  subject to  avg_s c_s <= budget
+
+    where slot s picks a point of ``frontiers[s]`` or a mix of two (the
+    offline oracle's linear programme over these slots): the smallest
+    ``l >= 0`` at which each slot's minimiser of ``T + l * c`` costs at most
+    ``budget`` on average. 0 when the fastest points fit; None when even the
+    cheapest do not (or there are no slots)."""
+    fr = [f for f in frontiers if len(f[0])]
+    if not fr:
+        return None
+    width = max(len(f[0]) for f in fr)
+    # pad each frontier with copies of its last (dearest, fastest) point
+    cost = np.array([np.pad(c, (0, width - len(c)), mode="edge") for c, _ in fr])
+    time = np.array([np.pad(t, (0, width - len(t)), mode="edge") for _, t in fr])
+    rows = np.arange(len(fr))
+    limit = budget * (1 + 1e-9)
+
+    def spend(lam: float, dear: bool = False) -> float:
+        """Average cost of each slot's minimiser of T + lam c; ties go to the
+        cheapest (or the dearest) minimiser."""
+        score = time + lam * cost
+        idx = width - 1 - np.argmin(score[:, ::-1], axis=1) if dear else np.argmin(score, axis=1)
+        return float(cost[rows, idx].mean())
+
+    if spend(0.0) <= limit:
+        return 0.0
+    if float(cost[:, 0].mean()) > limit:
+        return None
+    steep = [float(np.max(-np.diff(t) / np.diff(c))) for c, t in fr if len(c) > 1]
+    top = 2.0 * max(steep, default=1.0)
+    lo, hi = 0.0, top
+    for _ in range(60):  # the smallest rate whose minimisers fit
+        mid = 0.5 * (lo + hi)
+        if spend(mid) > limit:
+            lo = mid
+        else:
+            hi = mid
+    # where the minimisers cost exactly the budget over a range of rates (the
+    # budget sits on a plan), take the middle of the range, not its edge (a tie)
+    a, b = hi, top
+    if spend(a, dear=True) < budget * (1 - 1e-9):
+        return hi
+    for _ in range(60):  # the largest rate whose dearest minimisers still spend it
+        mid = 0.5 * (a + b)
+        if spend(mid, dear=True) >= budget * (1 - 1e-9):
+            a = mid
+        else:
+            b = mid
+    return 0.5 * (hi + a)

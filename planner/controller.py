@@ -20,6 +20,19 @@ cluster as the controller observes it (devices that are down are absent) and
    plan by ``hysteresis * V * T_running`` (so plans do not flap on noise);
 4. updates the virtual queues ``Q_k(t+1) = max(Q_k + c_k - budget_k, 0)``.
 
+That is the contract, used as it stands when the job gives its V. ``V = 0``
+(:data:`DEFAULT_V`) means the job gives none, and V's units (seconds against
+($/h)^2: ``Q / V`` is an exchange rate in seconds per $/h) are not the job
+owner's problem (issue 17): with one budget the controller learns the rate
+from the cost/time frontiers of the last slots (the offline oracle's linear
+programme solved on the past, at the budget less the debt so far spread over
+``repay_slots``), carries it as the queue ``Q = V_eff * rate``, and where no
+plan sits at the budget while prices hold still it time-shares the two plans
+that straddle it on a schedule of slots whose switches are paid for
+(:meth:`Controller._mix`). With several budgets the default is the
+drift-plus-penalty normalised by the budgets and the job's iteration time.
+See docs/controller.md.
+
 Two optional hooks (keyword arguments of :class:`Controller`, both off by
 default, so the contract is unchanged without them):
 
@@ -47,22 +60,27 @@ Pure: no grpc, asyncio or torch. The daemon and the simulator both drive it.
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+import numpy as np
+
 from . import serde
-from .candidates import Candidate, plan_costs
+from .candidates import Candidate, Frontier, budget_multiplier, frontier, plan_costs
 from .elastic import surviving_plan
 from .errors import InfeasibleError, ValidationError
 from .refmodel import evaluate
 from .switching import SwitchCost, switch_cost
-from .types import COST_KINDS, Cluster, Job, Model, Plan
+from .types import COST_KINDS, DEFAULT_V, Cluster, Job, Model, Plan
 
-__all__ = ["POLICIES", "Controller", "ControllerConfig", "Decision", "Gate", "PlannerSearch",
-           "PredictFn", "SearchFn", "planner_search"]
+__all__ = ["DEFAULT_V", "POLICIES", "Controller", "ControllerConfig", "Decision", "Gate",
+           "PlannerSearch", "PredictFn", "SearchFn", "planner_search"]
+
 
 #: Policies one controller can run (``lyapunov`` is the product; the rest are
 #: the simulator's comparison points).
@@ -123,11 +141,61 @@ class ControllerConfig:
     devices that are up as soon as one of its plan's devices goes down, and
     keeps the new plan after the device returns."""
 
+    default_v: float = 25.0
+    """How the default (a job giving ``V = 0``) reports its V and, with several
+    budgets, weighs: ``V = default_v * b**2 / T_ref`` for a budget ``b``, with
+    ``T_ref`` the iteration time of the fastest plan that fits the budgets on
+    the first slot (:attr:`Controller.effective_V`). Read it as the backlog, in
+    slots' worth of budget, at which 1% of cost is worth 1% of iteration time.
+    With one budget the default learns its exchange rate instead
+    (``learn_window``), and this only sets the units the queue is reported in."""
+    warm_start: bool = True
+    """With the default V and several budgets: start each queue at the backlog
+    whose shadow price puts the first slot's choice at the budget (the slope of
+    the candidates' cost/time frontier there) instead of at 0. A job's explicit
+    V keeps the contract's empty start."""
+    learn_window: int = 300
+    """With the default V and one budget: the controller keeps the cost/time
+    frontiers of the last ``learn_window`` slots it observed and weighs cost by
+    the exchange rate (seconds per unit of cost rate) that would have held the
+    budget over them: the offline oracle's linear programme solved on the
+    past (:func:`~hetpilot.planner.candidates.budget_multiplier`). 0: no
+    learning (the normalised drift-plus-penalty of ``default_v``)."""
+    repay_slots: int = 25
+    """With a learned rate: spending over (under) the budget so far is repaid
+    (spent) over about this many slots, by learning the rate at
+    ``budget - debt / repay_slots``."""
+    max_credit: float = 1.0
+    """With a learned rate: unspent budget is banked, but the target it allows
+    stays below ``(1 + max_credit) * budget``."""
+    mix: bool = True
+    """With a learned rate: where the rate sits on the kink between two plans
+    that straddle the budget (no plan near it), time-share them on a schedule
+    of whole slots whose switches are paid for (:meth:`Controller._mix`)."""
+    mix_settled: float = 0.05
+    """Time-share only while the target is within this fraction of the budget:
+    while a debt is repaid (or a credit spent) the learned rate alone decides."""
+    mix_overhead: float = 0.03
+    """A time-sharing cycle is made long enough that its two switches cost at
+    most this fraction of what mixing gains over the cheaper plan alone."""
+    mix_max_cycle: int = 50
+    """Longest time-sharing cycle in slots; when even that does not amortise the
+    switches, the controller does not mix."""
+
     def __post_init__(self) -> None:
+        if not (math.isfinite(self.default_v) and self.default_v > 0):
+            raise ValidationError("config.default_v", f"must be > 0, got {self.default_v}")
         if not (math.isfinite(self.slot_s) and self.slot_s > 0):
             raise ValidationError("config.slot_s", f"must be > 0, got {self.slot_s}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 0):
             raise ValidationError("config.hysteresis", f"must be >= 0, got {self.hysteresis}")
+        for name in ("learn_window", "repay_slots", "mix_max_cycle"):
+            if getattr(self, name) < (0 if name == "learn_window" else 1):
+                raise ValidationError(f"config.{name}", f"must be >= {0 if name == 'learn_window' else 1}, "
+                                      f"got {getattr(self, name)}")
+        for name in ("max_credit", "mix_overhead", "mix_settled"):
+            if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
+                raise ValidationError(f"config.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.iterations_per_slot is not None and self.iterations_per_slot < 1:
             raise ValidationError(
                 "config.iterations_per_slot", f"must be >= 1, got {self.iterations_per_slot}"
@@ -162,6 +230,12 @@ class Decision:
     """How many candidates the slot compared (the running plan included)."""
     held: tuple[str, ...] = field(default_factory=tuple)
     """Why the gate kept the running plan against a better candidate (empty: it did not)."""
+    V: float = 0.0
+    """The V this slot weighed speed with, in the contract's units (the job's own
+    V, or the default's equivalent for the first budget kind)."""
+    mix: float = 0.0
+    """When the slot is part of a time-sharing schedule: the share of slots the
+    dearer of its two plans runs (0: no schedule)."""
 
 
 @dataclass(frozen=True)
@@ -210,11 +284,40 @@ def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
 
 
 def _check_v(value: Any, path: str) -> float:
+    """A finite V >= 0; 0 (:data:`DEFAULT_V`) means the job gives none."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise ValidationError(path, f"must be a finite number, got {value!r}")
-    if value <= 0:
-        raise ValidationError(path, f"must be > 0, got {value}")
+    if value < 0:
+        raise ValidationError(path, f"must be > 0, or 0 for the default, got {value}")
     return float(value)
+
+
+@dataclass(frozen=True)
+class _Scale:
+    """How the default V weighs a slot: ``a * T + sum_k w_k * Q_k * c_k``."""
+
+    a: float
+    """Weight of the iteration time (the job's V, or default_v / T_ref)."""
+    w: Mapping[str, float]
+    """Weight of each queue (1 with the job's V, 1 / b_k**2 with the default)."""
+    t_ref: float = 0.0
+    """The default's reference iteration time (0 with the job's own V)."""
+
+    def objective(self, cand: Candidate, queues: Mapping[str, float]) -> float:
+        return cand.score(self.a, {k: self.w.get(k, 1.0) * q for k, q in queues.items()})
+
+    def shadow(self, kind: str, queue: float) -> float:
+        """Seconds of iteration time a unit of cost rate of ``kind`` is worth."""
+        return self.w.get(kind, 1.0) * queue / self.a
+
+    def queue(self, kind: str, shadow: float) -> float:
+        return shadow * self.a / self.w.get(kind, 1.0)
+
+    def contract_V(self, kinds: Sequence[str]) -> float:
+        """The contract's V equivalent to this scale for the first kind."""
+        if not kinds:
+            return self.a
+        return self.a / self.w.get(kinds[0], 1.0)
 
 
 class Controller:
@@ -245,6 +348,17 @@ class Controller:
         self._slot = 0
         self._pending: _Pending | None = None
         self._short: set[str] = set()  # budgets currently below the cheapest candidate
+        # the default V (job V = 0): its scale, fixed on the first slot that needs it
+        self._auto: _Scale | None = None
+        self._fresh: set[str] = set(self._budgets)  # queues the default V may warm-start
+        self._carry: dict[str, float] = {}  # shadow prices to keep across a change of scale
+        # the default V's learned multiplier: frontiers seen, shadow price in the queue
+        self._frontiers: deque[Frontier] = deque(maxlen=max(self.config.learn_window, 1))
+        self._learned: dict[str, float] = {}
+        self._debt: dict[str, float] = {}  # spending over (+) or under (-) the budget, settled
+        self._mixing = 0.0  # this slot's time-sharing share (Decision.mix)
+        self._mix_pair: list[float] | None = None  # the schedule's two plans (costs, times)
+        self._mix_err = 0.0  # its running total of cost over the target (cost rate x slots)
 
     # -- public surface ------------------------------------------------------
 
@@ -266,7 +380,18 @@ class Controller:
 
     @property
     def V(self) -> float:
+        """The job's V as given; 0 (:data:`DEFAULT_V`): the job gave none."""
         return self._V
+
+    @property
+    def effective_V(self) -> float | None:
+        """The V the controller weighs with, in the contract's units (for the
+        first budget kind): the job's own V, or the default's
+        ``default_v * b**2 / T_ref`` once the first slot has fixed ``T_ref``
+        (None before)."""
+        if self._V > 0:
+            return self._V
+        return None if self._auto is None else self._auto.contract_V(list(self._budgets))
 
     def set_budgets(
         self, budgets: Mapping[str, float] | None = None, V: float | None = None
@@ -274,22 +399,48 @@ class Controller:
         """Change the budgets (the whole mapping) and/or V from the next slot on.
 
         A new cost kind starts with an empty queue; a kind no longer budgeted
-        loses its queue. Raises ValidationError naming the field.
+        loses its queue. ``V = 0`` is the default V. Raises ValidationError
+        naming the field. Setting what is already set changes nothing (the
+        daemon re-applies the job's budgets after every restart). When the
+        default V is involved (before or after), the default's scale is fixed
+        again on the next slot and each queue is rescaled so that its shadow
+        price (what a unit of cost is worth in seconds) carries over.
         """
         new_budgets = None if budgets is None else _check_budgets(budgets, "budgets")
         new_v = None if V is None else _check_v(V, "V")
+        if new_budgets == self._budgets:
+            new_budgets = None
+        if new_v == self._V:
+            new_v = None
+        if new_budgets is None and new_v is None:
+            return
+        old_scale = self._scale_now()
+        if old_scale is not None and (self._V == 0.0 or new_v == 0.0):
+            self._carry = {k: old_scale.shadow(k, q) for k, q in self._queues.items()}
         if new_budgets is not None:
+            self._fresh |= set(new_budgets) - set(self._budgets)
+            if set(new_budgets) != set(self._budgets):  # another kind: another frontier
+                self._frontiers.clear()
+                self._learned = {}
             self._budgets = new_budgets
             self._queues = {k: self._queues.get(k, 0.0) for k in new_budgets}
             self._short &= set(new_budgets)
         if new_v is not None:
             self._V = new_v
+        if self._V == 0.0:
+            self._auto = None  # fixed again on the next slot
+        elif self._carry:
+            scale = self._scale_now()
+            assert scale is not None
+            self._queues.update({k: scale.queue(k, lam) for k, lam in self._carry.items()
+                                 if k in self._queues})
+            self._carry = {}
 
     def candidates(self, observed: Cluster) -> list[Candidate]:
         """The plans a slot on ``observed`` weighs (the search and the cost-aware
         subsets), without choosing: for benchmarks that bound what any policy
         choosing among them could do."""
-        return self._candidates(observed, replace(self.job, budgets=dict(self._budgets), V=self._V))
+        return self._candidates(observed, self._job_now())
 
     def step(self, observed: Cluster) -> Decision:
         """Decide the plan for the next slot on the ``observed`` cluster."""
@@ -299,15 +450,19 @@ class Controller:
         if self._gate is not None:
             self._gate.observe(observed)
             self._gate.held.clear()
-        job = replace(self.job, budgets=dict(self._budgets), V=self._V)
+        job = self._job_now()
         running, why_not = self._running_candidate(observed)
         keeps = self.config.policy in ("static", "static-replan") and running is not None
         found = [] if keeps else self._candidates(observed, job)  # nothing to choose
         pool = [c for c in found if running is None or c.plan != running.plan]
         if running is None and not pool:
             raise InfeasibleError("no plan fits the observed cluster's memory")
-        warnings = self._budget_warnings(pool + ([running] if running else []))
-        chosen, switch = self._choose(observed, running, pool, queues)
+        everyone = pool + ([running] if running else [])
+        warnings = self._budget_warnings(everyone)
+        scale = self._scale_for(everyone, queues)
+        self._learn(everyone, queues, scale)
+        self._mixing = 0.0
+        chosen, switch = self._choose(observed, running, pool, queues, scale)
         switched = running is None or chosen is not running or chosen.plan != self._plan
         if switched and running is not None and chosen is running:  # static: groups left or rejoined
             switch = switch_cost(observed, self.model, self._plan, chosen.plan)
@@ -339,6 +494,8 @@ class Controller:
             forced=running is None,
             candidates=len(pool) + (running is not None),
             held=tuple(self._gate.held) if self._gate is not None else (),
+            V=scale.contract_V(list(self._budgets)),
+            mix=self._mixing,
         )
         self._slot += 1
         return decision
@@ -365,6 +522,15 @@ class Controller:
             "V": self._V,
             "pending": pending,
             "short": sorted(self._short),
+            "auto": None if self._auto is None else {
+                "a": self._auto.a, "w": dict(self._auto.w), "t_ref": self._auto.t_ref},
+            "fresh": sorted(self._fresh),
+            "carry": dict(self._carry),
+            "learned": dict(self._learned),
+            "debt": dict(self._debt),
+            "mix": None if self._mix_pair is None else {"pair": list(self._mix_pair),
+                                                        "err": self._mix_err},
+            "frontiers": _frontier_runs(self._frontiers),
             **({"gate": self._gate.to_state()} if self._gate is not None else {}),
         }
 
@@ -414,6 +580,55 @@ class Controller:
         if not isinstance(short, list) or any(k not in COST_KINDS for k in short):
             raise ValidationError("state.short", f"must be a list of cost kinds, got {short!r}")
         ctl._short = set(short)
+        raw_auto = state.get("auto")  # absent in states written before the default V
+        if raw_auto is not None:
+            if not isinstance(raw_auto, Mapping):
+                raise ValidationError("state.auto", "must be an object or null")
+            a = _check_v(raw_auto.get("a"), "state.auto.a")
+            w = _check_budgets(_mapping(raw_auto, "w", "state.auto"), "state.auto.w")
+            t_ref = _check_v(raw_auto.get("t_ref", 0.0), "state.auto.t_ref")
+            ctl._auto = _Scale(a, MappingProxyType(w), t_ref) if a > 0 else None
+        fresh = state.get("fresh", [])
+        if not isinstance(fresh, list) or any(k not in COST_KINDS for k in fresh):
+            raise ValidationError("state.fresh", f"must be a list of cost kinds, got {fresh!r}")
+        ctl._fresh = set(fresh) & set(ctl._budgets)
+        raw_carry = state.get("carry", {})
+        if not isinstance(raw_carry, Mapping):
+            raise ValidationError("state.carry", "must be an object")
+        ctl._carry = _check_budgets(raw_carry, "state.carry")
+        raw_learned = state.get("learned", {})
+        if not isinstance(raw_learned, Mapping):
+            raise ValidationError("state.learned", "must be an object")
+        ctl._learned = _check_budgets(raw_learned, "state.learned")
+        raw_debt = state.get("debt", {})
+        if not isinstance(raw_debt, Mapping) or any(
+                k not in COST_KINDS or isinstance(v, bool) or not isinstance(v, (int, float))
+                or not math.isfinite(v) for k, v in raw_debt.items()):
+            raise ValidationError("state.debt", "must map cost kinds to finite numbers")
+        ctl._debt = {k: float(v) for k, v in raw_debt.items()}
+        raw_mix = state.get("mix")
+        if raw_mix is not None:
+            pair = raw_mix.get("pair") if isinstance(raw_mix, Mapping) else None
+            err = raw_mix.get("err") if isinstance(raw_mix, Mapping) else None
+            if (not isinstance(pair, list) or len(pair) != 4 or not isinstance(err, (int, float))
+                    or not all(isinstance(v, (int, float)) for v in pair)):
+                raise ValidationError("state.mix", "must be null or {pair: 4 numbers, err: number}")
+            ctl._mix_pair, ctl._mix_err = [float(v) for v in pair], float(err)
+        ctl._frontiers.clear()
+        raw_frontiers = state.get("frontiers", [])
+        if not isinstance(raw_frontiers, list):
+            raise ValidationError("state.frontiers", "must be a list")
+        for i, run in enumerate(raw_frontiers):
+            try:
+                count, c, t = run[0], *(np.array(x, dtype=float) for x in run[1:])
+            except (TypeError, ValueError, IndexError) as exc:
+                raise ValidationError(f"state.frontiers[{i}]", "must be [count, costs, times]") from exc
+            if (isinstance(count, bool) or not isinstance(count, int) or count < 1 or len(run) != 3
+                    or c.shape != t.shape or c.ndim != 1
+                    or not (np.isfinite(c).all() and np.isfinite(t).all())):
+                raise ValidationError(f"state.frontiers[{i}]", "must be [count >= 1, costs, times] "
+                                      "with two lists of numbers of one length")
+            ctl._frontiers.extend((c, t) for _ in range(min(count, ctl._frontiers.maxlen or count)))
         raw_gate = state.get("gate")
         if gate is not None and raw_gate is not None:
             if not isinstance(raw_gate, Mapping):
@@ -433,10 +648,16 @@ class Controller:
         """Q(t): the last update redone with the cost rates the last plan really had."""
         queues = dict(self._queues)
         pending, plan = self._pending, self._plan
+        real: Mapping[str, float] | None = None
         if pending is not None and plan is not None and all(d in observed.by_id for d in plan.devices):
             real = plan_costs(observed, plan)
             redone = self._updated(pending.queues_before, pending.budgets, real)
             queues.update({k: v for k, v in redone.items() if k in queues})
+        if pending is not None:
+            paid = real if real is not None else pending.costs
+            for k, b in pending.budgets.items():
+                if k in self._budgets:
+                    self._debt[k] = self._debt.get(k, 0.0) + paid.get(k, 0.0) - b
         return {k: queues.get(k, 0.0) for k in self._budgets}
 
     def _candidates(self, observed: Cluster, job: Job) -> list[Candidate]:
@@ -518,12 +739,86 @@ class Controller:
         self._short = short
         return out
 
+    def _job_now(self) -> Job:
+        """The job as the search sees it: current budgets, and V as given (10 for
+        the default; the search does not read V)."""
+        return replace(self.job, budgets=dict(self._budgets), V=self._V if self._V > 0 else 10.0)
+
+    def _scale_now(self) -> _Scale | None:
+        """The weights of the slot objective, where known without candidates."""
+        if self._V > 0:
+            return _Scale(self._V, MappingProxyType(dict.fromkeys(self._budgets, 1.0)))
+        return self._auto
+
+    def _scale_for(self, cands: Sequence[Candidate], queues: dict[str, float]) -> _Scale:
+        """The slot's weights; with the default V, fixed here the first time (and
+        after a change of budgets or V), warm-starting fresh queues."""
+        known = self._scale_now()
+        if known is not None:
+            return known
+        budgets = self._budgets
+        fitting = [c for c in cands if self._fits(c)]
+        if fitting:
+            t_ref = min(c.iteration_s for c in fitting)
+        else:  # nothing fits: the candidate least over its budgets
+            def over(c: Candidate) -> float:
+                return max((c.costs.get(k, 0.0) / b if b > 0 else math.inf)
+                           for k, b in budgets.items())
+            t_ref = min(cands, key=lambda c: (over(c), c.iteration_s)).iteration_s
+        weights = {}
+        for k, b in budgets.items():
+            unit = b if b > 0 else min((c.costs.get(k, 0.0) for c in cands if c.costs.get(k, 0.0) > 0),
+                                       default=1.0)
+            weights[k] = 1.0 / unit ** 2
+        scale = _Scale(self.config.default_v / max(t_ref, 1e-12), MappingProxyType(weights), t_ref)
+        self._auto = scale
+        if self._carry:
+            queues.update({k: scale.queue(k, lam) for k, lam in self._carry.items() if k in queues})
+            self._carry = {}
+        if self.config.warm_start and self.config.policy == "lyapunov" and not self._learning():
+            for k in sorted(self._fresh & set(queues)):
+                if queues[k] > 0.0:
+                    continue
+                slope = budget_multiplier([_frontier(cands, k)], budgets[k])
+                if slope is not None:
+                    queues[k] = scale.queue(k, slope)
+        self._fresh.clear()
+        return scale
+
+    def _learning(self) -> bool:
+        return (self.config.policy == "lyapunov" and self._V == 0.0 and len(self._budgets) == 1
+                and self.config.learn_window > 0)
+
+    def _learn(self, cands: Sequence[Candidate], queues: dict[str, float], scale: _Scale) -> None:
+        """The default V with one budget: the exchange rate that would have held
+        ``budget - debt / repay_slots`` over the frontiers of the last slots,
+        carried in the queue (``Q = V * rate``)."""
+        if not self._learning():
+            return
+        (kind, budget), = self._budgets.items()
+        self._frontiers.append(_frontier(cands, kind))
+        horizon = self.config.repay_slots
+        debt = max(self._debt.get(kind, 0.0), -self.config.max_credit * budget * horizon)
+        self._debt[kind] = debt
+        lam = budget_multiplier(self._frontiers, self._target())
+        if lam is None:  # below the cheapest plans: weigh cost as heavily as they ever do
+            lam = max((float(np.max(-np.diff(t) / np.diff(c))) for c, t in self._frontiers
+                       if len(c) > 1), default=self._learned.get(kind, 0.0))
+        queues[kind] = scale.queue(kind, lam)
+        self._learned = {kind: lam}
+
+    def _target(self) -> float:
+        """The budget less the debt spread over ``repay_slots`` (bounded)."""
+        (kind, budget), = self._budgets.items()
+        return budget - self._debt.get(kind, 0.0) / self.config.repay_slots
+
     def _choose(
         self,
         observed: Cluster,
         running: Candidate | None,
         pool: list[Candidate],
         queues: Mapping[str, float],
+        scale: _Scale,
     ) -> tuple[Candidate, SwitchCost]:
         policy = self.config.policy
         no_switch = SwitchCost(0.0, 0.0)
@@ -544,13 +839,23 @@ class Controller:
             if not pool:
                 assert running is not None
                 return running, no_switch
+        if policy == "lyapunov" and self.config.mix and self._learning():
+            mixed = self._mix(observed, running, pool)
+            if mixed is not None:
+                return mixed
+            self._mix_pair = None
         scored_q: Mapping[str, float] = queues if policy == "lyapunov" else {}
-        V = self._V
+        V = scale.a
 
         def score(c: Candidate) -> float:
-            return c.score(V, scored_q)
+            return scale.objective(c, scored_q)
 
-        pool.sort(key=score)
+        if policy == "lyapunov" and self._learning():
+            # equal scores (a learned rate on the kink between two plans): the cheaper first
+            pool.sort(key=lambda c: (float(f"{score(c):.10g}"),
+                                     sum(c.costs.get(k, 0.0) for k in self._budgets)))
+        else:
+            pool.sort(key=score)
         best: Candidate | None = None
         best_eff, best_switch = math.inf, no_switch
         for cand in pool:
@@ -572,6 +877,94 @@ class Controller:
         )):
             return best, best_switch
         return running, no_switch
+
+    def _mix(self, observed: Cluster, running: Candidate | None,
+             pool: Sequence[Candidate]) -> tuple[Candidate, SwitchCost] | None:
+        """Time-sharing of two plans as a schedule of whole slots.
+
+        Where no plan sits at the target ``b_t`` (the budget less the debt
+        spread over ``repay_slots``) and the prices have not moved over the
+        learning window (every frontier in it is this slot's), the learned
+        rate is the slope between the two frontier plans that straddle the
+        target, ``lo`` (cheaper) and ``hi`` (dearer): both are equally good,
+        and a share ``x = (b_t - c_lo) / (c_hi - c_lo)`` of ``hi`` holds the
+        target while running ``x (T_lo - T_hi)`` seconds per iteration faster
+        than ``lo`` alone. (When prices move, the rate already time-shares
+        across slots, banking under-spending for cheap slots.)
+
+        A plan runs whole slots (the trainer takes a plan per slot), so the
+        mix is a cycle of ``n`` slots with two switches, each paid for
+        (:func:`~hetpilot.planner.switching.switch_cost`: parameters moved
+        while the trainer pauses). ``n`` is the shortest cycle whose two
+        switches cost at most ``mix_overhead`` of the gain,
+
+            (s_up + s_down) / (n * I) <= mix_overhead * x * (T_lo - T_hi)
+
+        (``I`` iterations per slot), and at least long enough to hold one slot
+        of each; beyond ``mix_max_cycle`` slots it does not mix. The schedule
+        keeps ``E``, its running total of cost over the target since it began,
+        and runs ``hi`` until ``E >= +band``, then ``lo`` until ``E <= -band``,
+        with ``band = n / (2 (1 / (c_hi - b_t) + 1 / (b_t - c_lo)))``: one
+        cycle lasts ``n`` slots and averages the target. Only while the target
+        is within ``mix_settled`` of the budget (no debt being repaid).
+        """
+        (kind, budget), = self._budgets.items()
+        lam = self._learned.get(kind)
+        if not lam:
+            return None
+        target = self._target()
+        if abs(target - budget) > self.config.mix_settled * budget:
+            return None  # repaying a debt (or spending a credit): the rate alone decides
+        now_c, now_t = self._frontiers[-1]
+        if any(len(c) != len(now_c) or not (np.array_equal(c, now_c) and np.array_equal(t, now_t))
+               for c, t in self._frontiers):
+            return None  # prices moved within the window: the rate banks across them instead
+        lo, hi = _straddle(([running] if running is not None else []) + list(pool), kind, target)
+        if lo is None or hi is None:
+            return None
+        c_lo, c_hi = lo.costs.get(kind, 0.0), hi.costs.get(kind, 0.0)
+        if not c_lo < budget < c_hi:
+            return None
+        slope = (lo.iteration_s - hi.iteration_s) / (c_hi - c_lo)
+        if abs(slope - lam) > 1e-6 * max(slope, lam):
+            return None  # the rate prefers one of them: no mix
+        x = (target - c_lo) / (c_hi - c_lo)
+        if not 1e-9 < x < 1 - 1e-9:
+            return None
+        up = switch_cost(observed, self.model, lo.plan, hi.plan).seconds
+        down = switch_cost(observed, self.model, hi.plan, lo.plan).seconds
+        gain = x * (lo.iteration_s - hi.iteration_s) * self._iterations(lo.iteration_s)
+        need = (up + down) / (self.config.mix_overhead * gain) if up + down > 0 else 0.0
+        if need > self.config.mix_max_cycle:
+            return None
+        n = max(math.ceil(need - 1e-3), math.ceil(1 / x - 1e-3), math.ceil(1 / (1 - x) - 1e-3), 2)
+        if n > self.config.mix_max_cycle:
+            return None
+        band = n / (2 * (1 / (c_hi - target) + 1 / (target - c_lo)))
+        pair = [float(f"{v:.9g}") for v in (c_lo, c_hi, lo.iteration_s, hi.iteration_s)]
+        if pair != self._mix_pair:  # a new schedule: its own running total
+            self._mix_pair, self._mix_err = pair, 0.0
+        err = self._mix_err
+        on = None if running is None else running.plan
+        slack = 1e-4 * band  # E lands on the band edges in whole steps: compare loosely
+        if on == hi.plan:
+            pick = lo if err >= band - slack else hi
+        elif on == lo.plan:
+            pick = hi if err <= -band + slack else lo
+        else:
+            pick = hi if err < 0 else lo
+        self._mix_err = err + pick.costs.get(kind, 0.0) - target
+        if running is not None and pick.plan == running.plan:
+            self._mixing = x
+            return running, SwitchCost(0.0, 0.0)
+        sw = switch_cost(observed, self.model, self._plan, pick.plan)
+        if running is not None and self._gate is not None and not self._gate.admit(
+                running_s=running.iteration_s + lam * running.costs.get(kind, 0.0),
+                candidate_s=pick.iteration_s + lam * pick.costs.get(kind, 0.0),
+                switch_s=sw.seconds, iterations_left=self._iterations(pick.iteration_s)):
+            return None
+        self._mixing = x
+        return pick, sw
 
     def _iterations(self, iteration_s: float) -> float:
         """Iterations one slot holds (config, else slot_s / iteration time)."""
@@ -607,6 +1000,56 @@ def _cost_subsets(cluster: Cluster, budgets: Mapping[str, float]) -> list[Cluste
     worst_first = sorted(cluster.devices, key=lambda d: (efficiency(d), d.id))
     drops = sorted({max(1, round(n * f)) for f in (1 / 16, 1 / 8, 1 / 4, 1 / 2, 3 / 4)} - {n})
     return [cluster.without(frozenset(d.id for d in worst_first[:k])) for k in drops]
+
+
+def _frontier_runs(frontiers: Sequence[Frontier]) -> list[list[Any]]:
+    """Frontiers as runs ``[count, costs, times]`` of equal ones: while prices
+    hold still the window is one frontier repeated, and the daemon writes the
+    state every slot."""
+    runs: list[list[Any]] = []
+    for c, t in frontiers:
+        if runs and np.array_equal(runs[-1][3], c) and np.array_equal(runs[-1][4], t):
+            runs[-1][0] += 1
+        else:
+            runs.append([1, c.tolist(), t.tolist(), c, t])
+    return [run[:3] for run in runs]
+
+
+def _frontier(cands: Sequence[Candidate], kind: str) -> Frontier:
+    return frontier([(c.costs.get(kind, 0.0), c.iteration_s) for c in cands])
+
+
+def _straddle(cands: Sequence[Candidate], kind: str,
+              target: float) -> tuple[Candidate | None, Candidate | None]:
+    """The two plans of the lower convex (cost, time) frontier of ``cands`` whose
+    segment holds ``target`` (cheaper <= target < dearer); the first of equal
+    points wins, so list the running plan first."""
+    def cost(c: Candidate) -> float:
+        return float(f"{c.costs.get(kind, 0.0):.9g}")
+
+    def time(c: Candidate) -> float:
+        return float(f"{c.iteration_s:.9g}")  # plans equal to 9 digits are one point
+
+    pareto: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: (cost(c), time(c))):  # stable: first wins
+        if pareto and time(c) >= time(pareto[-1]):
+            continue
+        while pareto and cost(c) <= cost(pareto[-1]):
+            pareto.pop()
+        pareto.append(c)
+    hull: list[Candidate] = []
+    for p in pareto:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            if (time(b) - time(a)) * (cost(p) - cost(a)) >= (time(p) - time(a)) * (cost(b) - cost(a)):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    for a, b in itertools.pairwise(hull):
+        if cost(a) <= target < cost(b):
+            return a, b
+    return None, None
 
 
 def _mapping(obj: Mapping[str, Any], key: str, path: str = "state") -> Mapping[str, Any]:

@@ -19,6 +19,7 @@ from typing import Any
 from .errors import ValidationError
 from .types import (
     COST_KINDS,
+    DEFAULT_V,
     SCHEDULES,
     Cluster,
     Device,
@@ -317,7 +318,9 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
         microbatch_size=micro,
         schedules=tuple(dict.fromkeys(scheds)),
         budgets=budgets,
-        V=_num(obj, "V", path, default=10.0),
+        # a V the job gives is the contract's weight (> 0); leaving it out picks
+        # the controller's learned default (DEFAULT_V, docs/controller.md)
+        V=_num(obj, "V", path, positive=True) if "V" in obj else DEFAULT_V,
     )
 
 

@@ -13,6 +13,7 @@ from types import MappingProxyType
 
 __all__ = [
     "COST_KINDS",
+    "DEFAULT_V",
     "SCHEDULES",
     "Cluster",
     "Device",
@@ -158,6 +159,11 @@ class Model:
         return sum(layer.fwd_gflop + layer.bwd_gflop for layer in self.layers)
 
 
+#: The V of a job that gives none (the job file leaves ``V`` out): the
+#: controller then learns the exchange rate between seconds and cost itself.
+DEFAULT_V = 0.0
+
+
 @dataclass(frozen=True, kw_only=True)
 class Job:
     global_batch: int
@@ -166,8 +172,11 @@ class Job:
     """Schedules the planner may choose from (spec section 3)."""
     budgets: Mapping[str, float] = field(default_factory=dict)
     """Long-term average budget per cost kind (spec section 6)."""
-    V: float = 10.0
-    """Drift-plus-penalty weight on iteration time."""
+    V: float = 0.0
+    """Drift-plus-penalty weight on iteration time (spec section 6). The spec
+    gives no default; here 0 (:data:`DEFAULT_V`, the job file leaving V out)
+    means the job gives none and the controller learns its exchange rate
+    between seconds and cost (docs/controller.md)."""
 
     @property
     def microbatches(self) -> int:

@@ -136,7 +136,7 @@ def test_budget_change_mid_run() -> None:
 @pytest.mark.parametrize(("budgets", "V", "field"), [
     ({"dollars": 1.0}, None, "budgets.dollars"),
     ({"price_per_hour": -1.0}, None, "budgets.price_per_hour"),
-    (None, 0.0, "V"),
+    (None, -1.0, "V"),
 ])
 def test_set_budgets_rejects_bad_values_naming_the_field(budgets, V, field) -> None:  # type: ignore[no-untyped-def]
     ctl = _ctl(budget=3.0)

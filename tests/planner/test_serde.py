@@ -107,3 +107,12 @@ def test_later_link_entries_win() -> None:
     assert gbps == 3.0 and lat == pytest.approx(5e-6)  # latency falls back to the network's
     assert cluster.link("a:0", "a:1") == (2400.0, pytest.approx(5e-6))
     assert cluster.link("a:0", "b:0")[0] == 25.0
+
+
+def test_job_without_v_gets_the_default_and_a_given_v_must_be_positive() -> None:
+    base = {"global_batch": 64, "microbatch_size": 4}
+    assert serde.job_from_dict(base).V == 0.0  # DEFAULT_V: the controller learns its rate
+    assert serde.job_from_dict({**base, "V": 20000}).V == 20000.0
+    for bad in (0, -1.0, "auto"):
+        with pytest.raises(ValidationError, match=r"job\.V"):
+            serde.job_from_dict({**base, "V": bad})

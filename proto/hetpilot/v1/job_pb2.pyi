@@ -100,7 +100,9 @@ class SubmitJobRequest(_message.Message):
     global_batch: _builtins.int
     microbatch_size: _builtins.int
     v: _builtins.float
-    """Drift-plus-penalty weight; 0 means the default (10)."""
+    """Drift-plus-penalty weight (spec section 6); 0: the job gives none and the
+    controller learns its exchange rate (docs/controller.md).
+    """
     slot_s: _builtins.float
     """Controller slot length in seconds; 0 means the daemon's default."""
     request_id: _builtins.str
@@ -291,6 +293,7 @@ class JobInfo(_message.Message):
     global_batch: _builtins.int
     microbatch_size: _builtins.int
     v: _builtins.float
+    """The job's V; 0: the learned default."""
     slot_s: _builtins.float
     profile_on_attach: _builtins.bool
     model_name: _builtins.str
@@ -512,6 +515,7 @@ class UpdateBudgetsRequest(_message.Message):
     V_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     v: _builtins.float
+    """Set to change V; 0 goes back to the learned default."""
     @_builtins.property
     def budgets(self) -> _containers.ScalarMap[_builtins.str, _builtins.float]: ...
     def __init__(
