@@ -155,7 +155,20 @@ def run(args: argparse.Namespace) -> int:
         else:
             print(text)
         return 0
-    return _train(args, spec)
+    rc = _train(args, spec)
+    # Training is over, its output written and the process group destroyed: skip
+    # the interpreter's teardown. A rank that exits normally can still abort there
+    # (SIGABRT, "terminate called without an active exception": gloo's C++ threads
+    # release tensors while Python is being finalised; seen in CI on a one-rank
+    # `hetpilot train --checkpoint`), and under torchrun or an agent's launch that
+    # turns a finished job into a failed rank. trainer/launch.py does the same.
+    # Exceptions from _train still propagate and exit the usual way.
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def _export(checkpoint: str, out: str) -> int:
