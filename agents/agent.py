@@ -1,9 +1,19 @@
-"""The node agent: register the host's devices, stream reports, probe peers.
+"""The node agent: register the host's devices, stream reports, probe peers,
+start and stop job ranks on the daemon's orders.
 
 It never gives up on the daemon: any failure (daemon away, restarting,
 refusing) closes the channel and reconnects with capped exponential backoff
 and jitter, then registers again. Reports wait for their ack with a deadline,
 so a daemon that hangs is noticed as surely as one that is gone.
+
+Launches (:mod:`hetpilot.agents.launcher`) ride on the same stream: each
+report carries the state of this host's launches and their new output, each
+ack the launches to start and to stop. A report's output counts as shipped
+only once its ack arrives (a lost ack means it is sent again, and the daemon
+recognises it by its offset); orders are carried out after the ack, and a
+launch id is started at most once, so an order repeated after a reconnect
+starts nothing twice. Launches run in their own sessions: they go on while the
+agent reconnects or restarts, and the agent that comes back watches them again.
 """
 
 from __future__ import annotations
@@ -23,6 +33,7 @@ from hetpilot.emulation import EmulationFile
 
 from .config import AgentConfig
 from .cpustat import CpuMeter
+from .launcher import Launcher
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
 
@@ -51,12 +62,22 @@ class Agent:
         self._emufile = EmulationFile(config.emulate_file) if config.emulate_file else None
         self._endpoint = Endpoint(address=config.daemon, ca_file=config.ca_file,
                                   cert_file=config.cert_file, key_file=config.key_file)
+        self.launcher: Launcher | None = None
+        if config.launch:
+            self.launcher = Launcher(
+                config.resolved_state_dir(), host=config.host, daemon=config.daemon,
+                python=config.launch_python, stop_grace_s=config.stop_grace_s,
+                tls={"ca_file": config.ca_file, "cert_file": config.cert_file,
+                     "key_file": config.key_file})
+        self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]]] = ([], [])
+        """Launch states and output chunks of the report awaiting its ack."""
 
     # -- requests ------------------------------------------------------------
 
     def register_request(self) -> agent_pb2.RegisterRequest:
         return agent_pb2.RegisterRequest(
             host=self.config.host, probe_address=self.probe_address, agent_version="1",
+            launches=self.launcher is not None,
             devices=[agent_pb2.DeviceInfo(
                 index=d.index, name=d.name, kind=_KIND[d.kind], tflops=d.tflops,
                 memory_gb=d.memory_total_gb, price_per_hour=d.price_per_hour,
@@ -77,8 +98,21 @@ class Agent:
                 link = emu.link(self.config.host, h)
                 if link is not None:
                     links[h] = (link[0], 2 * link[1])  # rtt = 2 x one-way latency
+        launches, chunks = [], []
+        if self.launcher is not None:
+            launches = [agent_pb2.LaunchStatus(
+                launch_id=st.launch_id, job_id=st.job_id, pid=st.pid, stopped=st.stopped,
+                state=(agent_pb2.LAUNCH_STATE_RUNNING if st.running
+                       else agent_pb2.LAUNCH_STATE_EXITED),
+                exit_code=st.exit_code or 0, reason=st.reason[:2000],
+                log_bytes=st.output_bytes()) for st in self.launcher.statuses()]
+            chunks = self.launcher.chunks()
+        self._sent = ([(st.launch_id, st.state == agent_pb2.LAUNCH_STATE_RUNNING)
+                       for st in launches], chunks)
         return agent_pb2.AgentReport(
             agent_id=self.config.host, seq=self._seq, unix_ms=int(time.time() * 1000),
+            launches=launches,
+            logs=[agent_pb2.LogChunk(launch_id=i, offset=o, data=d) for i, o, d in chunks],
             devices=[agent_pb2.DeviceReport(
                 index=d.index, tflops=tflops[d.index], memory_total_gb=d.memory_total_gb,
                 memory_free_gb=d.memory_free_gb, utilization=d.utilization,
@@ -96,6 +130,8 @@ class Agent:
         bound = server.sockets[0].getsockname()[1]
         adv_host = host if host not in ("0.0.0.0", "::", "") else self.config.host
         self.probe_address = self.config.probe_advertise or f"{adv_host}:{bound}"
+        if self.launcher is not None:  # torchrun --local-addr: where peers reach this host
+            self.launcher.local_addr = self.probe_address.rpartition(":")[0].strip("[]")
         if not self.config.emulate:
             self._cpu = CpuMeter(self.config.job_pattern)
         self.devices = await asyncio.to_thread(discover, self.config, self._cpu)
@@ -104,6 +140,8 @@ class Agent:
                  self.probe_address)
         tasks = [asyncio.create_task(self._measure_loop(stop)),
                  asyncio.create_task(self._link_loop(stop))]
+        if self.launcher is not None:
+            tasks.append(asyncio.create_task(self._launch_loop(stop)))
         try:
             await self._connect_loop(stop)
         finally:
@@ -114,6 +152,11 @@ class Agent:
                     await t
             server.close()
             await server.wait_closed()
+            running = self.launcher.running() if self.launcher is not None else []
+            if running:
+                log.info("%d launch(es) keep running (%s): the next agent on this host "
+                         "watches them again", len(running),
+                         ", ".join(s.launch_id for s in running))
 
     async def _connect_loop(self, stop: asyncio.Event) -> None:
         backoff = 0.2
@@ -155,11 +198,37 @@ class Agent:
                 self.reports_acked += 1
                 if ack.peers:
                     self._set_peers(ack.peers)
+                self._orders(ack)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), interval)
             await call.done_writing()
         finally:
             call.cancel()
+
+    def _orders(self, ack: agent_pb2.ReportAck) -> None:
+        """The report was taken: its output is shipped; then start and stop as ordered."""
+        launcher = self.launcher
+        if launcher is None:
+            if ack.start:
+                log.warning("launch orders ignored: this agent runs with --no-launch")
+            return
+        launcher.acked(*self._sent)
+        self._sent = ([], [])
+        kinds = {d.index: d.kind for d in self.devices}
+        for order in ack.start:
+            launcher.start(order, kinds)
+        for launch_id in ack.stop:
+            launcher.stop(launch_id)
+
+    async def _launch_loop(self, stop: asyncio.Event) -> None:
+        assert self.launcher is not None
+        while not stop.is_set():
+            try:
+                self.launcher.poll()
+            except Exception:  # watching launches must not stop the agent
+                log.exception("watching launches failed")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), 0.25)
 
     def _set_peers(self, peers: object) -> None:
         self.peers = {p.host: p.probe_address for p in peers  # type: ignore[attr-defined]

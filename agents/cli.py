@@ -32,6 +32,15 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="EMULATED conditions (JSON, re-read before every report): device "
                              "TFLOP/s and host links to report instead of measured ones")
     parser.add_argument("--link-probe-interval", type=float, metavar="S")
+    parser.add_argument("--state-dir", metavar="DIR",
+                        help="launch records and output (default: $STATE_DIRECTORY, else "
+                             "~/.local/state/hetpilot/agent-HOST)")
+    parser.add_argument("--no-launch", action="store_true",
+                        help="never start job ranks here (the daemon then launches jobs with "
+                             "an entry point on other hosts only)")
+    parser.add_argument("--stop-grace", type=float, metavar="S",
+                        help="seconds between SIGTERM and SIGKILL when a launch is stopped "
+                             "(default 10)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -40,20 +49,17 @@ def run(args: argparse.Namespace) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         emulate = tuple(parse_emulate(s) for s in args.emulate)
-        config = load_agent_config(
-            args.config, daemon=args.daemon, host=args.host, probe_listen=args.probe_listen,
-            token_file=args.token_file, emulate=emulate,
-            link_probe_interval_s=args.link_probe_interval,
-            emulate_file=args.emulate_file)
+        flags = dict(host=args.host, probe_listen=args.probe_listen, token_file=args.token_file,
+                     emulate=emulate, link_probe_interval_s=args.link_probe_interval,
+                     emulate_file=args.emulate_file, state_dir=args.state_dir,
+                     launch=False if args.no_launch else None,
+                     stop_grace_s=args.stop_grace)
+        config = load_agent_config(args.config, daemon=args.daemon, **flags)
         if not config.daemon:
             env = os.environ.get("HETPILOT_ADDRESS", "")
             if not env:
                 raise ConfigError("no daemon address: pass --daemon or set HETPILOT_ADDRESS")
-            config = load_agent_config(args.config, daemon=env, host=args.host,
-                                       probe_listen=args.probe_listen,
-                                       token_file=args.token_file, emulate=emulate,
-                                       link_probe_interval_s=args.link_probe_interval,
-                                       emulate_file=args.emulate_file)
+            config = load_agent_config(args.config, daemon=env, **flags)
         config.cluster_token()
     except (ConfigError, OSError) as exc:
         print(f"hetpilot agent: error: {exc}", file=sys.stderr)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import re
 import socket
 from dataclasses import dataclass, field, fields
@@ -87,6 +88,19 @@ class AgentConfig:
     """EMULATED conditions file (:mod:`hetpilot.emulation`), re-read before every report:
     its TFLOP/s replace the emulated devices' and its host links replace measured ones.
     Off when empty (the default)."""
+    launch: bool = True
+    """Start job ranks when the daemon orders it (jobs submitted with an entry point):
+    the agent then runs job owners' entry points as its own user. False
+    (``--no-launch``): the daemon never launches on this host."""
+    state_dir: str = ""
+    """Where launches keep their records and output (``launches/<id>/``); default
+    ``$STATE_DIRECTORY`` (systemd's StateDirectory=), else
+    ``$XDG_STATE_HOME/hetpilot/agent-<host>`` (``~/.local/state/...``)."""
+    launch_python: str = ""
+    """Interpreter that runs the launch runner, torchrun (``-m torch.distributed.run``)
+    and module entry points (it needs hetpilot and torch); default: the agent's own."""
+    stop_grace_s: float = 10.0
+    """A stopped launch gets SIGTERM, then SIGKILL after this many seconds."""
 
     def __post_init__(self) -> None:
         if self.daemon and ":" not in self.daemon:
@@ -96,7 +110,7 @@ class AgentConfig:
         if not self.host or any(c.isspace() for c in self.host):
             raise ConfigError(f"host: must be a non-empty name without spaces, got {self.host!r}")
         for name in ("reprobe_interval_s", "link_probe_interval_s", "call_timeout_s",
-                     "max_backoff_s"):
+                     "max_backoff_s", "stop_grace_s"):
             _check(name, getattr(self, name))
         _check("price_per_hour", self.price_per_hour, positive=False)
         _check("power_watts", self.power_watts, positive=False)
@@ -106,6 +120,21 @@ class AgentConfig:
             raise ConfigError(f"job_pattern: not a regular expression: {exc}") from None
         if not 1000 <= self.link_probe_bytes <= 64_000_000:
             raise ConfigError("link_probe_bytes: must be in [1000, 64e6]")
+
+    def resolved_state_dir(self) -> Path:
+        """The state directory (see ``state_dir``)."""
+        if self.state_dir:
+            return Path(self.state_dir)
+        systemd = os.environ.get("STATE_DIRECTORY", "").split(":")[0]
+        if systemd:
+            return Path(systemd)
+        base = os.environ.get("XDG_STATE_HOME", "")
+        if not base:
+            try:
+                base = str(Path.home() / ".local" / "state")
+            except RuntimeError:  # no home directory known: somewhere writable still
+                base = "/var/tmp"
+        return Path(base) / "hetpilot" / f"agent-{self.host}"
 
     def cluster_token(self) -> str:
         if self.token or not self.token_file:

@@ -1,4 +1,4 @@
-"""Job-owner commands: ``hetpilot submit|jobs|job|watch|budget|cancel``.
+"""Job-owner commands: ``hetpilot submit|jobs|job|watch|budget|cancel|logs``.
 
 The daemon address comes from ``--daemon`` or $HETPILOT_ADDRESS, the owner's
 token from ``--token-file`` or $HETPILOT_TOKEN. Every call has a deadline
@@ -10,10 +10,17 @@ reported: the loss and the step it belongs to, and the held-out metric for
 jobs with an evaluation hook. A diverged run shows "nan" (JSON: the string
 "NaN", as proto3 JSON writes non-finite doubles).
 
-A job ends SUCCEEDED or FAILED (the trainer says so; ``job`` shows the
-reason) or CANCELLED; ``jobs`` shows each job's state, start and end time,
-plan version, iteration time and what it has cost so far, fitted to the
-terminal's width (:mod:`hetpilot.client.tables`).
+A job file with an ``[entry]`` table (:mod:`hetpilot.entry`) has the agents
+start its ranks under torchrun; ``job`` then shows each host's part of the
+launch, and ``logs JOB [--rank R] [--follow]`` prints the ranks' output as the
+agents shipped it to the daemon (``--follow``: until the job has ended and all
+of it has arrived).
+
+A job ends SUCCEEDED or FAILED (the trainer says so, or a launched job's ranks
+all exit 0 / die beyond the restart budget; ``job`` shows the reason) or
+CANCELLED (a launched job's ranks are then stopped); ``jobs`` shows each job's
+state, start and end time, plan version, iteration time and what it has cost
+so far, fitted to the terminal's width (:mod:`hetpilot.client.tables`).
 
 Exit codes: 0 ok; 1 other failure; 2 bad input (a bad job file or argument,
 or INVALID_ARGUMENT / RESOURCE_EXHAUSTED from the daemon); 3 no such job
@@ -43,6 +50,8 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
+from hetpilot.entry import Entry
+
 from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
 from .tables import Column, print_table, terminal_width
 
@@ -58,7 +67,11 @@ _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "runn
           job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_SUCCEEDED: "succeeded",
           job_pb2.JOB_STATE_FAILED: "failed", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
 _JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
-             "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts"}
+             "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts", "entry"}
+_LAUNCH_STATE = {job_pb2.HOST_LAUNCH_STATE_ORDERED: "ordered",
+                 job_pb2.HOST_LAUNCH_STATE_RUNNING: "running",
+                 job_pb2.HOST_LAUNCH_STATE_EXITED: "exited",
+                 job_pb2.HOST_LAUNCH_STATE_UNSPECIFIED: "?"}
 
 
 class InputError(ValueError):
@@ -98,6 +111,12 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="exit after this many versions (0: until the job ends)")
         parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
                             help="how often to fetch the job's training progress (loss)")
+    elif name == "logs":
+        parser.add_argument("job_id")
+        parser.add_argument("--rank", type=int, default=None, metavar="R",
+                            help="only global rank R's lines (else every host's whole output)")
+        parser.add_argument("--follow", "-f", action="store_true",
+                            help="keep printing new output until the job has ended")
     elif name == "budget":
         parser.add_argument("job_id")
         parser.add_argument("settings", nargs="+", metavar="KIND=VALUE",
@@ -133,6 +152,7 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
         if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**32:
             raise InputError(f"{path}.slot_iterations: must be an integer in [0, 2^32) "
                              f"(0: slots of slot_s seconds), got {value!r}")
+        entry = Entry.from_dict(data["entry"], f"{path}.entry") if "entry" in data else None
     except ValidationError as exc:
         raise InputError(str(exc)) from None
     try:
@@ -147,7 +167,12 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
             v=float(data.get("V", 0.0)), slot_s=float(data.get("slot_s", 0.0)),
             slot_iterations=int(data.get("slot_iterations", 0)),
             allowed_hosts=[str(h) for h in data.get("allowed_hosts", [])],
-            request_id=uuid.uuid4().hex)
+            request_id=uuid.uuid4().hex,
+            entry=None if entry is None else job_pb2.JobEntry(
+                module=entry.module, command=list(entry.command), args=list(entry.args),
+                ranks_per_host=entry.ranks_per_host, hosts=entry.hosts,
+                restart_budget=entry.restart_budget, env=dict(entry.env),
+                workdir=entry.workdir))
     except KeyError as exc:
         raise InputError(f"{path}: {exc.args[0]} is required") from None
     except (TypeError, ValueError, AttributeError) as exc:
@@ -179,6 +204,8 @@ def _job_dict(info: job_pb2.JobInfo) -> dict[str, Any]:
     out = MessageToDict(info, preserving_proto_field_name=True,
                         always_print_fields_with_no_presence=True)
     out["state"] = _STATE.get(info.state, str(info.state))
+    for part, h in zip(out.get("launch", []), info.launch, strict=True):
+        part["state"] = _LAUNCH_STATE.get(h.state, str(h.state))
     return _ints(out)
 
 
@@ -317,10 +344,34 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             ("devices", ", ".join(d + (" (emulated)" if d in emu else "") for d in j.devices)
              or "-"),
             ("allowed hosts", ", ".join(j.allowed_hosts) or "all"),
+            *_launch_rows(j),
             ("warnings", "; ".join(j.warnings) or "-")]
     for k, v in rows:
         table.add_row(k, v)
     Console(width=terminal_width()).print(table)
+
+
+def _launch_rows(j: job_pb2.JobInfo) -> list[tuple[str, str]]:
+    """The entry point and each host's part of the launch (jobs with an entry point)."""
+    if not j.HasField("entry"):
+        return []
+    e = j.entry
+    what = " ".join([f"python -m {e.module}" if e.module else " ".join(e.command), *e.args])
+    rows = [("entry", f"{what} (ranks per host: {e.ranks_per_host or 'one per device'}, "
+                      f"restart budget {e.restart_budget})")]
+    if not j.launch:
+        return [*rows, ("launch", "not yet (see warnings)" if j.state in (
+            job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING) else "never")]
+    rows.append(("launch", f"{j.launch_id}, rendezvous {j.rdzv_endpoint}"))
+    for h in j.launch:
+        state = _LAUNCH_STATE.get(h.state, "?")
+        if h.state == job_pb2.HOST_LAUNCH_STATE_EXITED:
+            state += f" {h.exit_code}" + (" (stopped)" if h.stopped else "")
+        detail = f"{state}, pid {h.pid}" if h.pid else state
+        if h.reason:
+            detail += f": {h.reason.splitlines()[-1][:120]}"
+        rows.append((f"  {h.host}", f"{', '.join(h.devices)}: {detail}"))
+    return rows
 
 
 def _fail(message: str, code: int) -> int:
@@ -566,7 +617,34 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
                 live.console.line()
 
 
+def _logs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
+    """A launched job's output (StreamLogs): each host's lines as they were shipped, a
+    host's lines whole. ``--json``: one line per message, ``{"host": ..., "text": ...}``.
+    No deadline: the kept output may be large, and ``--follow`` lasts as long as the job
+    (an unreachable daemon still fails at once, UNAVAILABLE; a dead connection within
+    the channel's keepalive)."""
+    if args.rank is not None and not 0 <= args.rank < 2**32:
+        raise InputError(f"--rank: must be an integer >= 0, got {args.rank}")
+    req = job_pb2.StreamLogsRequest(job_id=args.job_id, follow=args.follow)
+    if args.rank is not None:
+        req.rank = args.rank
+    stream = stub.StreamLogs(req, metadata=md)
+    out = sys.stdout
+    try:
+        for chunk in stream:
+            text = chunk.data.decode("utf-8", "replace")
+            if args.json:
+                out.write(json.dumps({"host": chunk.host, "text": text}) + "\n")
+            else:
+                out.write(text)
+            out.flush()
+    except KeyboardInterrupt:
+        stream.cancel()
+        return 130
+    return 0
+
+
 _COMMANDS: dict[str, Callable[[job_pb2_grpc.JobServiceStub, Md, argparse.Namespace], int]] = {
     "submit": _submit, "jobs": _jobs, "job": _job, "watch": _watch, "budget": _budget,
-    "cancel": _cancel,
+    "cancel": _cancel, "logs": _logs,
 }

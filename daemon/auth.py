@@ -43,6 +43,7 @@ _JOB_TOKEN_PREFIX = "hpj_"
 _STREAMING = {
     "/hetpilot.v1.AgentService/Report": "stream_stream",
     "/hetpilot.v1.JobService/WatchPlans": "unary_stream",
+    "/hetpilot.v1.JobService/StreamLogs": "unary_stream",
     "/hetpilot.v1.TrainerService/WatchPlans": "unary_stream",
 }
 

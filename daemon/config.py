@@ -138,6 +138,14 @@ class DaemonConfig:
     planner_memory_mb: int = 8192
     """Address-space limit of the planning process (RLIMIT_AS); a slot whose solve
     needs more fails with an error in the job's warnings; 0: no limit."""
+    rdzv_port_min: int = 29400
+    """Rendezvous ports of launched jobs (c10d store on the first chosen host): each
+    launch takes the lowest port of [rdzv_port_min, rdzv_port_max] that no running
+    launch holds and that is free on the daemon's own host (open it in firewalls)."""
+    rdzv_port_max: int = 29499
+    log_bytes_per_host: int = 32 * 1024 * 1024
+    """Output of a launched job kept per host (state_dir/logs/JOB/HOST.log); older
+    output is dropped beyond it (one rotation)."""
     insecure_local: bool = False
     """``--insecure-local``: no authentication, loopback ``listen`` only (a one-machine
     trial; see :mod:`hetpilot.daemon.quickstart`)."""
@@ -173,6 +181,15 @@ class DaemonConfig:
             raise ConfigError("heartbeat_timeout_s: must be >= report_interval_s")
         if not (isinstance(self.planner_memory_mb, int) and self.planner_memory_mb >= 0):
             raise ConfigError("planner_memory_mb: must be an integer >= 0 (0: no limit)")
+        if not (isinstance(self.rdzv_port_min, int) and isinstance(self.rdzv_port_max, int)
+                and 1 <= self.rdzv_port_min <= self.rdzv_port_max <= 65535):
+            raise ConfigError("rdzv_port_min, rdzv_port_max: must be integers with "
+                              f"1 <= min <= max <= 65535, got {self.rdzv_port_min!r}, "
+                              f"{self.rdzv_port_max!r}")
+        if not (isinstance(self.log_bytes_per_host, int)
+                and 64 * 1024 <= self.log_bytes_per_host <= 2**40):
+            raise ConfigError("log_bytes_per_host: must be an integer in [64 KiB, 1 TiB], "
+                              f"got {self.log_bytes_per_host!r}")
         if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
             raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
 

@@ -16,7 +16,10 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.types import COST_KINDS
 from hetpilot.v1 import agent_pb2, cluster_pb2, common_pb2, job_pb2, trainer_pb2
 
+from hetpilot.entry import Entry
+
 from .errors import TooLarge
+from .launches import LaunchStatus, LogChunk, Order
 from .nodes import NODE_DOWN, NODE_DRAINING, NODE_UP, NodeView
 from .records import (
     JOB_CANCELLED,
@@ -24,6 +27,9 @@ from .records import (
     JOB_PENDING,
     JOB_RUNNING,
     JOB_SUCCEEDED,
+    LAUNCH_EXITED,
+    LAUNCH_ORDERED,
+    LAUNCH_RUNNING,
     AgentRecord,
     AgentReport,
     DeviceInfo,
@@ -31,6 +37,7 @@ from .records import (
     JobProgress,
     JobRecord,
     JobStatus,
+    LaunchRecord,
     LayerTime,
     LinkReport,
     MeasurementRecord,
@@ -47,10 +54,15 @@ __all__ = [
     "attach_response",
     "budgets_from_proto",
     "drain_from_proto",
+    "entry_from_proto",
+    "entry_to_proto",
     "finish_from_proto",
     "job_to_proto",
+    "launches_from_proto",
+    "log_chunks_from_proto",
     "metric",
     "nodes_to_proto",
+    "order_to_proto",
     "peers_to_proto",
     "plan_to_proto",
     "report_from_proto",
@@ -86,6 +98,14 @@ _NODE_STATES = {NODE_UP: cluster_pb2.NODE_STATE_UP, NODE_DOWN: cluster_pb2.NODE_
 MAX_FINISH_REASON = 2000
 """Characters of a trainer's FinishJob reason (an error message, not a traceback)."""
 MAX_DRAIN_REASON = 500
+MAX_LAUNCHES = 256
+"""Launches (and output chunks) one agent report may carry."""
+MAX_LAUNCH_REASON = 2000
+MAX_LOG_BYTES = 2 * 1024 * 1024
+"""Output bytes one agent report may carry (agents send at most 1 MiB)."""
+_HOST_LAUNCH_STATES = {LAUNCH_ORDERED: job_pb2.HOST_LAUNCH_STATE_ORDERED,
+                       LAUNCH_RUNNING: job_pb2.HOST_LAUNCH_STATE_RUNNING,
+                       LAUNCH_EXITED: job_pb2.HOST_LAUNCH_STATE_EXITED}
 
 
 def name(value: str, field: str) -> str:
@@ -172,7 +192,24 @@ def submit_from_proto(req: job_pb2.SubmitJobRequest) -> JobRecord:
         allowed_hosts=tuple(name(h, f"allowed_hosts[{i}]")
                             for i, h in enumerate(req.allowed_hosts)),
         model_json=req.model_json, profile_on_attach=req.profile_on_attach,
-        request_id=req.request_id, slot_iterations=req.slot_iterations)
+        request_id=req.request_id, slot_iterations=req.slot_iterations,
+        entry=entry_from_proto(req.entry).to_dict() if req.HasField("entry") else {})
+
+
+def entry_from_proto(req: job_pb2.JobEntry, field: str = "entry") -> Entry:
+    """The job's entry point, checked field by field (:class:`hetpilot.entry.Entry`)."""
+    return Entry.from_dict({
+        "module": req.module, "command": list(req.command), "args": list(req.args),
+        "ranks_per_host": req.ranks_per_host, "hosts": req.hosts,
+        "restart_budget": req.restart_budget, "env": dict(req.env), "workdir": req.workdir},
+        field)
+
+
+def entry_to_proto(entry: Entry) -> job_pb2.JobEntry:
+    return job_pb2.JobEntry(module=entry.module, command=list(entry.command),
+                            args=list(entry.args), ranks_per_host=entry.ranks_per_host,
+                            hosts=entry.hosts, restart_budget=entry.restart_budget,
+                            env=dict(entry.env), workdir=entry.workdir)
 
 
 def _model_name(model_json: str) -> str:
@@ -185,7 +222,8 @@ def _model_name(model_json: str) -> str:
 
 
 def job_to_proto(rec: JobRecord, status: JobStatus, emulated: Iterable[str] = (),
-                 progress: JobProgress | None = None) -> job_pb2.JobInfo:
+                 progress: JobProgress | None = None,
+                 launch: LaunchRecord | None = None) -> job_pb2.JobInfo:
     emu = set(emulated)
     progress = progress or JobProgress()
     info = job_pb2.JobInfo(
@@ -208,6 +246,15 @@ def job_to_proto(rec: JobRecord, status: JobStatus, emulated: Iterable[str] = ()
         info.loss = progress.loss
     if progress.eval_metric is not None:
         info.eval_metric = progress.eval_metric
+    if rec.entry:
+        info.entry.CopyFrom(entry_to_proto(Entry.from_dict(rec.entry)))
+    if launch is not None:
+        info.launch_id, info.rdzv_endpoint = launch.launch_id, launch.rdzv_endpoint
+        info.launch.extend(job_pb2.HostLaunch(
+            host=h.host, devices=[f"{h.host}:{d}" for d in h.devices],
+            state=_HOST_LAUNCH_STATES[h.state], exit_code=h.exit_code, pid=h.pid,
+            reason=safe_text(h.reason), stopped=h.stopped, rdzv_host=h.rdzv_host)
+            for h in launch.hosts)
     return info
 
 
@@ -251,7 +298,8 @@ def agent_from_proto(req: agent_pb2.RegisterRequest) -> AgentRecord:
             power_watts=number(d.power_watts, f"{f}.power_watts", maximum=1e7),
             emulated=d.emulated, probe_dtype=label(d.probe_dtype, f"{f}.probe_dtype"),
             probe_shape=label(d.probe_shape, f"{f}.probe_shape")))
-    return AgentRecord(host=host, probe_address=req.probe_address, devices=tuple(devices))
+    return AgentRecord(host=host, probe_address=req.probe_address, devices=tuple(devices),
+                       launches=req.launches)
 
 
 def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
@@ -279,6 +327,59 @@ def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
                                 rtt_us=number(link.rtt_us, f"{f}.rtt_us", maximum=1e9)))
     return AgentReport(agent_id=agent_id, seq=req.seq, unix_ms=req.unix_ms,
                        devices=tuple(devices), links=tuple(links))
+
+
+def launches_from_proto(req: agent_pb2.AgentReport) -> list[LaunchStatus]:
+    """The launch states of a report, checked (a launch at most once)."""
+    count(req.launches, "launches", MAX_LAUNCHES)
+    out = []
+    seen: set[str] = set()
+    for i, st in enumerate(req.launches):
+        f = f"launches[{i}]"
+        launch_id = name(st.launch_id, f"{f}.launch_id")
+        if launch_id in seen:
+            raise ValidationError(f"{f}.launch_id", f"duplicate launch {launch_id!r}")
+        seen.add(launch_id)
+        if st.state not in (agent_pb2.LAUNCH_STATE_RUNNING, agent_pb2.LAUNCH_STATE_EXITED):
+            raise ValidationError(f"{f}.state", "must be LAUNCH_STATE_RUNNING or "
+                                                f"LAUNCH_STATE_EXITED, got {st.state}")
+        if len(st.reason) > MAX_LAUNCH_REASON:
+            raise ValidationError(f"{f}.reason", f"at most {MAX_LAUNCH_REASON} characters, "
+                                                 f"got {len(st.reason)}")
+        if st.log_bytes > MAX_VERSION:
+            raise ValidationError(f"{f}.log_bytes", f"must be < 2^63, got {st.log_bytes}")
+        out.append(LaunchStatus(
+            launch_id=launch_id, job_id=name(st.job_id, f"{f}.job_id"),
+            running=st.state == agent_pb2.LAUNCH_STATE_RUNNING, exit_code=st.exit_code,
+            reason=st.reason, pid=st.pid, stopped=st.stopped, log_bytes=st.log_bytes))
+    return out
+
+
+def log_chunks_from_proto(req: agent_pb2.AgentReport) -> list[LogChunk]:
+    """The output chunks of a report, checked (at most MAX_LOG_BYTES in all)."""
+    count(req.logs, "logs", MAX_LAUNCHES)
+    total = 0
+    out = []
+    for i, chunk in enumerate(req.logs):
+        f = f"logs[{i}]"
+        total += len(chunk.data)
+        if total > MAX_LOG_BYTES:
+            raise TooLarge(f"logs: at most {MAX_LOG_BYTES} bytes of output per report")
+        if chunk.offset > MAX_VERSION:
+            raise ValidationError(f"{f}.offset", f"must be < 2^63, got {chunk.offset}")
+        out.append(LogChunk(launch_id=name(chunk.launch_id, f"{f}.launch_id"),
+                            offset=chunk.offset, data=chunk.data))
+    return out
+
+
+def order_to_proto(order: Order, trainer_token: str) -> agent_pb2.LaunchOrder:
+    launch, part, entry = order.launch, order.part, order.entry
+    return agent_pb2.LaunchOrder(
+        launch_id=launch.launch_id, job_id=launch.job_id, nnodes=len(launch.hosts),
+        devices=list(part.devices), rdzv_endpoint=launch.rdzv_endpoint,
+        rdzv_host=part.rdzv_host, max_restarts=entry.restart_budget, module=entry.module,
+        command=list(entry.command), args=list(entry.args), env=dict(entry.env),
+        workdir=entry.workdir, trainer_token=trainer_token)
 
 
 def peers_to_proto(peers: Iterable[tuple[str, str]]) -> list[agent_pb2.Peer]:

@@ -24,6 +24,8 @@ from hetpilot.planner.types import Cluster, Device, Job, Link, Model, Network
 
 from .config import DaemonConfig
 from .errors import FailedPrecondition, NotFound
+from .joblogs import HostReader, LineFilter
+from .launches import Launches
 from .measured import Measured, fit_job
 from .metrics import Metrics
 from .planning import PlannerProcess
@@ -48,8 +50,8 @@ from .store import Store
 
 log = logging.getLogger("hetpilot.daemon")
 
-__all__ = ["MAX_LAYERS", "MAX_MICROBATCHES", "MIN_SLOT_S", "PEERS_PER_AGENT", "ControlPlane",
-           "check_batch", "parse_model", "to_job"]
+__all__ = ["LOGS_SETTLE_S", "MAX_LAYERS", "MAX_MICROBATCHES", "MIN_SLOT_S", "PEERS_PER_AGENT",
+           "ControlPlane", "check_batch", "parse_model", "to_job"]
 
 #: Each agent probes this many peers (its successors in host order), so probe
 #: traffic grows linearly with the cluster; unmeasured pairs take the defaults.
@@ -66,6 +68,9 @@ MAX_LAYERS = 1024
 """Layers of a job's model: planning costs O(L^2) memory and time per device kind
 (a 1024-layer model takes about 25 s and 600 MB on its first slot); group finer
 operators into layers beyond that."""
+LOGS_SETTLE_S = 15.0
+"""A followed job's output stream ends this long after the job ended even if a host's
+launch never reported its exit (its agent is gone)."""
 MAX_MICROBATCHES = 16384
 """Microbatches per iteration (global_batch / microbatch_size): the reference model
 simulates each one on each stage."""
@@ -161,6 +166,8 @@ class ControlPlane:
         self._fits: dict[str, tuple[tuple[int, int], Measured | None]] = {}
         self.planner = PlannerProcess(config.planner_memory_mb)
         self.metrics.agents_up.set(len(self._up))
+        # jobs with an entry point: their launches, orders to agents, output
+        self.launches = Launches(self)
 
     # -- lifecycle ----------------------------------------------------------
 
@@ -263,6 +270,7 @@ class ControlPlane:
                 log.warning("job %s: %s", rec.job_id, unknown)
         if not created.ended:
             self._start_loop(created.job_id)
+            self.launches.submitted(created)
         return created
 
     def _unknown_hosts(self, rec: JobRecord) -> str | None:
@@ -294,6 +302,9 @@ class ControlPlane:
         unknown = None if rec.ended else self._unknown_hosts(rec)
         if unknown is not None:
             status = replace(status, warnings=(*status.warnings, unknown))
+        waiting = None if rec.ended else self.launches.waiting(rec.job_id)
+        if waiting is not None:
+            status = replace(status, warnings=(*status.warnings, waiting))
         return JobView(rec, status, self.store.progress(rec.job_id))
 
     def get(self, owner: str | None, job_id: str) -> JobView:
@@ -336,12 +347,21 @@ class ControlPlane:
         rec = rec.with_changes(state=state, ended_ms=_now_ms(), reason=reason)
         self.store.update_job(rec)
         log.info("job %s %s: %s", rec.job_id, state, reason)
+        self.launches.job_ended(rec)  # running ranks stop at their agents' next reports
         loop = self._loops.pop(rec.job_id, None)
         if loop is not None:
             await loop.stop()
         self.metrics.jobs.set(len(self._loops))
         self.notify(rec.job_id)
         return rec
+
+    async def end_job(self, rec: JobRecord, state: str, reason: str) -> JobRecord:
+        """End ``rec`` (not ended yet) as its launch says: succeeded or failed."""
+        return await self._end(rec, state, reason)
+
+    def job_loop(self, job_id: str) -> Any:
+        """The job's control loop while it runs (None once it has ended)."""
+        return self._loops.get(job_id)
 
     def update_budgets(self, owner: str, job_id: str, budgets: Mapping[str, float],
                        V: float | None) -> JobView:
@@ -380,11 +400,43 @@ class ControlPlane:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=5.0)
 
+    async def stream_logs(self, owner: str | None, job_id: str, rank: int | None,
+                          follow: bool) -> AsyncIterator[tuple[str, bytes]]:
+        """(host, whole lines) of a launched job's output: what is kept, then with
+        ``follow`` what comes, until the job has ended and every host's output has
+        arrived (or :data:`LOGS_SETTLE_S` after the end, for a host that never tells)."""
+        rec = self._own(owner, job_id)
+        if not rec.entry:
+            raise FailedPrecondition(f"job {job_id} has no entry point (its ranks were not "
+                                     "launched by the agents): their output is where they run")
+        logs = self.launches.logs
+        readers: dict[str, tuple[HostReader, LineFilter]] = {}
+        while True:
+            ev = logs.event(job_id)
+            rec = self.store.get_job(job_id) or rec
+            launch = self.launches.get(job_id)
+            done = not follow or self._stopping or (rec.ended and (
+                launch is None or self.launches.output_complete(launch)
+                or _now_ms() - rec.ended_ms > LOGS_SETTLE_S * 1000))
+            for host in [h.host for h in launch.hosts] if launch is not None else []:
+                reader, lines = readers.setdefault(
+                    host, (HostReader(logs.path(job_id, host)), LineFilter(rank)))
+                while data := await asyncio.to_thread(reader.read):
+                    if out := lines.feed(data):
+                        yield host, out
+                if done and (out := lines.feed(b"", final=True)):
+                    yield host, out
+            if done:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(ev.wait(), timeout=1.0)
+
     # -- agents -------------------------------------------------------------
 
     def register(self, agent: AgentRecord) -> tuple[tuple[str, str], ...]:
         agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
-                            devices=agent.devices, registered_ms=int(time.time() * 1000))
+                            devices=agent.devices, registered_ms=int(time.time() * 1000),
+                            launches=agent.launches)
         self.store.put_agent(agent)
         known = self._agents.get(agent.host)
         # a re-register of the same host, address and devices changes no one's peers
@@ -402,6 +454,7 @@ class ControlPlane:
         self._seen(agent.host, joined=known is None)
         if changed:
             self._membership_changed()
+        self.launches.try_pending()
         return self.peers(agent.host)
 
     def _seen(self, host: str, joined: bool = False) -> None:
@@ -483,6 +536,10 @@ class ControlPlane:
         while True:
             await asyncio.sleep(period)
             self.sweep()
+            try:  # jobs waiting for hosts to launch on (agents came up, hosts resumed)
+                self.launches.try_pending()
+            except Exception:  # the sweep must go on (a store fault is retried next time)
+                log.exception("launching waiting jobs failed")
 
     def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]:
         return [(a, a.host in self._up, self._reports.get(a.host)) for a in self._agents.values()]
@@ -521,6 +578,7 @@ class ControlPlane:
         self._since[host] = _now_ms()
         log.info("host %s resumed: jobs may plan on it again from their next slot", host)
         self._wake_idle()
+        self.launches.try_pending()
 
     def _wake_idle(self) -> None:
         """Run a slot now in the loops that found no device last time: a job submitted
@@ -556,9 +614,10 @@ class ControlPlane:
         return frozenset(f"{a.host}:{d.index}" for a in self._agents.values()
                          for d in a.devices if d.emulated)
 
-    def observed_cluster(self, allowed_hosts: tuple[str, ...] = ()) -> Cluster:
+    def observed_cluster(self, allowed_hosts: tuple[str, ...] = (),
+                         only: frozenset[str] | None = None) -> Cluster:
         """The cluster as the latest reports show it: devices of up agents only, drained
-        hosts left out."""
+        hosts left out; only the devices in ``only`` when given (a launched job's)."""
         allowed = set(allowed_hosts)
         devices: list[Device] = []
         for host in sorted(self._up):
@@ -568,6 +627,8 @@ class ControlPlane:
             report = self._reports.get(host)
             measured = {d.index: d for d in report.devices} if report else {}
             for d in agent.devices:
+                if only is not None and f"{host}:{d.index}" not in only:
+                    continue
                 tflops = self._speed(host, d, measured.get(d.index))
                 if tflops <= 0 or d.memory_gb <= 0:
                     continue
@@ -715,7 +776,8 @@ class ControlPlane:
     async def planning_inputs(self, rec: JobRecord) -> tuple[Cluster, JobRecord]:
         """The cluster and job record one slot of ``rec`` plans with: the observed cluster,
         and when the job's trainer measured, its fitted speeds and model."""
-        cluster = self.observed_cluster(rec.allowed_hosts)  # live tables: on the loop
+        # live tables: on the loop; a launched job plans on the devices that have a rank
+        cluster = self.observed_cluster(rec.allowed_hosts, self.launches.devices(rec))
         measured = await self.measured(rec)
         if measured is None:
             return cluster, rec

@@ -16,7 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from .records import AgentRecord, DeviceInfo, DeviceReport, DrainRecord, LinkReport
+from .records import (
+    LAUNCH_RUNNING,
+    AgentRecord,
+    DeviceInfo,
+    DeviceReport,
+    DrainRecord,
+    LinkReport,
+)
 
 if TYPE_CHECKING:
     from .core import ControlPlane
@@ -82,6 +89,15 @@ def _job_speeds(plane: ControlPlane, visible: set[str] | None) -> dict[str, list
     return out
 
 
+def _launched(plane: ControlPlane, job_id: str) -> tuple[str, ...]:
+    """Devices on which the job's launched ranks run now (its agents said so)."""
+    launch = plane.launches.get(job_id)
+    if launch is None:
+        return ()
+    return tuple(f"{h.host}:{d}" for h in launch.hosts if h.state == LAUNCH_RUNNING
+                 for d in h.devices)
+
+
 def node_views(plane: ControlPlane, owner: str | None, with_links: bool = False
                ) -> tuple[list[NodeView], list[tuple[str, LinkReport]]]:
     """Every registered host in name order (and, ``with_links``, each reported link as
@@ -93,8 +109,8 @@ def node_views(plane: ControlPlane, owner: str | None, with_links: bool = False
     if owner is not None:
         visible = {j for j in running if (rec := plane.store.get_job(j)) is not None
                    and rec.owner == owner}
-    devices_of = {j: plane.store.job_status(j)[0].devices for j in running
-                  if visible is None or j in visible}
+    devices_of = {j: (*plane.store.job_status(j)[0].devices, *_launched(plane, j))
+                  for j in running if visible is None or j in visible}
     speeds = _job_speeds(plane, visible)
     drained = plane.drained()
     nodes: list[NodeView] = []

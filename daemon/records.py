@@ -19,15 +19,20 @@ __all__ = [
     "JOB_PENDING",
     "JOB_RUNNING",
     "JOB_SUCCEEDED",
+    "LAUNCH_EXITED",
+    "LAUNCH_ORDERED",
+    "LAUNCH_RUNNING",
     "AgentRecord",
     "AgentReport",
     "DeviceInfo",
     "DeviceReport",
     "DrainRecord",
+    "HostLaunch",
     "JobProgress",
     "JobRecord",
     "JobStatus",
     "JobView",
+    "LaunchRecord",
     "LayerTime",
     "LinkReport",
     "MeasurementRecord",
@@ -44,6 +49,10 @@ JOB_FAILED = "failed"
 JOB_ENDED = frozenset({JOB_CANCELLED, JOB_SUCCEEDED, JOB_FAILED})
 """States in which a job has no control loop and takes no budget change."""
 
+LAUNCH_ORDERED = "ordered"
+LAUNCH_RUNNING = "running"
+LAUNCH_EXITED = "exited"
+
 
 def _plain(value: Any) -> Any:
     """``dataclasses.asdict`` for these records, without its deep copy of every leaf
@@ -59,7 +68,8 @@ def _plain(value: Any) -> Any:
 
 
 class _Json:
-    """to_json / from_json for flat dataclasses whose tuples hold dataclasses or scalars."""
+    """to_json / from_json for flat dataclasses whose tuples hold dataclasses or scalars
+    (``_nested`` names the dataclass of each such tuple's items)."""
 
     _nested: ClassVar[dict[str, type]] = {}
 
@@ -112,6 +122,9 @@ class JobRecord(_Json):
     """When the job ended (succeeded, failed, cancelled); 0 while it has not."""
     reason: str = ""
     """Why it ended (a failed trainer's error, "finished", "cancelled by the owner")."""
+    entry: dict[str, Any] = field(default_factory=dict)
+    """The entry point the agents start (:meth:`hetpilot.entry.Entry.to_dict`); empty:
+    the owner starts the ranks. Stored as plain JSON, so older bodies read back empty."""
 
     @property
     def ended(self) -> bool:
@@ -154,6 +167,59 @@ class DrainRecord(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
+class HostLaunch(_Json):
+    """One host's part of a launch, as the daemon ordered it and its agent last reported it."""
+
+    host: str
+    devices: tuple[str, ...]
+    """Indexes of the host's devices, one rank each, in local rank order."""
+    rdzv_host: bool = False
+    """This host runs the c10d rendezvous store."""
+    state: str = LAUNCH_ORDERED
+    """"ordered" (not reported yet), "running", "exited"."""
+    exit_code: int = 0
+    pid: int = 0
+    reason: str = ""
+    stopped: bool = False
+    """The agent stopped it on the daemon's order."""
+    log_bytes: int = 0
+    """Output bytes the launch had written when it exited (all of it must arrive)."""
+    updated_ms: int = 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchRecord(_Json):
+    """A job's launch (jobs with an entry point): which hosts run its ranks, under
+    torchrun with c10d rendezvous at ``rdzv_endpoint``. One per job; never re-made."""
+
+    launch_id: str
+    job_id: str
+    rdzv_endpoint: str
+    hosts: tuple[HostLaunch, ...]
+    created_ms: int = 0
+    _nested: ClassVar[dict[str, type]] = {"hosts": HostLaunch}
+
+    @property
+    def rdzv_port(self) -> int:
+        return int(self.rdzv_endpoint.rpartition(":")[2])
+
+    @property
+    def exited(self) -> bool:
+        """Every host's part has exited."""
+        return all(h.state == LAUNCH_EXITED for h in self.hosts)
+
+    def device_ids(self) -> frozenset[str]:
+        return frozenset(f"{h.host}:{d}" for h in self.hosts for d in h.devices)
+
+    def host(self, host: str) -> HostLaunch | None:
+        return next((h for h in self.hosts if h.host == host), None)
+
+    def with_host(self, part: HostLaunch) -> LaunchRecord:
+        return replace(self, hosts=tuple(part if h.host == part.host else h
+                                         for h in self.hosts))
+
+
+@dataclass(frozen=True, kw_only=True)
 class PlanRecord(_Json):
     job_id: str
     version: int
@@ -191,6 +257,8 @@ class AgentRecord(_Json):
     probe_address: str
     devices: tuple[DeviceInfo, ...]
     registered_ms: int = 0
+    launches: bool = False
+    """The agent starts job ranks when ordered (RegisterRequest.launches)."""
     _nested: ClassVar[dict[str, type]] = {"devices": DeviceInfo}
 
     @property

@@ -121,7 +121,7 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
 
     def _info(self, view: JobView) -> job_pb2.JobInfo:
         info = convert.job_to_proto(view.job, view.status, self.plane.emulated_devices(),
-                                    view.progress)
+                                    view.progress, self.plane.launches.get(view.job.job_id))
         info.trainer_token = self.auth.job_token(view.job.job_id)  # the owner asked
         return info
 
@@ -167,6 +167,15 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
                                            convert.version(request.after_version)):
             yield convert.plan_to_proto(plan)
 
+    @_stream
+    async def StreamLogs(self, request: job_pb2.StreamLogsRequest,
+                         context: grpc.aio.ServicerContext) -> AsyncIterator[job_pb2.LogLines]:
+        rank = request.rank if request.HasField("rank") else None
+        async for host, data in self.plane.stream_logs(
+                self._owner(context), convert.name(request.job_id, "job_id"), rank,
+                request.follow):
+            yield job_pb2.LogLines(host=host, data=data)
+
 
 def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
     """The names the caller's client certificate carries (CN and subject alternative
@@ -177,9 +186,12 @@ def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
 
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
-    def __init__(self, plane: ControlPlane, by_certificate: bool = False) -> None:
+    def __init__(self, plane: ControlPlane, by_certificate: bool = False,
+                 job_token: Callable[[str], str] | None = None) -> None:
         self.plane = plane
         self.by_certificate = by_certificate
+        self.job_token = job_token or (lambda job_id: "")
+        """The trainer token of a job, handed to its ranks with each launch order."""
 
     def _as(self, host: str, context: grpc.aio.ServicerContext) -> str:
         """``host``, if the caller may speak for it (tls.agents_by_certificate)."""
@@ -207,9 +219,17 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         epoch = -1
         async for request in request_iterator:
             report = convert.report_from_proto(request)
+            statuses = convert.launches_from_proto(request)
+            chunks = convert.log_chunks_from_proto(request)
             self._as(report.agent_id, context)
             peers = self.plane.report(report)
             ack = agent_pb2.ReportAck(seq=request.seq)
+            if statuses or chunks or self.plane.launches.active():
+                starts, stops = await self.plane.launches.agent_report(
+                    report.agent_id, statuses, chunks)
+                ack.start.extend(convert.order_to_proto(o, self.job_token(o.launch.job_id))
+                                 for o in starts)
+                ack.stop.extend(stops)
             if epoch != self.plane.membership_epoch:
                 epoch = self.plane.membership_epoch
                 ack.peers.extend(convert.peers_to_proto(peers))

@@ -8,7 +8,9 @@ written in one transaction, so kill -9 leaves either the slot before or the
 slot after, never half of one; so are a trainer's stage timings and the job's
 training progress they update. The layer times each device measured for a job
 are kept too (the latest per job and device), so a restarted daemon plans with
-them at once, and so are the drained hosts, so a restart keeps them drained.
+them at once, and so are the drained hosts, so a restart keeps them drained,
+and each job's launch (hosts, rendezvous, each host's state), so a restart
+neither launches a job twice nor forgets what runs.
 
 The SQLite schema is versioned (``PRAGMA user_version``, :data:`SCHEMA_VERSION`):
 opening a database runs the migrations it lacks in one transaction, and a
@@ -44,6 +46,7 @@ from .records import (
     JobProgress,
     JobRecord,
     JobStatus,
+    LaunchRecord,
     MeasurementRecord,
     PlanRecord,
     TimingsRecord,
@@ -142,6 +145,14 @@ class Store(ABC):
     def drains(self) -> list[DrainRecord]:
         """Every drained host, by host name."""
 
+    @abstractmethod
+    def put_launch(self, launch: LaunchRecord) -> None:
+        """Insert or replace the launch (by launch id)."""
+
+    @abstractmethod
+    def launches(self, job_id: str | None = None) -> list[LaunchRecord]:
+        """The launches of ``job_id`` (every job's when None), in creation order."""
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Flush and release; the memory store has nothing to do."""
 
@@ -157,6 +168,7 @@ class MemoryStore(Store):
         self._progress: dict[str, JobProgress] = {}
         self._measurements: dict[tuple[str, str], MeasurementRecord] = {}
         self._drains: dict[str, DrainRecord] = {}
+        self._launches: dict[str, LaunchRecord] = {}
 
     def create_job(self, job: JobRecord) -> JobRecord:
         if job.request_id:
@@ -232,6 +244,12 @@ class MemoryStore(Store):
     def drains(self) -> list[DrainRecord]:
         return [self._drains[h] for h in sorted(self._drains)]
 
+    def put_launch(self, launch: LaunchRecord) -> None:
+        self._launches[launch.launch_id] = launch
+
+    def launches(self, job_id: str | None = None) -> list[LaunchRecord]:
+        return [la for la in self._launches.values() if job_id is None or la.job_id == job_id]
+
 
 #: ``_MIGRATIONS[v]`` takes a database from schema version v to v + 1. Only ever
 #: append: a released step never changes, because databases out there ran it.
@@ -267,6 +285,13 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # their JSON bodies gained keys with defaults (started_ms, ended_ms, reason; spent,
     # updated_ms), and the new states ("succeeded", "failed") are only ever written.
     ("CREATE TABLE IF NOT EXISTS drains (host TEXT PRIMARY KEY, body TEXT NOT NULL)",),
+    # 4 -> 5: launches of jobs with an entry point (issue 16, launch). Stored jobs need
+    # no change: their JSON bodies gained `entry` (empty: no entry point), and agents
+    # `launches` (false until the agent registers again).
+    ("""CREATE TABLE IF NOT EXISTS launches (
+          seq INTEGER PRIMARY KEY AUTOINCREMENT,
+          launch_id TEXT UNIQUE NOT NULL, job_id TEXT NOT NULL, body TEXT NOT NULL)""",
+     "CREATE INDEX IF NOT EXISTS launches_job ON launches(job_id)"),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
 """The schema version this code writes (``PRAGMA user_version``)."""
@@ -578,6 +603,21 @@ class SqliteStore(Store):
     def drains(self) -> list[DrainRecord]:
         return [DrainRecord.from_json(r[0])
                 for r in self._all("SELECT body FROM drains ORDER BY host")]
+
+    def put_launch(self, launch: LaunchRecord) -> None:
+        with self._transaction() as db:
+            cur = db.execute("UPDATE launches SET body=? WHERE launch_id=?",
+                             (launch.to_json(), launch.launch_id))
+            if cur.rowcount == 0:
+                db.execute("INSERT INTO launches(launch_id, job_id, body) VALUES (?,?,?)",
+                           (launch.launch_id, launch.job_id, launch.to_json()))
+
+    def launches(self, job_id: str | None = None) -> list[LaunchRecord]:
+        if job_id is None:
+            rows = self._all("SELECT body FROM launches ORDER BY seq")
+        else:
+            rows = self._all("SELECT body FROM launches WHERE job_id=? ORDER BY seq", (job_id,))
+        return [LaunchRecord.from_json(r[0]) for r in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -33,6 +33,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "watch": ("hetpilot.client.cli", "follow a job's plan versions live"),
     "budget": ("hetpilot.client.cli", "change a job's budgets or V (price_per_hour=20 V=5)"),
     "cancel": ("hetpilot.client.cli", "cancel a job"),
+    "logs": ("hetpilot.client.cli",
+             "print a launched job's output (--rank R: one rank; --follow: until it ends)"),
     "nodes": ("hetpilot.client.nodes",
               "list agents and devices: state, speeds, memory, load, price (--links: links)"),
     "drain": ("hetpilot.client.nodes",

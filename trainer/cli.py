@@ -55,18 +55,23 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--dtype", choices=DTYPES, default=None,
                             help="profile as `hetpilot train --dtype` runs: memory follows it")
         return
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--plan", metavar="P.json",
                         help="plan file; rewrite it with a higher \"version\" to switch live")
     source.add_argument("--daemon", metavar="HOST:PORT",
-                        help="take plans from the daemon (TrainerService) and report to it")
-    parser.add_argument("--job", default="", metavar="ID", help="the daemon's job id (--daemon)")
+                        help="take plans from the daemon (TrainerService) and report to it; "
+                             "default when started by an agent ($HETPILOT_JOB_ID set): "
+                             "$HETPILOT_ADDRESS")
+    parser.add_argument("--job", default="", metavar="ID",
+                        help="the daemon's job id (--daemon); default $HETPILOT_JOB_ID")
     parser.add_argument("--token-file", help="file with the job's trainer token (`hetpilot "
-                        "job JOB --trainer-token`); default $HETPILOT_CLUSTER_TOKEN, else "
-                        "$HETPILOT_TOKEN")
-    parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
-    parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
-    parser.add_argument("--key-file", default="")
+                        "job JOB --trainer-token`); default $HETPILOT_TOKEN_FILE, else "
+                        "$HETPILOT_CLUSTER_TOKEN, else $HETPILOT_TOKEN")
+    parser.add_argument("--ca-file", default="",
+                        help="PEM CA of the daemon (turns TLS on); default $HETPILOT_CA_FILE")
+    parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS); "
+                        "default $HETPILOT_CERT_FILE")
+    parser.add_argument("--key-file", default="", help="default $HETPILOT_KEY_FILE")
     parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
                         help="deadline per daemon call")
     parser.add_argument("--plan-wait", type=float, default=300.0, metavar="S",
@@ -93,8 +98,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                              "master weights and optimizer state, float16 with loss scaling); "
                              "default: keep the job's own dtypes")
     parser.add_argument("--device-id", default=None,
-                        help="this rank's device id (default $HETPILOT_DEVICE_ID or "
-                             "host:local_rank); {rank} and {local_rank} are replaced")
+                        help="this rank's device id (default $HETPILOT_DEVICE_ID, else "
+                             "item LOCAL_RANK of $HETPILOT_DEVICE_IDS, else host:local_rank); "
+                             "{rank} and {local_rank} are replaced")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="save here at the end of every epoch (and see --checkpoint-every)")
     parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
@@ -137,6 +143,8 @@ def run(args: argparse.Namespace) -> int:
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
                     job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype)
+    if args.command == "train" and (problem := launched_defaults(args)) is not None:
+        return _fail(problem)
     try:
         spec = _load_spec(args.model, args.command)
     except ValidationError as exc:
@@ -216,9 +224,35 @@ def _emulated_tflops(text: str | None, rank: int, world: int) -> float | None:
 def _device_id(args: argparse.Namespace, rank: int, local: int) -> str:
     import socket
 
+    listed = [d for d in os.environ.get("HETPILOT_DEVICE_IDS", "").split(",") if d]
     template = args.device_id or os.environ.get("HETPILOT_DEVICE_ID") \
+        or (listed[local] if local < len(listed) else "") \
         or f"{socket.gethostname()}:{{local_rank}}"
     return template.replace("{local_rank}", str(local)).replace("{rank}", str(rank))
+
+
+def launched_defaults(args: argparse.Namespace) -> str | None:
+    """Fill what an agent's launch gives in the environment (hetpilot.agents.launcher):
+    ``--daemon`` from $HETPILOT_ADDRESS and ``--job`` from $HETPILOT_JOB_ID when neither
+    ``--plan`` nor ``--daemon`` is given, the token from $HETPILOT_TOKEN_FILE, TLS files
+    from $HETPILOT_CA_FILE / CERT_FILE / KEY_FILE. An error message when there is still no
+    plan source. So a job's entry point may be ``hetpilot train --model pkg.mod:job ...``
+    with nothing about the daemon on its command line."""
+    env = os.environ
+    if args.plan is None and args.daemon is None:
+        if not env.get("HETPILOT_JOB_ID"):
+            return ("one of --plan and --daemon is required (or run under an agent's launch, "
+                    "which sets $HETPILOT_JOB_ID and $HETPILOT_ADDRESS)")
+        args.daemon = env.get("HETPILOT_ADDRESS", "")
+        if not args.daemon:
+            return "$HETPILOT_JOB_ID is set but $HETPILOT_ADDRESS is not: pass --daemon"
+    if args.daemon is not None:
+        args.job = args.job or env.get("HETPILOT_JOB_ID", "")
+        args.token_file = args.token_file or env.get("HETPILOT_TOKEN_FILE") or None
+        for flag in ("ca_file", "cert_file", "key_file"):
+            if not getattr(args, flag):
+                setattr(args, flag, env.get(f"HETPILOT_{flag.upper()}", ""))
+    return None
 
 
 def _endpoint(args: argparse.Namespace) -> Any:

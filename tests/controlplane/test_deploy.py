@@ -29,6 +29,9 @@ def test_example_configs_load() -> None:
     assert a.daemon.endswith(":7070") and not a.emulate
     req = job_request_from_toml(DEPLOY / "job.toml")
     assert req.global_batch == 512 and req.budgets["price_per_hour"] == 20.0 and req.model_json
+    assert not req.HasField("entry") and d.rdzv_port_min == 29400
+    req = job_request_from_toml(DEPLOY / "train-job.toml")  # the README's launched job
+    assert req.profile_on_attach and req.entry.module == "hetpilot" and req.entry.args[0] == "train"
 
 
 def test_config_validation(tmp_path: Path) -> None:

@@ -38,6 +38,12 @@ device_info = st.builds(agent_pb2.DeviceInfo, index=text, name=text, kind=enum, 
 register = st.builds(agent_pb2.RegisterRequest, host=text, probe_address=text,
                      devices=st.lists(device_info, max_size=3) | st.just(
                          [agent_pb2.DeviceInfo(index="0", tflops=1, memory_gb=1)] * 70))
+launch_status = st.builds(agent_pb2.LaunchStatus, launch_id=text, job_id=text, state=enum,
+                          exit_code=st.integers(-2**31, 2**31 - 1), reason=text | st.just(
+                              "r" * 2500), pid=st.integers(0, 2**32 - 1), stopped=st.booleans(),
+                          log_bytes=st.integers(0, 2**64 - 1))
+log_chunk = st.builds(agent_pb2.LogChunk, launch_id=text, offset=st.integers(0, 2**64 - 1),
+                      data=st.binary(max_size=64) | st.just(b"\xff" * 60_000))
 report = st.builds(agent_pb2.AgentReport, agent_id=st.sampled_from(["fz", "", "nobody"]),
                    seq=st.integers(0, 2**64 - 1),
                    devices=st.lists(st.builds(agent_pb2.DeviceReport, index=text, tflops=floats,
@@ -45,7 +51,14 @@ report = st.builds(agent_pb2.AgentReport, agent_id=st.sampled_from(["fz", "", "n
                                     max_size=3),
                    links=st.lists(st.builds(agent_pb2.LinkReport, peer_host=text, gbps=floats,
                                             rtt_us=floats), max_size=3)
-                   | st.just([agent_pb2.LinkReport(peer_host="b", gbps=1)] * 2000))
+                   | st.just([agent_pb2.LinkReport(peer_host="b", gbps=1)] * 2000),
+                   launches=st.lists(launch_status, max_size=3),
+                   logs=st.lists(log_chunk, max_size=3))
+entry = st.builds(job_pb2.JobEntry, module=text | st.just("pkg.train"),
+                  command=st.lists(text, max_size=3), args=st.lists(text, max_size=3)
+                  | st.just(["x"] * 300), ranks_per_host=st.integers(0, 2**32 - 1),
+                  hosts=st.integers(0, 2**32 - 1), restart_budget=st.integers(0, 2**32 - 1),
+                  env=st.dictionaries(text, text, max_size=3), workdir=text | st.just("/w"))
 submit = st.builds(job_pb2.SubmitJobRequest, name=text,
                    model_json=st.sampled_from(["", "{", "[]", '{"layers": []}', "NaN"]),
                    profile_on_attach=st.booleans(), global_batch=st.integers(0, 2**32 - 1),
@@ -54,7 +67,7 @@ submit = st.builds(job_pb2.SubmitJobRequest, name=text,
                    budgets=st.dictionaries(st.sampled_from(["price_per_hour", "gold", ""]),
                                            floats, max_size=2),
                    v=floats, slot_s=floats, allowed_hosts=st.lists(text, max_size=3),
-                   request_id=text)
+                   request_id=text, entry=st.none() | entry)
 update = st.builds(job_pb2.UpdateBudgetsRequest, job_id=text,
                    budgets=st.dictionaries(st.sampled_from(["price_per_hour", "x"]), floats,
                                            max_size=2))
@@ -143,6 +156,25 @@ def test_cluster_and_finish(fuzz_daemon: RunningDaemon, req: cluster_pb2.DrainHo
                                  request_id="fuzz-finish"), metadata=OWNER_MD).trainer_token
     trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
     assert _code(trainer.FinishJob, freq, metadata(token)) in ALLOWED
+
+
+logs = st.builds(job_pb2.StreamLogsRequest, job_id=text | st.just("fuzzjob"),
+                 rank=st.none() | st.integers(0, 2**32 - 1), follow=st.just(False))
+
+
+@SETTINGS
+@given(req=logs)
+def test_stream_logs(fuzz_daemon: RunningDaemon, req: job_pb2.StreamLogsRequest) -> None:
+    jobs = job_pb2_grpc.JobServiceStub(fuzz_daemon.channel())
+    launched = jobs.SubmitJob(job_pb2.SubmitJobRequest(  # a job with an entry point
+        profile_on_attach=True, global_batch=8, microbatch_size=1, request_id="fuzz-logs",
+        entry=job_pb2.JobEntry(module="m")), metadata=OWNER_MD)
+    if req.job_id == "fuzzjob":
+        req.job_id = launched.job_id
+    try:
+        list(jobs.StreamLogs(req, metadata=OWNER_MD, timeout=5))
+    except grpc.RpcError as exc:
+        assert exc.code() in ALLOWED, exc  # type: ignore[attr-defined]
 
 
 def test_still_serving_after_fuzz(fuzz_daemon: RunningDaemon) -> None:

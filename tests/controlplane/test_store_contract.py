@@ -15,9 +15,11 @@ from hetpilot.daemon.records import (
     DeviceInfo,
     DeviceReport,
     DrainRecord,
+    HostLaunch,
     JobProgress,
     JobRecord,
     JobStatus,
+    LaunchRecord,
     LayerTime,
     LinkReport,
     MeasurementRecord,
@@ -25,7 +27,14 @@ from hetpilot.daemon.records import (
     StageTiming,
     TimingsRecord,
 )
-from hetpilot.daemon.store import SCHEMA_VERSION, MemoryStore, SchemaError, SqliteStore, Store
+from hetpilot.daemon.store import (
+    _MIGRATIONS,
+    SCHEMA_VERSION,
+    MemoryStore,
+    SchemaError,
+    SqliteStore,
+    Store,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -166,6 +175,29 @@ def test_job_end_and_cost_fields_round_trip(store: Store) -> None:
     assert store.job_status("j1")[0] == status
 
 
+def _launch(job_id: str, launch_id: str, state: str = "ordered") -> LaunchRecord:
+    return LaunchRecord(launch_id=launch_id, job_id=job_id, rdzv_endpoint="10.0.0.1:29400",
+                        hosts=(HostLaunch(host="a", devices=("0", "1"), rdzv_host=True,
+                                          state=state, pid=7),
+                               HostLaunch(host="b", devices=("0",))), created_ms=3)
+
+
+def test_launches(store: Store) -> None:
+    assert store.launches() == [] and store.launches("j1") == []
+    first, other = _launch("j1", "L1"), _launch("j2", "L2")
+    store.put_launch(first)
+    store.put_launch(other)
+    assert store.launches() == [first, other] and store.launches("j2") == [other]
+    done = first.with_host(HostLaunch(host="b", devices=("0",), state="exited", exit_code=-15,
+                                      stopped=True, reason="x\ny", log_bytes=12))
+    store.put_launch(done)  # replaced in place: creation order kept
+    assert store.launches() == [done, other] and store.launches("j1")[0].hosts[1].exit_code == -15
+    assert done.device_ids() == {"a:0", "a:1", "b:0"} and done.rdzv_port == 29400
+    job = _job("j3").with_changes(entry={"module": "m", "args": ["--x"], "env": {"A": "1"}})
+    store.create_job(job)
+    assert store.get_job("j3") == job
+
+
 # The schema of the daemon before schema versions (user_version 0), verbatim.
 _UNVERSIONED_SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -215,7 +247,7 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     old.close()
 
     s = SqliteStore(path)
-    assert s.schema_version == SCHEMA_VERSION == 4
+    assert s.schema_version == SCHEMA_VERSION == 5
     # nothing stored before is lost
     assert s.get_job("j1") == job and s.job_status("j1") == (status, {"x": 1})
     assert s.plans("j1") == [_plan("j1", 1)] and s.agents() == [agent]
@@ -236,6 +268,39 @@ def test_sqlite_migrates_an_unversioned_database(tmp_path: Path) -> None:
     assert s.schema_version == SCHEMA_VERSION and s.progress("j1") == progress
     assert s.drains() == [DrainRecord(host="a", since_ms=1)]
     assert s.get_job("j1") == job and s.latest_timings("j1")[0].loss == 0.5
+    s.close()
+
+
+def test_sqlite_migrates_a_version_4_database(tmp_path: Path) -> None:
+    """A daemon of schema 4 (before launches) left jobs, agents and drains: version 5
+    keeps them all, reads their bodies with the new fields empty, and launches work."""
+    path = tmp_path / "state.db"
+    old = sqlite3.connect(path)
+    for step in _MIGRATIONS[:4]:  # released steps never change: this is schema 4
+        for statement in step:
+            old.execute(statement)
+    old.execute("PRAGMA user_version=4")
+    job = _job("j1").with_changes(state="succeeded", started_ms=2, ended_ms=5, reason="finished")
+    old_job = {k: v for k, v in json.loads(job.to_json()).items() if k != "entry"}
+    agent = AgentRecord(host="a", probe_address="a:7071", devices=(
+        DeviceInfo(index="0", name="x", kind="cuda", tflops=100.0, memory_gb=80.0),))
+    old_agent = {k: v for k, v in json.loads(agent.to_json()).items() if k != "launches"}
+    with old:
+        old.execute("INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
+                    ("j1", "alice", "", json.dumps(old_job)))
+        old.execute("INSERT INTO agents VALUES (?,?)", ("a", json.dumps(old_agent)))
+        old.execute("INSERT INTO drains VALUES (?,?)",
+                    ("a", DrainRecord(host="a", since_ms=4, reason="r").to_json()))
+    old.close()
+    s = SqliteStore(path)
+    assert s.schema_version == SCHEMA_VERSION == 5
+    assert s.get_job("j1") == job and job.entry == {}
+    assert s.agents() == [agent] and not agent.launches
+    assert s.drains() == [DrainRecord(host="a", since_ms=4, reason="r")]
+    s.put_launch(_launch("j1", "L1"))
+    s.close()
+    s = SqliteStore(path)
+    assert s.launches("j1") == [_launch("j1", "L1")] and s.get_job("j1") == job
     s.close()
 
 

@@ -4,12 +4,23 @@ isort:skip_file
 AgentService: one agent per host registers the host's devices and streams
 measurements. Agents authenticate with the cluster token
 (metadata `authorization: Bearer <token>`).
+
+Launching (jobs submitted with an entry point, JobEntry in job.proto): the
+daemon orders launches on the acks of the Report stream (ReportAck.start,
+ReportAck.stop), and the agent reports each launch's state and ships its
+output in the next reports (AgentReport.launches, AgentReport.logs). Orders
+are idempotent: an agent starts each launch_id at most once in its life (it
+keeps the ids it started in its state dir), so an order repeated after a
+reconnect, a daemon restart or an agent restart starts nothing twice; the
+daemon repeats a start order until the agent reports the launch, and a stop
+order while the agent reports it running.
 """
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from hetpilot.v1 import common_pb2 as _common_pb2
 import builtins as _builtins
 import sys
@@ -21,6 +32,27 @@ else:
     from typing_extensions import TypeAlias as _TypeAlias, Never as _Never
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class _LaunchState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _LaunchStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_LaunchState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    LAUNCH_STATE_UNSPECIFIED: _LaunchState.ValueType  # 0
+    LAUNCH_STATE_RUNNING: _LaunchState.ValueType  # 1
+    """torchrun (under the agent's runner) is running."""
+    LAUNCH_STATE_EXITED: _LaunchState.ValueType  # 2
+    """It ended, or never started (exit_code 127 and the reason)."""
+
+class LaunchState(_LaunchState, metaclass=_LaunchStateEnumTypeWrapper): ...
+
+LAUNCH_STATE_UNSPECIFIED: LaunchState.ValueType  # 0
+LAUNCH_STATE_RUNNING: LaunchState.ValueType  # 1
+"""torchrun (under the agent's runner) is running."""
+LAUNCH_STATE_EXITED: LaunchState.ValueType  # 2
+"""It ended, or never started (exit_code 127 and the reason)."""
+Global___LaunchState: _TypeAlias = LaunchState  # noqa: Y015
 
 @_typing.final
 class DeviceInfo(_message.Message):
@@ -82,10 +114,15 @@ class RegisterRequest(_message.Message):
     PROBE_ADDRESS_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
+    LAUNCHES_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     probe_address: _builtins.str
     """host:port of this agent's TCP probe server (bandwidth and RTT probes)."""
     agent_version: _builtins.str
+    launches: _builtins.bool
+    """The agent starts job ranks when ordered (`hetpilot agent` without --no-launch);
+    the daemon launches jobs only on hosts whose agent says so.
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceInfo]: ...
     def __init__(
@@ -95,10 +132,11 @@ class RegisterRequest(_message.Message):
         probe_address: _builtins.str = ...,
         devices: _abc.Iterable[Global___DeviceInfo] | None = ...,
         agent_version: _builtins.str = ...,
+        launches: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "probe_address", b"probe_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "launches", b"launches", "probe_address", b"probe_address"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -240,6 +278,8 @@ class AgentReport(_message.Message):
     UNIX_MS_FIELD_NUMBER: _builtins.int
     DEVICES_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
+    LAUNCHES_FIELD_NUMBER: _builtins.int
+    LOGS_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     seq: _builtins.int
     """Increasing per agent process; acks echo it."""
@@ -248,6 +288,16 @@ class AgentReport(_message.Message):
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceReport]: ...
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkReport]: ...
+    @_builtins.property
+    def launches(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchStatus]:
+        """Every launch this agent started (or found in its state dir when it started)
+        until the daemon has acknowledged its exit and all of its output.
+        """
+
+    @_builtins.property
+    def logs(self) -> _containers.RepeatedCompositeFieldContainer[Global___LogChunk]:
+        """Output of launches not yet acknowledged, at most 1 MiB per report."""
+
     def __init__(
         self,
         *,
@@ -256,14 +306,190 @@ class AgentReport(_message.Message):
         unix_ms: _builtins.int = ...,
         devices: _abc.Iterable[Global___DeviceReport] | None = ...,
         links: _abc.Iterable[Global___LinkReport] | None = ...,
+        launches: _abc.Iterable[Global___LaunchStatus] | None = ...,
+        logs: _abc.Iterable[Global___LogChunk] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "devices", b"devices", "links", b"links", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "devices", b"devices", "launches", b"launches", "links", b"links", "logs", b"logs", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AgentReport: _TypeAlias = AgentReport  # noqa: Y015
+
+@_typing.final
+class LaunchStatus(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAUNCH_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    LOG_BYTES_FIELD_NUMBER: _builtins.int
+    launch_id: _builtins.str
+    job_id: _builtins.str
+    state: Global___LaunchState.ValueType
+    exit_code: _builtins.int
+    """EXITED: torchrun's exit status after its restarts (0: every rank of this host
+    returned); negative: killed by that signal; 127: could not start; 255: unknown
+    (the agent restarted while the launch ran and no exit status was saved).
+    """
+    reason: _builtins.str
+    """EXITED with a non-zero code: why, with the last lines of the host's log
+    (at most 2000 characters).
+    """
+    pid: _builtins.int
+    """Process id of the launch (the leader of its process group); 0 if none started."""
+    stopped: _builtins.bool
+    """The agent stopped it on the daemon's order (ReportAck.stop)."""
+    log_bytes: _builtins.int
+    """Bytes of output the launch has written so far (its host log)."""
+    def __init__(
+        self,
+        *,
+        launch_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        state: Global___LaunchState.ValueType = ...,
+        exit_code: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        pid: _builtins.int = ...,
+        stopped: _builtins.bool = ...,
+        log_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "launch_id", b"launch_id", "log_bytes", b"log_bytes", "pid", b"pid", "reason", b"reason", "state", b"state", "stopped", b"stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchStatus: _TypeAlias = LaunchStatus  # noqa: Y015
+
+@_typing.final
+class LogChunk(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    LAUNCH_ID_FIELD_NUMBER: _builtins.int
+    OFFSET_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    launch_id: _builtins.str
+    offset: _builtins.int
+    """Bytes of the launch's host log before `data` (a resent chunk is recognised)."""
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        launch_id: _builtins.str = ...,
+        offset: _builtins.int = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "launch_id", b"launch_id", "offset", b"offset"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogChunk: _TypeAlias = LogChunk  # noqa: Y015
+
+@_typing.final
+class LaunchOrder(_message.Message):
+    """What one agent starts for a launch: `python -m torch.distributed.run
+    --nnodes <nnodes> --nproc-per-node <len(devices)> --rdzv-backend c10d
+    --rdzv-endpoint <rdzv_endpoint> --rdzv-id <launch_id> --max-restarts
+    <max_restarts> (-m <module> | --no-python <command...>) <args...>`.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    LAUNCH_ID_FIELD_NUMBER: _builtins.int
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    NNODES_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    RDZV_ENDPOINT_FIELD_NUMBER: _builtins.int
+    RDZV_HOST_FIELD_NUMBER: _builtins.int
+    MAX_RESTARTS_FIELD_NUMBER: _builtins.int
+    MODULE_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
+    TRAINER_TOKEN_FIELD_NUMBER: _builtins.int
+    launch_id: _builtins.str
+    job_id: _builtins.str
+    nnodes: _builtins.int
+    """Hosts (torchrun agents) of the launch."""
+    rdzv_endpoint: _builtins.str
+    """host:port of the c10d rendezvous store."""
+    rdzv_host: _builtins.bool
+    """This host runs the rendezvous store (torchrun --rdzv-conf is_host=true)."""
+    max_restarts: _builtins.int
+    """torchrun --max-restarts: the job's restart budget."""
+    module: _builtins.str
+    """Exactly one of module and command is set (see JobEntry)."""
+    workdir: _builtins.str
+    """Working directory of the ranks on the host; empty: the launch's own directory."""
+    trainer_token: _builtins.str
+    """The job's trainer token; the agent gives it to the ranks in a file (0600),
+    never on a command line.
+    """
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Indexes of this host's devices (RegisterRequest.devices), one rank each, in
+        local rank order.
+        """
+
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]: ...
+    def __init__(
+        self,
+        *,
+        launch_id: _builtins.str = ...,
+        job_id: _builtins.str = ...,
+        nnodes: _builtins.int = ...,
+        devices: _abc.Iterable[_builtins.str] | None = ...,
+        rdzv_endpoint: _builtins.str = ...,
+        rdzv_host: _builtins.bool = ...,
+        max_restarts: _builtins.int = ...,
+        module: _builtins.str = ...,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        workdir: _builtins.str = ...,
+        trainer_token: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "command", b"command", "devices", b"devices", "env", b"env", "job_id", b"job_id", "launch_id", b"launch_id", "max_restarts", b"max_restarts", "module", b"module", "nnodes", b"nnodes", "rdzv_endpoint", b"rdzv_endpoint", "rdzv_host", b"rdzv_host", "trainer_token", b"trainer_token", "workdir", b"workdir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LaunchOrder: _TypeAlias = LaunchOrder  # noqa: Y015
 
 @_typing.final
 class ReportAck(_message.Message):
@@ -271,18 +497,32 @@ class ReportAck(_message.Message):
 
     SEQ_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    START_FIELD_NUMBER: _builtins.int
+    STOP_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]: ...
+    @_builtins.property
+    def start(self) -> _containers.RepeatedCompositeFieldContainer[Global___LaunchOrder]:
+        """Launches to start (each launch_id at most once per agent)."""
+
+    @_builtins.property
+    def stop(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Launch ids to stop: SIGTERM to the launch's processes, SIGKILL after the agent's
+        stop grace period.
+        """
+
     def __init__(
         self,
         *,
         seq: _builtins.int = ...,
         peers: _abc.Iterable[Global___Peer] | None = ...,
+        start: _abc.Iterable[Global___LaunchOrder] | None = ...,
+        stop: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers", "seq", b"seq"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["peers", b"peers", "seq", b"seq", "start", b"start", "stop", b"stop"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -4,6 +4,16 @@ isort:skip_file
 AgentService: one agent per host registers the host's devices and streams
 measurements. Agents authenticate with the cluster token
 (metadata `authorization: Bearer <token>`).
+
+Launching (jobs submitted with an entry point, JobEntry in job.proto): the
+daemon orders launches on the acks of the Report stream (ReportAck.start,
+ReportAck.stop), and the agent reports each launch's state and ships its
+output in the next reports (AgentReport.launches, AgentReport.logs). Orders
+are idempotent: an agent starts each launch_id at most once in its life (it
+keeps the ids it started in its state dir), so an order repeated after a
+reconnect, a daemon restart or an agent restart starts nothing twice; the
+daemon repeats a start order until the agent reports the launch, and a stop
+order while the agent reports it running.
 """
 
 from collections import abc as _abc

@@ -217,8 +217,8 @@ class NodeInfo(_message.Message):
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceStatus]: ...
     @_builtins.property
     def jobs(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
-        """Running jobs whose current plan uses a device of this host (an owner sees
-        only their own jobs here).
+        """Running jobs whose current plan uses a device of this host, or whose launched
+        ranks run here (an owner sees only their own jobs here).
         """
 
     def __init__(

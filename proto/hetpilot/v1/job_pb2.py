@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetpilot.v1 import common_pb2 as hetpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hetpilot/v1/job.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\xdd\x02\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_json\x18\x02 \x01(\t\x12\x19\n\x11profile_on_attach\x18\x03 \x01(\x08\x12\x14\n\x0cglobal_batch\x18\x04 \x01(\r\x12\x17\n\x0fmicrobatch_size\x18\x05 \x01(\r\x12\x11\n\tschedules\x18\x06 \x03(\t\x12;\n\x07\x62udgets\x18\x07 \x03(\x0b\x32*.hetpilot.v1.SubmitJobRequest.BudgetsEntry\x12\t\n\x01v\x18\x08 \x01(\x01\x12\x0e\n\x06slot_s\x18\t \x01(\x01\x12\x15\n\rallowed_hosts\x18\n \x03(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x17\n\x0fslot_iterations\x18\x0c \x01(\r\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\x83\t\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.hetpilot.v1.JobState\x12\x14\n\x0cglobal_batch\x18\x05 \x01(\r\x12\x17\n\x0fmicrobatch_size\x18\x06 \x01(\r\x12\x11\n\tschedules\x18\x07 \x03(\t\x12\x32\n\x07\x62udgets\x18\x08 \x03(\x0b\x32!.hetpilot.v1.JobInfo.BudgetsEntry\x12\t\n\x01v\x18\t \x01(\x01\x12\x0e\n\x06slot_s\x18\n \x01(\x01\x12\x15\n\rallowed_hosts\x18\x0b \x03(\t\x12\x19\n\x11profile_on_attach\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x0c\n\x04slot\x18\x0e \x01(\x04\x12\x14\n\x0cplan_version\x18\x0f \x01(\x04\x12\x13\n\x0biteration_s\x18\x10 \x01(\x01\x12.\n\x05\x63osts\x18\x11 \x03(\x0b\x32\x1f.hetpilot.v1.JobInfo.CostsEntry\x12=\n\raverage_costs\x18\x12 \x03(\x0b\x32&.hetpilot.v1.JobInfo.AverageCostsEntry\x12\x30\n\x06queues\x18\x13 \x03(\x0b\x32 .hetpilot.v1.JobInfo.QueuesEntry\x12\x0f\n\x07\x64\x65vices\x18\x14 \x03(\t\x12\x18\n\x10\x65mulated_devices\x18\x15 \x03(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x16 \x01(\x03\x12\x10\n\x08warnings\x18\x17 \x03(\t\x12\x11\n\x04loss\x18\x18 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tloss_step\x18\x19 \x01(\x04\x12\x18\n\x0b\x65val_metric\x18\x1a \x01(\x01H\x01\x88\x01\x01\x12\x11\n\teval_step\x18\x1b \x01(\x04\x12\x14\n\x0closs_unix_ms\x18\x1c \x01(\x03\x12\x15\n\rtrainer_token\x18\x1d \x01(\t\x12\x17\n\x0fslot_iterations\x18\x1e \x01(\r\x12\x17\n\x0fstarted_unix_ms\x18\x1f \x01(\x03\x12\x15\n\rended_unix_ms\x18  \x01(\x03\x12\x0e\n\x06reason\x18! \x01(\t\x12\x38\n\x0b\x63ost_so_far\x18\" \x03(\x0b\x32#.hetpilot.v1.JobInfo.CostSoFarEntry\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a,\n\nCostsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x33\n\x11\x41verageCostsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bQueuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x30\n\x0e\x43ostSoFarEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_lossB\x0e\n\x0c_eval_metric\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x0fListJobsRequest\x12\x19\n\x11include_cancelled\x18\x01 \x01(\x08\"6\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.hetpilot.v1.JobInfo\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xad\x01\n\x14UpdateBudgetsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12?\n\x07\x62udgets\x18\x02 \x03(\x0b\x32..hetpilot.v1.UpdateBudgetsRequest.BudgetsEntry\x12\x0e\n\x01v\x18\x03 \x01(\x01H\x00\x88\x01\x01\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_v\":\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05\x32\xa9\x03\n\nJobService\x12@\n\tSubmitJob\x12\x1d.hetpilot.v1.SubmitJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12:\n\x06GetJob\x12\x1a.hetpilot.v1.GetJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12G\n\x08ListJobs\x12\x1c.hetpilot.v1.ListJobsRequest\x1a\x1d.hetpilot.v1.ListJobsResponse\x12@\n\tCancelJob\x12\x1d.hetpilot.v1.CancelJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12H\n\rUpdateBudgets\x12!.hetpilot.v1.UpdateBudgetsRequest\x1a\x14.hetpilot.v1.JobInfo\x12H\n\nWatchPlans\x12\x1e.hetpilot.v1.WatchPlansRequest\x1a\x18.hetpilot.v1.PlanVersion0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15hetpilot/v1/job.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\x83\x03\n\x10SubmitJobRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x12\n\nmodel_json\x18\x02 \x01(\t\x12\x19\n\x11profile_on_attach\x18\x03 \x01(\x08\x12\x14\n\x0cglobal_batch\x18\x04 \x01(\r\x12\x17\n\x0fmicrobatch_size\x18\x05 \x01(\r\x12\x11\n\tschedules\x18\x06 \x03(\t\x12;\n\x07\x62udgets\x18\x07 \x03(\x0b\x32*.hetpilot.v1.SubmitJobRequest.BudgetsEntry\x12\t\n\x01v\x18\x08 \x01(\x01\x12\x0e\n\x06slot_s\x18\t \x01(\x01\x12\x15\n\rallowed_hosts\x18\n \x03(\t\x12\x12\n\nrequest_id\x18\x0b \x01(\t\x12\x17\n\x0fslot_iterations\x18\x0c \x01(\r\x12$\n\x05\x65ntry\x18\r \x01(\x0b\x32\x15.hetpilot.v1.JobEntry\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe2\x01\n\x08JobEntry\x12\x0e\n\x06module\x18\x01 \x01(\t\x12\x0f\n\x07\x63ommand\x18\x02 \x03(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12\x16\n\x0eranks_per_host\x18\x04 \x01(\r\x12\r\n\x05hosts\x18\x05 \x01(\r\x12\x16\n\x0erestart_budget\x18\x06 \x01(\r\x12+\n\x03\x65nv\x18\x07 \x03(\x0b\x32\x1e.hetpilot.v1.JobEntry.EnvEntry\x12\x0f\n\x07workdir\x18\x08 \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xac\x01\n\nHostLaunch\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0f\n\x07\x64\x65vices\x18\x02 \x03(\t\x12+\n\x05state\x18\x03 \x01(\x0e\x32\x1c.hetpilot.v1.HostLaunchState\x12\x11\n\texit_code\x18\x04 \x01(\x11\x12\x0b\n\x03pid\x18\x05 \x01(\r\x12\x0e\n\x06reason\x18\x06 \x01(\t\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x12\x11\n\trdzv_host\x18\x08 \x01(\x08\"\xfc\t\n\x07JobInfo\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12$\n\x05state\x18\x04 \x01(\x0e\x32\x15.hetpilot.v1.JobState\x12\x14\n\x0cglobal_batch\x18\x05 \x01(\r\x12\x17\n\x0fmicrobatch_size\x18\x06 \x01(\r\x12\x11\n\tschedules\x18\x07 \x03(\t\x12\x32\n\x07\x62udgets\x18\x08 \x03(\x0b\x32!.hetpilot.v1.JobInfo.BudgetsEntry\x12\t\n\x01v\x18\t \x01(\x01\x12\x0e\n\x06slot_s\x18\n \x01(\x01\x12\x15\n\rallowed_hosts\x18\x0b \x03(\t\x12\x19\n\x11profile_on_attach\x18\x0c \x01(\x08\x12\x12\n\nmodel_name\x18\r \x01(\t\x12\x0c\n\x04slot\x18\x0e \x01(\x04\x12\x14\n\x0cplan_version\x18\x0f \x01(\x04\x12\x13\n\x0biteration_s\x18\x10 \x01(\x01\x12.\n\x05\x63osts\x18\x11 \x03(\x0b\x32\x1f.hetpilot.v1.JobInfo.CostsEntry\x12=\n\raverage_costs\x18\x12 \x03(\x0b\x32&.hetpilot.v1.JobInfo.AverageCostsEntry\x12\x30\n\x06queues\x18\x13 \x03(\x0b\x32 .hetpilot.v1.JobInfo.QueuesEntry\x12\x0f\n\x07\x64\x65vices\x18\x14 \x03(\t\x12\x18\n\x10\x65mulated_devices\x18\x15 \x03(\t\x12\x17\n\x0f\x63reated_unix_ms\x18\x16 \x01(\x03\x12\x10\n\x08warnings\x18\x17 \x03(\t\x12\x11\n\x04loss\x18\x18 \x01(\x01H\x00\x88\x01\x01\x12\x11\n\tloss_step\x18\x19 \x01(\x04\x12\x18\n\x0b\x65val_metric\x18\x1a \x01(\x01H\x01\x88\x01\x01\x12\x11\n\teval_step\x18\x1b \x01(\x04\x12\x14\n\x0closs_unix_ms\x18\x1c \x01(\x03\x12\x15\n\rtrainer_token\x18\x1d \x01(\t\x12\x17\n\x0fslot_iterations\x18\x1e \x01(\r\x12\x17\n\x0fstarted_unix_ms\x18\x1f \x01(\x03\x12\x15\n\rended_unix_ms\x18  \x01(\x03\x12\x0e\n\x06reason\x18! \x01(\t\x12\x38\n\x0b\x63ost_so_far\x18\" \x03(\x0b\x32#.hetpilot.v1.JobInfo.CostSoFarEntry\x12$\n\x05\x65ntry\x18# \x01(\x0b\x32\x15.hetpilot.v1.JobEntry\x12\x11\n\tlaunch_id\x18$ \x01(\t\x12\x15\n\rrdzv_endpoint\x18% \x01(\t\x12\'\n\x06launch\x18& \x03(\x0b\x32\x17.hetpilot.v1.HostLaunch\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a,\n\nCostsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x33\n\x11\x41verageCostsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a-\n\x0bQueuesEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x1a\x30\n\x0e\x43ostSoFarEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_lossB\x0e\n\x0c_eval_metric\"\x1f\n\rGetJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\",\n\x0fListJobsRequest\x12\x19\n\x11include_cancelled\x18\x01 \x01(\x08\"6\n\x10ListJobsResponse\x12\"\n\x04jobs\x18\x01 \x03(\x0b\x32\x14.hetpilot.v1.JobInfo\"\"\n\x10\x43\x61ncelJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"\xad\x01\n\x14UpdateBudgetsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12?\n\x07\x62udgets\x18\x02 \x03(\x0b\x32..hetpilot.v1.UpdateBudgetsRequest.BudgetsEntry\x12\x0e\n\x01v\x18\x03 \x01(\x01H\x00\x88\x01\x01\x1a.\n\x0c\x42udgetsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x04\n\x02_v\":\n\x11WatchPlansRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04\"O\n\x11StreamLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x11\n\x04rank\x18\x02 \x01(\rH\x00\x88\x01\x01\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\x42\x07\n\x05_rank\"&\n\x08LogLines\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c*\x9b\x01\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\x15\n\x11JOB_STATE_PENDING\x10\x01\x12\x15\n\x11JOB_STATE_RUNNING\x10\x02\x12\x17\n\x13JOB_STATE_CANCELLED\x10\x03\x12\x17\n\x13JOB_STATE_SUCCEEDED\x10\x04\x12\x14\n\x10JOB_STATE_FAILED\x10\x05*\x90\x01\n\x0fHostLaunchState\x12!\n\x1dHOST_LAUNCH_STATE_UNSPECIFIED\x10\x00\x12\x1d\n\x19HOST_LAUNCH_STATE_ORDERED\x10\x01\x12\x1d\n\x19HOST_LAUNCH_STATE_RUNNING\x10\x02\x12\x1c\n\x18HOST_LAUNCH_STATE_EXITED\x10\x03\x32\xf0\x03\n\nJobService\x12@\n\tSubmitJob\x12\x1d.hetpilot.v1.SubmitJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12:\n\x06GetJob\x12\x1a.hetpilot.v1.GetJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12G\n\x08ListJobs\x12\x1c.hetpilot.v1.ListJobsRequest\x1a\x1d.hetpilot.v1.ListJobsResponse\x12@\n\tCancelJob\x12\x1d.hetpilot.v1.CancelJobRequest\x1a\x14.hetpilot.v1.JobInfo\x12H\n\rUpdateBudgets\x12!.hetpilot.v1.UpdateBudgetsRequest\x1a\x14.hetpilot.v1.JobInfo\x12H\n\nWatchPlans\x12\x1e.hetpilot.v1.WatchPlansRequest\x1a\x18.hetpilot.v1.PlanVersion0\x01\x12\x45\n\nStreamLogs\x12\x1e.hetpilot.v1.StreamLogsRequest\x1a\x15.hetpilot.v1.LogLines0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,6 +34,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._loaded_options = None
   _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._serialized_options = b'8\001'
+  _globals['_JOBENTRY_ENVENTRY']._loaded_options = None
+  _globals['_JOBENTRY_ENVENTRY']._serialized_options = b'8\001'
   _globals['_JOBINFO_BUDGETSENTRY']._loaded_options = None
   _globals['_JOBINFO_BUDGETSENTRY']._serialized_options = b'8\001'
   _globals['_JOBINFO_COSTSENTRY']._loaded_options = None
@@ -46,38 +48,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_JOBINFO_COSTSOFARENTRY']._serialized_options = b'8\001'
   _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._loaded_options = None
   _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1982
-  _globals['_JOBSTATE']._serialized_end=2137
+  _globals['_JOBSTATE']._serialized_start=2666
+  _globals['_JOBSTATE']._serialized_end=2821
+  _globals['_HOSTLAUNCHSTATE']._serialized_start=2824
+  _globals['_HOSTLAUNCHSTATE']._serialized_end=2968
   _globals['_SUBMITJOBREQUEST']._serialized_start=65
-  _globals['_SUBMITJOBREQUEST']._serialized_end=414
-  _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._serialized_start=368
-  _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._serialized_end=414
-  _globals['_JOBINFO']._serialized_start=417
-  _globals['_JOBINFO']._serialized_end=1572
-  _globals['_JOBINFO_BUDGETSENTRY']._serialized_start=368
-  _globals['_JOBINFO_BUDGETSENTRY']._serialized_end=414
-  _globals['_JOBINFO_COSTSENTRY']._serialized_start=1353
-  _globals['_JOBINFO_COSTSENTRY']._serialized_end=1397
-  _globals['_JOBINFO_AVERAGECOSTSENTRY']._serialized_start=1399
-  _globals['_JOBINFO_AVERAGECOSTSENTRY']._serialized_end=1450
-  _globals['_JOBINFO_QUEUESENTRY']._serialized_start=1452
-  _globals['_JOBINFO_QUEUESENTRY']._serialized_end=1497
-  _globals['_JOBINFO_COSTSOFARENTRY']._serialized_start=1499
-  _globals['_JOBINFO_COSTSOFARENTRY']._serialized_end=1547
-  _globals['_GETJOBREQUEST']._serialized_start=1574
-  _globals['_GETJOBREQUEST']._serialized_end=1605
-  _globals['_LISTJOBSREQUEST']._serialized_start=1607
-  _globals['_LISTJOBSREQUEST']._serialized_end=1651
-  _globals['_LISTJOBSRESPONSE']._serialized_start=1653
-  _globals['_LISTJOBSRESPONSE']._serialized_end=1707
-  _globals['_CANCELJOBREQUEST']._serialized_start=1709
-  _globals['_CANCELJOBREQUEST']._serialized_end=1743
-  _globals['_UPDATEBUDGETSREQUEST']._serialized_start=1746
-  _globals['_UPDATEBUDGETSREQUEST']._serialized_end=1919
-  _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._serialized_start=368
-  _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._serialized_end=414
-  _globals['_WATCHPLANSREQUEST']._serialized_start=1921
-  _globals['_WATCHPLANSREQUEST']._serialized_end=1979
-  _globals['_JOBSERVICE']._serialized_start=2140
-  _globals['_JOBSERVICE']._serialized_end=2565
+  _globals['_SUBMITJOBREQUEST']._serialized_end=452
+  _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._serialized_start=406
+  _globals['_SUBMITJOBREQUEST_BUDGETSENTRY']._serialized_end=452
+  _globals['_JOBENTRY']._serialized_start=455
+  _globals['_JOBENTRY']._serialized_end=681
+  _globals['_JOBENTRY_ENVENTRY']._serialized_start=639
+  _globals['_JOBENTRY_ENVENTRY']._serialized_end=681
+  _globals['_HOSTLAUNCH']._serialized_start=684
+  _globals['_HOSTLAUNCH']._serialized_end=856
+  _globals['_JOBINFO']._serialized_start=859
+  _globals['_JOBINFO']._serialized_end=2135
+  _globals['_JOBINFO_BUDGETSENTRY']._serialized_start=406
+  _globals['_JOBINFO_BUDGETSENTRY']._serialized_end=452
+  _globals['_JOBINFO_COSTSENTRY']._serialized_start=1916
+  _globals['_JOBINFO_COSTSENTRY']._serialized_end=1960
+  _globals['_JOBINFO_AVERAGECOSTSENTRY']._serialized_start=1962
+  _globals['_JOBINFO_AVERAGECOSTSENTRY']._serialized_end=2013
+  _globals['_JOBINFO_QUEUESENTRY']._serialized_start=2015
+  _globals['_JOBINFO_QUEUESENTRY']._serialized_end=2060
+  _globals['_JOBINFO_COSTSOFARENTRY']._serialized_start=2062
+  _globals['_JOBINFO_COSTSOFARENTRY']._serialized_end=2110
+  _globals['_GETJOBREQUEST']._serialized_start=2137
+  _globals['_GETJOBREQUEST']._serialized_end=2168
+  _globals['_LISTJOBSREQUEST']._serialized_start=2170
+  _globals['_LISTJOBSREQUEST']._serialized_end=2214
+  _globals['_LISTJOBSRESPONSE']._serialized_start=2216
+  _globals['_LISTJOBSRESPONSE']._serialized_end=2270
+  _globals['_CANCELJOBREQUEST']._serialized_start=2272
+  _globals['_CANCELJOBREQUEST']._serialized_end=2306
+  _globals['_UPDATEBUDGETSREQUEST']._serialized_start=2309
+  _globals['_UPDATEBUDGETSREQUEST']._serialized_end=2482
+  _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._serialized_start=406
+  _globals['_UPDATEBUDGETSREQUEST_BUDGETSENTRY']._serialized_end=452
+  _globals['_WATCHPLANSREQUEST']._serialized_start=2484
+  _globals['_WATCHPLANSREQUEST']._serialized_end=2542
+  _globals['_STREAMLOGSREQUEST']._serialized_start=2544
+  _globals['_STREAMLOGSREQUEST']._serialized_end=2623
+  _globals['_LOGLINES']._serialized_start=2625
+  _globals['_LOGLINES']._serialized_end=2663
+  _globals['_JOBSERVICE']._serialized_start=2971
+  _globals['_JOBSERVICE']._serialized_end=3467
 # @@protoc_insertion_point(module_scope)

@@ -35,10 +35,14 @@ class _JobStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_JobState.Val
     JOB_STATE_RUNNING: _JobState.ValueType  # 2
     JOB_STATE_CANCELLED: _JobState.ValueType  # 3
     JOB_STATE_SUCCEEDED: _JobState.ValueType  # 4
-    """The trainer said it finished (TrainerService.FinishJob): training ended normally."""
+    """The trainer said it finished (TrainerService.FinishJob), or, for a launched
+    job, every host's ranks exited with 0: training ended normally.
+    """
     JOB_STATE_FAILED: _JobState.ValueType  # 5
-    """The trainer said it failed; JobInfo.reason says why. A trainer that attaches
-    again (a restart, a re-launch with --resume) makes the job RUNNING again.
+    """The trainer said it failed, or a launched job's ranks on a host died beyond
+    its restart budget (torchrun exited non-zero); JobInfo.reason says why. A
+    trainer that attaches again (a restart, a re-launch with --resume) makes the
+    job RUNNING again.
     """
 
 class JobState(_JobState, metaclass=_JobStateEnumTypeWrapper): ...
@@ -49,12 +53,37 @@ JOB_STATE_PENDING: JobState.ValueType  # 1
 JOB_STATE_RUNNING: JobState.ValueType  # 2
 JOB_STATE_CANCELLED: JobState.ValueType  # 3
 JOB_STATE_SUCCEEDED: JobState.ValueType  # 4
-"""The trainer said it finished (TrainerService.FinishJob): training ended normally."""
+"""The trainer said it finished (TrainerService.FinishJob), or, for a launched
+job, every host's ranks exited with 0: training ended normally.
+"""
 JOB_STATE_FAILED: JobState.ValueType  # 5
-"""The trainer said it failed; JobInfo.reason says why. A trainer that attaches
-again (a restart, a re-launch with --resume) makes the job RUNNING again.
+"""The trainer said it failed, or a launched job's ranks on a host died beyond
+its restart budget (torchrun exited non-zero); JobInfo.reason says why. A
+trainer that attaches again (a restart, a re-launch with --resume) makes the
+job RUNNING again.
 """
 Global___JobState: _TypeAlias = JobState  # noqa: Y015
+
+class _HostLaunchState:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _HostLaunchStateEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_HostLaunchState.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    HOST_LAUNCH_STATE_UNSPECIFIED: _HostLaunchState.ValueType  # 0
+    HOST_LAUNCH_STATE_ORDERED: _HostLaunchState.ValueType  # 1
+    """Ordered; the host's agent has not reported it started yet."""
+    HOST_LAUNCH_STATE_RUNNING: _HostLaunchState.ValueType  # 2
+    HOST_LAUNCH_STATE_EXITED: _HostLaunchState.ValueType  # 3
+
+class HostLaunchState(_HostLaunchState, metaclass=_HostLaunchStateEnumTypeWrapper): ...
+
+HOST_LAUNCH_STATE_UNSPECIFIED: HostLaunchState.ValueType  # 0
+HOST_LAUNCH_STATE_ORDERED: HostLaunchState.ValueType  # 1
+"""Ordered; the host's agent has not reported it started yet."""
+HOST_LAUNCH_STATE_RUNNING: HostLaunchState.ValueType  # 2
+HOST_LAUNCH_STATE_EXITED: HostLaunchState.ValueType  # 3
+Global___HostLaunchState: _TypeAlias = HostLaunchState  # noqa: Y015
 
 @_typing.final
 class SubmitJobRequest(_message.Message):
@@ -92,6 +121,7 @@ class SubmitJobRequest(_message.Message):
     ALLOWED_HOSTS_FIELD_NUMBER: _builtins.int
     REQUEST_ID_FIELD_NUMBER: _builtins.int
     SLOT_ITERATIONS_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     model_json: _builtins.str
     """Model profile, spec v1 section 2 JSON. Empty with profile_on_attach."""
@@ -124,6 +154,12 @@ class SubmitJobRequest(_message.Message):
     def allowed_hosts(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
         """Hosts the job may use; empty means every host."""
 
+    @_builtins.property
+    def entry(self) -> Global___JobEntry:
+        """Unset: the daemon plans and the owner starts the ranks (`hetpilot train`). Set:
+        the agents start the ranks too (see JobEntry).
+        """
+
     def __init__(
         self,
         *,
@@ -139,14 +175,149 @@ class SubmitJobRequest(_message.Message):
         allowed_hosts: _abc.Iterable[_builtins.str] | None = ...,
         request_id: _builtins.str = ...,
         slot_iterations: _builtins.int = ...,
+        entry: Global___JobEntry | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["entry", b"entry"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "budgets", b"budgets", "global_batch", b"global_batch", "microbatch_size", b"microbatch_size", "model_json", b"model_json", "name", b"name", "profile_on_attach", b"profile_on_attach", "request_id", b"request_id", "schedules", b"schedules", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "v", b"v"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["allowed_hosts", b"allowed_hosts", "budgets", b"budgets", "entry", b"entry", "global_batch", b"global_batch", "microbatch_size", b"microbatch_size", "model_json", b"model_json", "name", b"name", "profile_on_attach", b"profile_on_attach", "request_id", b"request_id", "schedules", b"schedules", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "v", b"v"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___SubmitJobRequest: _TypeAlias = SubmitJobRequest  # noqa: Y015
+
+@_typing.final
+class JobEntry(_message.Message):
+    """What the agents start for a job: on each chosen host, torchrun (c10d rendezvous
+    at an endpoint the daemon picks) running the entry point with one rank per
+    device. The ranks find the job in their environment: HETPILOT_JOB_ID,
+    HETPILOT_ADDRESS (the daemon), HETPILOT_TOKEN_FILE (the job's trainer token),
+    HETPILOT_DEVICE_IDS (the device id of each local rank, comma-separated),
+    CUDA_VISIBLE_DEVICES (CUDA devices), HETPILOT_CA_FILE (TLS, when the agent uses it).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class EnvEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.str
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.str = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+    MODULE_FIELD_NUMBER: _builtins.int
+    COMMAND_FIELD_NUMBER: _builtins.int
+    ARGS_FIELD_NUMBER: _builtins.int
+    RANKS_PER_HOST_FIELD_NUMBER: _builtins.int
+    HOSTS_FIELD_NUMBER: _builtins.int
+    RESTART_BUDGET_FIELD_NUMBER: _builtins.int
+    ENV_FIELD_NUMBER: _builtins.int
+    WORKDIR_FIELD_NUMBER: _builtins.int
+    module: _builtins.str
+    """`python -m <module> <args...>` (`hetpilot` runs `hetpilot train`)."""
+    ranks_per_host: _builtins.int
+    """Ranks on each host, one device each (its first devices); 0: one per device."""
+    hosts: _builtins.int
+    """Hosts to launch on, when that many can (up, not drained, allowed, launching,
+    with ranks_per_host devices); 0: every such host, once there is one.
+    """
+    restart_budget: _builtins.int
+    """torchrun --max-restarts: how often each host restarts its ranks after a failure."""
+    workdir: _builtins.str
+    """Working directory on every host (absolute); empty: the launch's own directory."""
+    @_builtins.property
+    def command(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Or an executable and its arguments, run as it is (torchrun --no-python)."""
+
+    @_builtins.property
+    def args(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Arguments after the module or command."""
+
+    @_builtins.property
+    def env(self) -> _containers.ScalarMap[_builtins.str, _builtins.str]:
+        """Extra environment of the ranks (names not starting with HETPILOT_)."""
+
+    def __init__(
+        self,
+        *,
+        module: _builtins.str = ...,
+        command: _abc.Iterable[_builtins.str] | None = ...,
+        args: _abc.Iterable[_builtins.str] | None = ...,
+        ranks_per_host: _builtins.int = ...,
+        hosts: _builtins.int = ...,
+        restart_budget: _builtins.int = ...,
+        env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
+        workdir: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "command", b"command", "env", b"env", "hosts", b"hosts", "module", b"module", "ranks_per_host", b"ranks_per_host", "restart_budget", b"restart_budget", "workdir", b"workdir"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___JobEntry: _TypeAlias = JobEntry  # noqa: Y015
+
+@_typing.final
+class HostLaunch(_message.Message):
+    """One host's part of a launched job."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    DEVICES_FIELD_NUMBER: _builtins.int
+    STATE_FIELD_NUMBER: _builtins.int
+    EXIT_CODE_FIELD_NUMBER: _builtins.int
+    PID_FIELD_NUMBER: _builtins.int
+    REASON_FIELD_NUMBER: _builtins.int
+    STOPPED_FIELD_NUMBER: _builtins.int
+    RDZV_HOST_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    state: Global___HostLaunchState.ValueType
+    exit_code: _builtins.int
+    """EXITED: torchrun's exit status (see agent.proto LaunchStatus.exit_code)."""
+    pid: _builtins.int
+    """Process id of the launch on the host (its process group); 0 before it started."""
+    reason: _builtins.str
+    """Why it exited, when not with 0."""
+    stopped: _builtins.bool
+    """Stopped on the daemon's order (the job was cancelled or failed)."""
+    rdzv_host: _builtins.bool
+    """This host runs the rendezvous store."""
+    @_builtins.property
+    def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Device ids ("<host>:<index>"), one rank each."""
+
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        devices: _abc.Iterable[_builtins.str] | None = ...,
+        state: Global___HostLaunchState.ValueType = ...,
+        exit_code: _builtins.int = ...,
+        pid: _builtins.int = ...,
+        reason: _builtins.str = ...,
+        stopped: _builtins.bool = ...,
+        rdzv_host: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["devices", b"devices", "exit_code", b"exit_code", "host", b"host", "pid", b"pid", "rdzv_host", b"rdzv_host", "reason", b"reason", "state", b"state", "stopped", b"stopped"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___HostLaunch: _TypeAlias = HostLaunch  # noqa: Y015
 
 @_typing.final
 class JobInfo(_message.Message):
@@ -286,6 +457,10 @@ class JobInfo(_message.Message):
     ENDED_UNIX_MS_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     COST_SO_FAR_FIELD_NUMBER: _builtins.int
+    ENTRY_FIELD_NUMBER: _builtins.int
+    LAUNCH_ID_FIELD_NUMBER: _builtins.int
+    RDZV_ENDPOINT_FIELD_NUMBER: _builtins.int
+    LAUNCH_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     owner: _builtins.str
     name: _builtins.str
@@ -326,6 +501,9 @@ class JobInfo(_message.Message):
     ended_unix_ms: _builtins.int
     reason: _builtins.str
     """Why the job ended: the trainer's failure, "finished", "cancelled by the owner"."""
+    launch_id: _builtins.str
+    """Once launched: the launch, its rendezvous endpoint and each host's part."""
+    rdzv_endpoint: _builtins.str
     @_builtins.property
     def schedules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]: ...
     @_builtins.property
@@ -355,6 +533,12 @@ class JobInfo(_message.Message):
         "power_watts": watt-hours). Up to the last slot.
         """
 
+    @_builtins.property
+    def entry(self) -> Global___JobEntry:
+        """The job's entry point (unset: its ranks are started by hand)."""
+
+    @_builtins.property
+    def launch(self) -> _containers.RepeatedCompositeFieldContainer[Global___HostLaunch]: ...
     def __init__(
         self,
         *,
@@ -392,10 +576,14 @@ class JobInfo(_message.Message):
         ended_unix_ms: _builtins.int = ...,
         reason: _builtins.str = ...,
         cost_so_far: _abc.Mapping[_builtins.str, _builtins.float] | None = ...,
+        entry: Global___JobEntry | None = ...,
+        launch_id: _builtins.str = ...,
+        rdzv_endpoint: _builtins.str = ...,
+        launch: _abc.Iterable[Global___HostLaunch] | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "entry", b"entry", "eval_metric", b"eval_metric", "loss", b"loss"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "cost_so_far", b"cost_so_far", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "ended_unix_ms", b"ended_unix_ms", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "reason", b"reason", "schedules", b"schedules", "slot", b"slot", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "started_unix_ms", b"started_unix_ms", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric", "_loss", b"_loss", "allowed_hosts", b"allowed_hosts", "average_costs", b"average_costs", "budgets", b"budgets", "cost_so_far", b"cost_so_far", "costs", b"costs", "created_unix_ms", b"created_unix_ms", "devices", b"devices", "emulated_devices", b"emulated_devices", "ended_unix_ms", b"ended_unix_ms", "entry", b"entry", "eval_metric", b"eval_metric", "eval_step", b"eval_step", "global_batch", b"global_batch", "iteration_s", b"iteration_s", "job_id", b"job_id", "launch", b"launch", "launch_id", b"launch_id", "loss", b"loss", "loss_step", b"loss_step", "loss_unix_ms", b"loss_unix_ms", "microbatch_size", b"microbatch_size", "model_name", b"model_name", "name", b"name", "owner", b"owner", "plan_version", b"plan_version", "profile_on_attach", b"profile_on_attach", "queues", b"queues", "rdzv_endpoint", b"rdzv_endpoint", "reason", b"reason", "schedules", b"schedules", "slot", b"slot", "slot_iterations", b"slot_iterations", "slot_s", b"slot_s", "started_unix_ms", b"started_unix_ms", "state", b"state", "trainer_token", b"trainer_token", "v", b"v", "warnings", b"warnings"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__eval_metric: _TypeAlias = _typing.Literal["eval_metric"]  # noqa: Y015
     _WhichOneofArgType__eval_metric: _TypeAlias = _typing.Literal["_eval_metric", b"_eval_metric"]  # noqa: Y015
@@ -556,3 +744,58 @@ class WatchPlansRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___WatchPlansRequest: _TypeAlias = WatchPlansRequest  # noqa: Y015
+
+@_typing.final
+class StreamLogsRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JOB_ID_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    FOLLOW_FIELD_NUMBER: _builtins.int
+    job_id: _builtins.str
+    rank: _builtins.int
+    """Only the lines of this global rank (torchrun prefixes each rank's lines with
+    "[rank<R>]:"); unset: every line of every host.
+    """
+    follow: _builtins.bool
+    """Keep streaming new output until the job has ended and all of it has arrived."""
+    def __init__(
+        self,
+        *,
+        job_id: _builtins.str = ...,
+        rank: _builtins.int | None = ...,
+        follow: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "follow", b"follow", "job_id", b"job_id", "rank", b"rank"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
+    _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__rank) -> _WhichOneofReturnType__rank | None: ...
+
+Global___StreamLogsRequest: _TypeAlias = StreamLogsRequest  # noqa: Y015
+
+@_typing.final
+class LogLines(_message.Message):
+    """Whole lines of one host's output."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    DATA_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    data: _builtins.bytes
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+        data: _builtins.bytes = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "host", b"host"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LogLines: _TypeAlias = LogLines  # noqa: Y015

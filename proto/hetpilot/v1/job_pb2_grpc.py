@@ -65,6 +65,11 @@ class JobServiceStub:
                 request_serializer=hetpilot_dot_v1_dot_job__pb2.WatchPlansRequest.SerializeToString,
                 response_deserializer=hetpilot_dot_v1_dot_common__pb2.PlanVersion.FromString,
                 _registered_method=True)
+        self.StreamLogs = channel.unary_stream(
+                '/hetpilot.v1.JobService/StreamLogs',
+                request_serializer=hetpilot_dot_v1_dot_job__pb2.StreamLogsRequest.SerializeToString,
+                response_deserializer=hetpilot_dot_v1_dot_job__pb2.LogLines.FromString,
+                _registered_method=True)
 
 
 class JobServiceServicer:
@@ -111,6 +116,16 @@ class JobServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def StreamLogs(self, request, context):
+        """The output of a launched job's ranks (jobs with an entry point), as each host's
+        agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
+        then with `follow` new output as it comes, until the job has ended and every
+        host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_JobServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -143,6 +158,11 @@ def add_JobServiceServicer_to_server(servicer, server):
                     servicer.WatchPlans,
                     request_deserializer=hetpilot_dot_v1_dot_job__pb2.WatchPlansRequest.FromString,
                     response_serializer=hetpilot_dot_v1_dot_common__pb2.PlanVersion.SerializeToString,
+            ),
+            'StreamLogs': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamLogs,
+                    request_deserializer=hetpilot_dot_v1_dot_job__pb2.StreamLogsRequest.FromString,
+                    response_serializer=hetpilot_dot_v1_dot_job__pb2.LogLines.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -307,6 +327,33 @@ class JobService:
             '/hetpilot.v1.JobService/WatchPlans',
             hetpilot_dot_v1_dot_job__pb2.WatchPlansRequest.SerializeToString,
             hetpilot_dot_v1_dot_common__pb2.PlanVersion.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLogs(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/hetpilot.v1.JobService/StreamLogs',
+            hetpilot_dot_v1_dot_job__pb2.StreamLogsRequest.SerializeToString,
+            hetpilot_dot_v1_dot_job__pb2.LogLines.FromString,
             options,
             channel_credentials,
             insecure,

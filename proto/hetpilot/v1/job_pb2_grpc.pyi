@@ -48,6 +48,12 @@ class JobServiceStub:
     decided, until the job ends or the client goes away. A watcher that
     reconnects passes the last version it saw and misses nothing.
     """
+    StreamLogs: _grpc.UnaryStreamMultiCallable[_job_pb2.StreamLogsRequest, _job_pb2.LogLines]
+    """The output of a launched job's ranks (jobs with an entry point), as each host's
+    agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
+    then with `follow` new output as it comes, until the job has ended and every
+    host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+    """
 
 @_typing.type_check_only
 class JobServiceAsyncStub(JobServiceStub):
@@ -63,6 +69,12 @@ class JobServiceAsyncStub(JobServiceStub):
     """Every plan version after `after_version`, then new ones as they are
     decided, until the job ends or the client goes away. A watcher that
     reconnects passes the last version it saw and misses nothing.
+    """
+    StreamLogs: _aio.UnaryStreamMultiCallable[_job_pb2.StreamLogsRequest, _job_pb2.LogLines]  # type: ignore[assignment]
+    """The output of a launched job's ranks (jobs with an entry point), as each host's
+    agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
+    then with `follow` new output as it comes, until the job has ended and every
+    host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -112,6 +124,18 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         """Every plan version after `after_version`, then new ones as they are
         decided, until the job ends or the client goes away. A watcher that
         reconnects passes the last version it saw and misses nothing.
+        """
+
+    @_abc_1.abstractmethod
+    def StreamLogs(
+        self,
+        request: _job_pb2.StreamLogsRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_job_pb2.LogLines], _abc.AsyncIterator[_job_pb2.LogLines]]:
+        """The output of a launched job's ranks (jobs with an entry point), as each host's
+        agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
+        then with `follow` new output as it comes, until the job has ended and every
+        host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
