@@ -47,7 +47,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -325,7 +325,7 @@ def run_trace(tr: Trace, search: CachedSearch,
     records: dict[str, list[SlotRecord]] = {}
     for label, policy, V in policies:
         runs[label], records[label] = run_policy(tr, tl, search, policy, V)
-    ctl = Controller(tr.scenario.model, replace(tr.scenario.job, V=10.0),
+    ctl = Controller(tr.scenario.model, tr.scenario.job,
                      ControllerConfig(iterations_per_slot=tr.scenario.iterations_per_slot),
                      search=search)
     bound = oracle_bound(tl, ctl.candidates, tr.scenario.slots, KIND)

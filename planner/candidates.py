@@ -9,15 +9,18 @@ controller trade speed for cost under budgets.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import TypeVar
 
 import numpy as np
 
 from .types import COST_KINDS, Cluster, Plan
 
-__all__ = ["Candidate", "Frontier", "budget_multiplier", "frontier", "plan_costs"]
+__all__ = ["Candidate", "Frontier", "budget_multiplier", "frontier", "lower_hull", "plan_costs"]
+
+_T = TypeVar("_T")
 
 
 def plan_costs(cluster: Cluster, plan: Plan) -> Mapping[str, float]:
@@ -46,25 +49,35 @@ class Candidate:
 Frontier = tuple[np.ndarray, np.ndarray]
 
 
-def frontier(points: Sequence[tuple[float, float]]) -> Frontier:
-    """The lower convex hull of (cost rate, iteration time) ``points``: the plans
-    and the time-shared mixes of two plans that no other mix beats on both."""
-    pareto: list[tuple[float, float]] = []  # cost ascending, time strictly descending
-    for c, t in sorted(points):
-        if pareto and t >= pareto[-1][1]:
+def lower_hull(items: Sequence[_T], point: Callable[[_T], tuple[float, float]]) -> list[_T]:
+    """The items whose (cost, time) ``point`` lies on the lower convex hull of all
+    of them, cost ascending and time strictly descending: the plans (and, between
+    two neighbours, the time-shared mixes) that no other mix beats on both. Of
+    equal points the first listed wins."""
+    pareto: list[_T] = []  # cost ascending, time strictly descending
+    for item in sorted(items, key=point):  # stable: the first of equal points
+        c, t = point(item)
+        if pareto and t >= point(pareto[-1])[1]:
             continue
-        while pareto and c <= pareto[-1][0]:
+        while pareto and c <= point(pareto[-1])[0]:
             pareto.pop()
-        pareto.append((c, t))
-    hull: list[tuple[float, float]] = []
-    for p in pareto:  # monotone chain: keep the turns that bend the right way
+        pareto.append(item)
+    hull: list[_T] = []
+    for item in pareto:  # monotone chain: keep the turns that bend the right way
+        c, t = point(item)
         while len(hull) >= 2:
-            (c1, t1), (c2, t2) = hull[-2], hull[-1]
-            if (t2 - t1) * (p[0] - c1) >= (p[1] - t1) * (c2 - c1):
+            (c1, t1), (c2, t2) = point(hull[-2]), point(hull[-1])
+            if (t2 - t1) * (c - c1) >= (t - t1) * (c2 - c1):
                 hull.pop()
             else:
                 break
-        hull.append(p)
+        hull.append(item)
+    return hull
+
+
+def frontier(points: Sequence[tuple[float, float]]) -> Frontier:
+    """The lower convex hull (:func:`lower_hull`) of (cost rate, iteration time) ``points``."""
+    hull = lower_hull(points, lambda p: p)
     return (np.array([c for c, _ in hull], dtype=float), np.array([t for _, t in hull], dtype=float))
 
 

@@ -71,7 +71,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import serde
-from .candidates import Candidate, Frontier, budget_multiplier, frontier, plan_costs
+from .candidates import Candidate, Frontier, budget_multiplier, frontier, lower_hull, plan_costs
 from .elastic import surviving_plan
 from .errors import InfeasibleError, ValidationError
 from .refmodel import evaluate
@@ -740,9 +740,8 @@ class Controller:
         return out
 
     def _job_now(self) -> Job:
-        """The job as the search sees it: current budgets, and V as given (10 for
-        the default; the search does not read V)."""
-        return replace(self.job, budgets=dict(self._budgets), V=self._V if self._V > 0 else 10.0)
+        """The job as the search sees it: current budgets and V (the search does not read V)."""
+        return replace(self.job, budgets=dict(self._budgets), V=self._V)
 
     def _scale_now(self) -> _Scale | None:
         """The weights of the slot objective, where known without candidates."""
@@ -1030,22 +1029,7 @@ def _straddle(cands: Sequence[Candidate], kind: str,
     def time(c: Candidate) -> float:
         return float(f"{c.iteration_s:.9g}")  # plans equal to 9 digits are one point
 
-    pareto: list[Candidate] = []
-    for c in sorted(cands, key=lambda c: (cost(c), time(c))):  # stable: first wins
-        if pareto and time(c) >= time(pareto[-1]):
-            continue
-        while pareto and cost(c) <= cost(pareto[-1]):
-            pareto.pop()
-        pareto.append(c)
-    hull: list[Candidate] = []
-    for p in pareto:
-        while len(hull) >= 2:
-            a, b = hull[-2], hull[-1]
-            if (time(b) - time(a)) * (cost(p) - cost(a)) >= (time(p) - time(a)) * (cost(b) - cost(a)):
-                hull.pop()
-            else:
-                break
-        hull.append(p)
+    hull = lower_hull(cands, lambda c: (cost(c), time(c)))
     for a, b in itertools.pairwise(hull):
         if cost(a) <= target < cost(b):
             return a, b
