@@ -321,7 +321,7 @@ class ControlPlane:
         if rec.state == JOB_SUCCEEDED:
             raise FailedPrecondition(f"job {job_id} has already succeeded: nothing to cancel")
         if rec.state != JOB_CANCELLED:
-            rec = await self._end(rec, JOB_CANCELLED, "cancelled by the owner")
+            rec = await self.end_job(rec, JOB_CANCELLED, "cancelled by the owner")
         return self._view(rec)
 
     async def finish(self, job_id: str, outcome: str, reason: str) -> JobRecord:
@@ -337,10 +337,11 @@ class ControlPlane:
             raise FailedPrecondition(f"job {job_id} has already ended ({rec.state})")
         if not reason:
             reason = "finished" if outcome == JOB_SUCCEEDED else "the trainer failed"
-        return await self._end(rec, outcome, reason)
+        return await self.end_job(rec, outcome, reason)
 
-    async def _end(self, rec: JobRecord, state: str, reason: str) -> JobRecord:
-        """Store the job's end, stop its control loop and end its plan streams. Jobs
+    async def end_job(self, rec: JobRecord, state: str, reason: str) -> JobRecord:
+        """End ``rec`` (not ended yet; cancel, FinishJob, its launch's outcome): store
+        the end, stop its control loop and end its plan streams. Jobs
         plan on the whole cluster without reserving devices from each other, so an
         ended job frees nothing in other jobs' planning: its load on the devices
         shows in the agents' next reports."""
@@ -354,10 +355,6 @@ class ControlPlane:
         self.metrics.jobs.set(len(self._loops))
         self.notify(rec.job_id)
         return rec
-
-    async def end_job(self, rec: JobRecord, state: str, reason: str) -> JobRecord:
-        """End ``rec`` (not ended yet) as its launch says: succeeded or failed."""
-        return await self._end(rec, state, reason)
 
     def job_loop(self, job_id: str) -> Any:
         """The job's control loop while it runs (None once it has ended)."""
