@@ -25,9 +25,13 @@ Method (one spawn; everything is measured in it):
    per-layer effective GFLOP, applied to the profile
    (:func:`~hetpilot.planner.measured.effective_model` on
    :func:`~hetpilot.trainer.profile.profile_model`); the spec cluster has the 2
-   devices on one host and one link whose bandwidth is the all-reduce's
-   ring-equivalent bandwidth and whose latency is the activation message's one-way
-   time (median over the rounds); :func:`hetpilot.planner.refmodel.evaluate`
+   devices on one host and one link as the job measures it on Attach
+   (:func:`hetpilot.trainer.linkprobe.measure_links`, what the daemon plans the
+   job with: the 2-rank all-reduce's bandwidth, and the larger of the idle and
+   the busy one-way time of an activation message; medians over the rounds);
+   the prediction before that measurement existed (the all-reduce's
+   ring-equivalent bandwidth, the idle ping-pong) is printed beside it;
+   :func:`hetpilot.planner.refmodel.evaluate`
    predicts each plan. Measured: the median of the plan's timed iterations.
    Also shown: the prediction from the Attach round alone, and the "in-run"
    prediction (spec 5.2/5.3 fed with the per-microbatch stage times measured in
@@ -72,6 +76,7 @@ from hetpilot.planner.refmodel import (
 )
 from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from_dict
 from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.linkprobe import measure_links
 from hetpilot.trainer.plans import check_plan
 from hetpilot.trainer.profile import profile_model
 from hetpilot.trainer.runtime import Trainer
@@ -95,8 +100,8 @@ def dataset(size: int, widths: tuple[int, ...]) -> torch.utils.data.TensorDatase
 
 
 def _measure_net(rank: int, msg_floats: int) -> dict[str, float]:
-    """trainer_bench's gloo measurement (rank 0's view), plus a bare barrier's time and the
-    busy-p2p diagnostic."""
+    """trainer_bench's gloo measurement (rank 0's view), a bare barrier's time, and the link
+    as the job measures it (:func:`_job_links`)."""
     def ping(buf: torch.Tensor, n: int) -> float:
         times = []
         for _ in range(n):
@@ -127,36 +132,16 @@ def _measure_net(rank: int, msg_floats: int) -> dict[str, float]:
     return {"p2p_s": p2p_s, "p2p_bytes": small.numel() * 4,
             "p2p_large_s": large_s, "p2p_large_bytes": large.numel() * 4,
             "allreduce_s": statistics.median(ar), "allreduce_bytes": big.numel() * 4,
-            "barrier_s": statistics.median(bar), "busy_p2p_s": _busy_p2p(rank, small)}
+            "barrier_s": statistics.median(bar), **_job_links(small.numel() * 4)}
 
 
-def _busy_p2p(rank: int, msg: torch.Tensor, n: int = 12) -> float:
-    """DIAGNOSTIC, not used by the prediction: how long an activation-sized message takes
-    to arrive when both ranks compute, as in a pipeline. Rank 0 isends it and computes
-    for 8 ms; rank 1 computes for 3 ms, then receives it. Median of rank 1's waits."""
-    a = torch.randn(256, 256)
-
-    def compute(ms: float) -> None:
-        started = time.perf_counter()
-        while time.perf_counter() - started < ms / 1e3:
-            torch.mm(a, a)
-
-    waits = []
-    for i in range(n):
-        dist.barrier()
-        if rank == 0:
-            work = dist.isend(msg, 1, tag=1000 + i)
-            compute(8.0)
-            assert work is not None
-            work.wait()
-        else:
-            compute(3.0)
-            started = time.perf_counter()
-            dist.recv(msg, 0, tag=1000 + i)
-            waits.append(time.perf_counter() - started)
-    out = torch.tensor([statistics.median(waits) if waits else 0.0], dtype=torch.float64)
-    dist.broadcast(out, src=1)
-    return float(out.item())
+def _job_links(msg_bytes: int) -> dict[str, float]:
+    """The link as ``hetpilot train`` measures it on Attach and the daemon plans the job with
+    it (:func:`hetpilot.trainer.linkprobe.measure_links`): latency (the larger of the idle
+    and the busy one-way time of an activation message) and the all-reduce's bandwidth."""
+    (t,) = measure_links("cpu", msg_bytes=msg_bytes).values()
+    return {"link_latency_s": t.latency_s, "link_gbps": t.gbps,
+            "busy_p2p_s": t.busy_latency_s, "link_idle_s": t.idle_latency_s}
 
 
 def _plans(widths: tuple[int, ...], batch: int, micro: int) -> dict[str, dict[str, Any]]:
@@ -197,8 +182,11 @@ def _plans(widths: tuple[int, ...], batch: int, micro: int) -> dict[str, dict[st
 
 
 def _cluster_model(cfg: dict[str, Any], net: dict[str, float],
-                   times: list[list[tuple[float, float]]]) -> tuple[Any, Any, Any, dict[str, Any]]:
-    """Profile, fit (one time list per rank), spec cluster and effective model."""
+                   times: list[list[tuple[float, float]]], job_links: bool = True
+                   ) -> tuple[Any, Any, Any, dict[str, Any]]:
+    """Profile, fit (one time list per rank), spec cluster and effective model. The link:
+    as the job measured it (``job_links``, what the daemon plans with), else as before the
+    job's link measurement (all-reduce ring-equivalent bandwidth, idle ping-pong)."""
     widths, micro = tuple(cfg["widths"]), cfg["micro"]
     torch.manual_seed(2)
     prof = profile_model(make_layers(widths), torch.randn(micro, widths[0]), name="fidelity-mlp")
@@ -209,11 +197,13 @@ def _cluster_model(cfg: dict[str, Any], net: dict[str, float],
                      [la.bwd_gflop for la in profiled.layers])
     k = WORLD
     ar_gbps = 2 * (k - 1) / k * net["allreduce_bytes"] * 8 / 1e9 / net["allreduce_s"]
+    gbps, latency_s = ((net["link_gbps"], net["link_latency_s"]) if job_links
+                       else (ar_gbps, net["p2p_s"]))
     cluster_d = {
         "devices": [{"id": f"cpu:{r}", "host": "local", "memory_gb": 100.0,
                      "tflops": fit.tflops[f"cpu:{r}"]} for r in range(WORLD)],
-        "network": {"intra_host_gbps": ar_gbps, "inter_host_gbps": ar_gbps,
-                    "latency_us": net["p2p_s"] * 1e6},
+        "network": {"intra_host_gbps": gbps, "inter_host_gbps": gbps,
+                    "latency_us": latency_s * 1e6},
     }
     info = {"cluster": cluster_d, "model": prof,
             "fit": {"tflops": fit.tflops, "fwd_gflop": list(fit.fwd_gflop),
@@ -425,10 +415,14 @@ def _report(cfg: dict[str, Any], plans: dict[str, dict[str, Any]],
         cfg, ranks[0]["rounds"][0]["net"], [r["rounds"][0]["times"] for r in ranks])
     attach_pred = _predict(attach_c, attach_m, plans, cfg["batch"])
     p2p_gbps = net["p2p_large_bytes"] * 8 / 1e9 / net["p2p_large_s"]
+    print(f"link as the job measures it (median of rounds; the prediction's): "
+          f"{net['link_gbps']:.2f} Gbit/s (2-rank all-reduce), latency "
+          f"{net['link_latency_s'] * 1e6:.0f} us (busy {net['busy_p2p_s'] * 1e6:.0f} us, "
+          f"idle {net['link_idle_s'] * 1e6:.0f} us)")
     print(f"network (median of rounds): p2p one-way {net['p2p_s'] * 1e6:.0f} us "
           f"({net['p2p_bytes']:.0f} B), p2p {p2p_gbps:.2f} Gbit/s (4 MB), all-reduce 16 MB in "
-          f"{net['allreduce_s'] * 1e3:.1f} ms (ring-equivalent {info['ar_gbps']:.2f} Gbit/s: the "
-          f"cluster's link), barrier {net['barrier_s'] * 1e6:.0f} us")
+          f"{net['allreduce_s'] * 1e3:.1f} ms (ring-equivalent {info['ar_gbps']:.2f} Gbit/s), "
+          f"barrier {net['barrier_s'] * 1e6:.0f} us")
     print("network by round (p2p one-way us / all-reduce 16 MB ms / busy p2p us): " + ", ".join(
         f"{1e6 * ranks[0]['rounds'][i]['net']['p2p_s']:.0f}/"
         f"{1e3 * ranks[0]['rounds'][i]['net']['allreduce_s']:.1f}/"
@@ -477,14 +471,13 @@ def _report(cfg: dict[str, Any], plans: dict[str, dict[str, Any]],
         pred = predicted[name]["iteration_s"]
         print(f"{key}, overlap_sync=True: measured {meas:.4f} s ({plain:.4f} s with the sync "
               f"after the backward); prediction {pred:.4f} s: {_err(meas, pred)}")
-    busy = dict(net, p2p_s=net["busy_p2p_s"])
-    busy_c, busy_m, _, _ = _cluster_model(cfg, busy, times)
-    busy_pred = _predict(busy_c, busy_m, plans, cfg["batch"])
-    print(f"diagnostic, busy p2p: an activation message sent while both ranks compute arrived "
-          f"after {net['busy_p2p_s'] * 1e6:.0f} us (median of rounds; idle ping-pong "
-          f"{net['p2p_s'] * 1e6:.0f} us). With that as the link latency the model predicts: "
-          + ", ".join(f"{name} {busy_pred[name]['iteration_s']:.4f} "
-                      f"({_err(meas, busy_pred[name]['iteration_s'])})"
+    old_c, old_m, _, _ = _cluster_model(cfg, net, times, job_links=False)
+    old_pred = _predict(old_c, old_m, plans, cfg["batch"])
+    print(f"before the job measured its link (all-reduce ring-equivalent "
+          f"{info['ar_gbps']:.2f} Gbit/s, idle ping-pong {net['p2p_s'] * 1e6:.0f} us as the "
+          f"latency) the model predicted: "
+          + ", ".join(f"{name} {old_pred[name]['iteration_s']:.4f} "
+                      f"({_err(meas, old_pred[name]['iteration_s'])})"
                       for name, _, _, meas, *_ in rows))
     print("breakdown, medians: per microbatch, stage fwd+bwd in the run (the fit's); per "
           "iteration, wait in receives, exposed sync (the model's), outside = the rest "

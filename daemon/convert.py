@@ -39,6 +39,7 @@ from .records import (
     JobStatus,
     LaunchRecord,
     LayerTime,
+    LinkTime,
     LinkReport,
     MeasurementRecord,
     PlanRecord,
@@ -406,7 +407,21 @@ def attach_from_proto(req: trainer_pb2.AttachRequest, unix_ms: int = 0
 def measurement_from_proto(req: trainer_pb2.AttachRequest, job_id: str, device_id: str,
                            unix_ms: int) -> MeasurementRecord | None:
     count(req.layer_times, "layer_times")
+    count(req.link_times, "link_times")
     dtype = label(req.measured_dtype, "measured_dtype")
+    links = []
+    peers: set[str] = set()
+    for i, lt in enumerate(req.link_times):
+        f = f"link_times[{i}]"
+        peer = name(lt.peer_device_id, f"{f}.peer_device_id")
+        if peer == device_id or peer in peers:
+            raise ValidationError(f"{f}.peer_device_id",
+                                  f"{'duplicate peer' if peer in peers else 'own device'} "
+                                  f"{peer!r}")
+        peers.add(peer)
+        links.append(LinkTime(peer=peer,
+                              latency_s=number(lt.latency_s, f"{f}.latency_s", maximum=60.0),
+                              gbps=number(lt.gbps, f"{f}.gbps", positive=True, maximum=1e6)))
     if not req.layer_times:
         return None
     if req.measured_microbatch < 1:
@@ -423,7 +438,7 @@ def measurement_from_proto(req: trainer_pb2.AttachRequest, job_id: str, device_i
                                 bwd_s=number(t.bwd_s, f"{f}.bwd_s", maximum=MAX_LAYER_S)))
     return MeasurementRecord(job_id=job_id, device_id=device_id, rank=req.rank,
                              microbatch=req.measured_microbatch, dtype=dtype,
-                             layers=tuple(layers), unix_ms=unix_ms)
+                             layers=tuple(layers), unix_ms=unix_ms, links=tuple(links))
 
 
 def attach_response(plan: PlanRecord | None, job: JobRecord) -> trainer_pb2.AttachResponse:

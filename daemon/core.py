@@ -42,6 +42,7 @@ from .records import (
     DrainRecord,
     JobRecord,
     JobView,
+    LinkTime,
     MeasurementRecord,
     PlanRecord,
     TimingsRecord,
@@ -720,14 +721,30 @@ class ControlPlane:
             if loop is not None and new_model is not None:
                 loop.wake()
         if measured is not None:
-            measured = replace(measured, ref_tflops=self.device_speed(device_id))
-            self._job_measurements(job_id)  # loaded before the new one joins them
+            before = self._job_measurements(job_id).get(device_id)  # loaded before the new one
+            links = (self._link_refs(device_id, measured.links) if measured.links
+                     else before.links if before is not None else ())  # none sent: keep
+            measured = replace(measured, ref_tflops=self.device_speed(device_id), links=links)
             self.store.put_measurement(measured)
             self._measurements[job_id][device_id] = measured
             self._measure_epoch[job_id] = self._measure_epoch.get(job_id, 0) + 1
         self._attached[(job_id, rank)] = device_id
         plans = self.store.plans(job_id, max(0, self.store.job_status(job_id)[0].plan_version - 1))
         return (plans[-1] if plans else None), rec
+
+    def _link_refs(self, device_id: str, links: tuple[LinkTime, ...]) -> tuple[LinkTime, ...]:
+        """``links`` with the latency and bandwidth each pair has in the observed cluster
+        now (0 where a device is unknown), for :meth:`Measured.apply`."""
+        if not links:
+            return links
+        cluster = self.observed_cluster()
+        out = []
+        for lt in links:
+            if device_id in cluster.by_id and lt.peer in cluster.by_id:
+                gbps, lat = cluster.link(device_id, lt.peer)
+                lt = replace(lt, ref_latency_s=lat, ref_gbps=gbps)
+            out.append(lt)
+        return tuple(out)
 
     def _model(self, rec: JobRecord) -> Model:
         """The job's profiled model, parsed once."""

@@ -22,6 +22,17 @@ job is then planned on
   optimistic on the others). A measured device whose ``ref_d`` was unknown (its
   agent had not registered yet) plans with ``s_d`` as it is.
 
+Links: a rank may also send what the job's own process group measured between
+its device and other ranks' devices (:mod:`hetpilot.trainer.linkprobe`: the
+one-way time of an activation-sized message while the ranks compute, and the
+bandwidth of the pair's all-reduce). Each measured pair whose two devices are
+in the cluster becomes a ``device_links`` entry (spec section 1: it overrides
+the host-level figures for that pair only): ``gbps = measured * now / ref`` and
+``latency = measured + (now - ref)`` (at least 0), with ``ref`` the pair's
+figures in the daemon's cluster when the measurement came and ``now`` today's,
+so a link the agents see slow down later slows down for the job too. A pair
+measured from both ends takes the newer measurement.
+
 Rules: only measurements in the dtype of the newest one are used (a trainer
 that switched to bfloat16 supersedes its float32 times); times measured at a
 microbatch size other than the job's are scaled linearly in the microbatch size
@@ -41,9 +52,9 @@ from dataclasses import dataclass, replace
 
 from hetpilot.planner.measured import DeviceTimes, SpeedFit, effective_model, fit_speeds
 from hetpilot.planner.serde import model_to_dict
-from hetpilot.planner.types import Cluster, Model
+from hetpilot.planner.types import Cluster, Link, Model
 
-from .records import MeasurementRecord
+from .records import LinkTime, MeasurementRecord
 
 __all__ = ["Measured", "fit_job"]
 
@@ -59,9 +70,36 @@ class Measured:
     ratios: dict[str, float]
     """``s_d / ref_d`` of each measured device whose reference speed was known."""
     dtype: str
+    links: tuple[tuple[str, LinkTime], ...] = ()
+    """``(measuring device, link)`` of every measured pair, newest measurement last."""
 
     def apply(self, cluster: Cluster) -> Cluster:
-        """``cluster`` with each device's TFLOP/s replaced as the module docstring says."""
+        """``cluster`` with each device's TFLOP/s replaced and the measured links added,
+        as the module docstring says."""
+        return self._apply_links(self._apply_speeds(cluster))
+
+    def _apply_links(self, cluster: Cluster) -> Cluster:
+        if not self.links:
+            return cluster
+        view = replace(cluster)  # lookups fill caches (mapping proxies) that do not pickle
+        ids = view.by_id
+        entries: dict[tuple[str, str], Link] = {}
+        for device, lt in self.links:
+            if device not in ids or lt.peer not in ids:
+                continue
+            now_gbps, now_lat = view.link(device, lt.peer)
+            gbps = lt.gbps * now_gbps / lt.ref_gbps if lt.ref_gbps > 0 else lt.gbps
+            lat = max(0.0, lt.latency_s + (now_lat - lt.ref_latency_s if lt.ref_gbps > 0
+                                           else 0.0))
+            entries[(min(device, lt.peer), max(device, lt.peer))] = Link(
+                a=device, b=lt.peer, gbps=gbps, latency_us=lat * 1e6)
+        if not entries:
+            return cluster
+        network = replace(cluster.network, device_links=(
+            *cluster.network.device_links, *entries.values()))
+        return replace(cluster, network=network)
+
+    def _apply_speeds(self, cluster: Cluster) -> Cluster:
         default = self._default_ratio(cluster)
         devices = []
         for d in cluster.devices:
@@ -101,5 +139,7 @@ def fit_job(model: Model, records: Sequence[MeasurementRecord]) -> Measured | No
     ratios = {r.device_id: fit.tflops[r.device_id] / r.ref_tflops for r in records
               if r.device_id in fit.tflops and r.ref_tflops > 0}
     eff = effective_model(model, fit)
+    links = tuple((r.device_id, lt) for r in sorted(records, key=lambda r: r.unix_ms)
+                  for lt in r.links)
     return Measured(fit=fit, model=eff, model_json=json.dumps(model_to_dict(eff)),
-                    ratios=ratios, dtype=dtype)
+                    ratios=ratios, dtype=dtype, links=links)

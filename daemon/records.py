@@ -330,6 +330,21 @@ class LayerTime(_Json):
 
 
 @dataclass(frozen=True, kw_only=True)
+class LinkTime(_Json):
+    """A link from the measuring device to ``peer`` as the job's process group saw it
+    (:mod:`hetpilot.trainer.linkprobe`), with the link the daemon planned with then."""
+
+    peer: str
+    latency_s: float
+    gbps: float
+    ref_latency_s: float = 0.0
+    ref_gbps: float = 0.0
+    """The pair's latency and bandwidth in the daemon's cluster when the measurement came
+    (0: unknown); later changes of the agents' figures shift the measured ones by the same
+    amount (latency) or factor (bandwidth)."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class MeasurementRecord(_Json):
     """What one device measured on the job's own layers (a rank's Attach): the latest
     per (job, device) is kept and fitted by :mod:`hetpilot.daemon.measured`."""
@@ -345,7 +360,9 @@ class MeasurementRecord(_Json):
     the device was unknown then): later changes of that speed (an agent reporting a
     slowdown) scale the measured speed by the same factor."""
     unix_ms: int = 0
-    _nested: ClassVar[dict[str, type]] = {"layers": LayerTime}
+    links: tuple[LinkTime, ...] = ()
+    """Links to other ranks' devices measured by the job (each pair from one end)."""
+    _nested: ClassVar[dict[str, type]] = {"layers": LayerTime, "links": LinkTime}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -79,8 +79,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", action="store_true",
                         help="do not send the model profile on Attach (--daemon)")
     parser.add_argument("--no-measure", action="store_true",
-                        help="do not time the layers on each rank's device for the daemon "
-                             "(--daemon; it then plans with the agents' matmul probe)")
+                        help="do not time the layers on each rank's device, nor the links "
+                             "between the ranks, for the daemon (--daemon; it then plans "
+                             "with the agents' matmul and link probes)")
     parser.add_argument("--epochs", type=int, default=1,
                         help="epochs to train (default 1: a pre-training run has one)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -388,6 +389,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             measured: list[Any] = [None] * world
             dist.all_gather_object(measured, _measure(args, spec, sample_m, tflops, profile,
                                                       device))
+            _measure_links(args, spec, profile, measured, tflops, [str(i) for i in ids], device)
             failure: list[Any] = [None]
             if rank == 0:
                 try:
@@ -505,6 +507,54 @@ def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
     times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
                                 autocast_dtype=precision.compute_dtype)
     return as_measurement(times, m, dtype_label(precision.compute_dtype))
+
+
+def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
+                   profile: dict[str, Any] | None, measured: list[Any], tflops: float | None,
+                   device_ids: list[str], device: Any) -> None:
+    """Every rank: when every rank measured its real layers (no emulation), measure the
+    links between the ranks with the job's process group
+    (:mod:`hetpilot.trainer.linkprobe`) and add them to ``measured`` (rank 0 sends them)."""
+    import torch.distributed as dist
+
+    from .linkprobe import link_entries, measure_links
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2:
+        return
+    real: list[Any] = [None] * world
+    dist.all_gather_object(real, measured[rank] is not None and tflops is None
+                           and not args.emulate_file)
+    if not all(real):
+        return
+    size: list[Any] = [_message_bytes(spec, profile)]
+    dist.broadcast_object_list(size, src=0)  # rank 0 has the profile
+    links = measure_links(device, msg_bytes=size[0])
+    if rank == 0:
+        print("hetpilot: links measured by the job: " + ", ".join(
+            f"{device_ids[a]}-{device_ids[b]} {t.gbps:.3g} Gbit/s, "
+            f"{t.latency_s * 1e6:.0f} us (idle {t.idle_latency_s * 1e6:.0f} us)"
+            for (a, b), t in sorted(links.items())), file=sys.stderr)
+    for r, entry in enumerate(link_entries(links, device_ids)):
+        measured[r] = {**measured[r], **entry}
+
+
+def _message_bytes(spec: dict[str, Any], profile: dict[str, Any] | None) -> int:
+    """Bytes of an activation message for the link probe: a microbatch of the sample
+    through the profile's median layer output, else the sample's own bytes."""
+    import statistics
+
+    import torch
+    import torch.utils._pytree as pytree
+
+    m = _sample_size(spec) or 1
+    if profile and profile.get("layers"):
+        nbytes = statistics.median(float(la.get("out_mb", 0.0)) for la in profile["layers"])
+        nbytes *= 1e6 * m
+    else:
+        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(spec.get("sample"))
+                     if isinstance(t, torch.Tensor))
+    return int(min(max(nbytes, 4096), 16 * 1024 * 1024))
 
 
 def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:

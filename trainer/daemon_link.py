@@ -54,7 +54,9 @@ __all__ = ["Backoff", "DaemonError", "DaemonLink", "GrpcPlanSource", "GrpcReport
 
 Measurement = Mapping[str, Any]
 """One rank's measured layer times: ``{"microbatch": m, "dtype": "bfloat16",
-"layers": {layer: (fwd_s, bwd_s)}}`` (:func:`hetpilot.trainer.speeds.as_measurement`)."""
+"layers": {layer: (fwd_s, bwd_s)}}`` (:func:`hetpilot.trainer.speeds.as_measurement`), and
+optionally ``"links": {peer device id: (latency_s, gbps)}``
+(:func:`hetpilot.trainer.linkprobe.link_entries`)."""
 
 log = logging.getLogger("hetpilot.trainer.daemon")
 
@@ -141,6 +143,10 @@ class DaemonLink:
                 trainer_pb2.LayerTiming(layer=int(layer), fwd_s=float(f), bwd_s=float(b))
                 for layer, (f, b) in sorted(measurement["layers"].items(),
                                             key=lambda kv: int(kv[0])))
+            req.link_times.extend(
+                trainer_pb2.LinkTiming(peer_device_id=str(peer), latency_s=float(lat),
+                                       gbps=float(gbps))
+                for peer, (lat, gbps) in sorted(measurement.get("links", {}).items()))
         resp: trainer_pb2.AttachResponse = self.stub.Attach(
             req, metadata=self.metadata, timeout=self.timeout_s)
         return resp

@@ -177,6 +177,31 @@ def test_stream_logs(fuzz_daemon: RunningDaemon, req: job_pb2.StreamLogsRequest)
         assert exc.code() in ALLOWED, exc  # type: ignore[attr-defined]
 
 
+attach = st.builds(trainer_pb2.AttachRequest, job_id=st.just("fuzzjob") | text,
+                   rank=st.integers(0, 2**32 - 1), world_size=st.integers(0, 2**32 - 1),
+                   device_id=text, model_json=st.just("") | text,
+                   layer_times=st.lists(st.builds(trainer_pb2.LayerTiming,
+                                                  layer=st.integers(0, 2**32 - 1),
+                                                  fwd_s=floats, bwd_s=floats), max_size=3),
+                   measured_microbatch=st.integers(0, 2**32 - 1), measured_dtype=text,
+                   link_times=st.lists(st.builds(trainer_pb2.LinkTiming, peer_device_id=text,
+                                                 latency_s=floats, gbps=floats), max_size=3)
+                   | st.just([trainer_pb2.LinkTiming(peer_device_id="a:1", gbps=1)] * 1100))
+
+
+@SETTINGS
+@given(req=attach)
+def test_attach(fuzz_daemon: RunningDaemon, req: trainer_pb2.AttachRequest) -> None:
+    ch = fuzz_daemon.channel()
+    token = job_pb2_grpc.JobServiceStub(ch).SubmitJob(
+        job_pb2.SubmitJobRequest(profile_on_attach=True, global_batch=8, microbatch_size=1,
+                                 request_id="fuzz-attach"), metadata=OWNER_MD)
+    if req.job_id == "fuzzjob":
+        req.job_id = token.job_id
+    trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+    assert _code(trainer.Attach, req, metadata(token.trainer_token)) in ALLOWED
+
+
 def test_still_serving_after_fuzz(fuzz_daemon: RunningDaemon) -> None:
     ch = fuzz_daemon.channel()
     oversized = job_pb2.SubmitJobRequest(model_json="x" * 100_000)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -259,6 +260,27 @@ def test_bad_measurements_are_refused_by_field_and_change_nothing(tmp_path: Path
                 trainer.Attach(req, metadata=md, timeout=T)
             assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
             assert err.value.details().startswith(field), (field, err.value.details())
+        def bad_link(peer: str = A, latency_s: float = 1e-3, gbps: float = 10.0,
+                     twice: bool = False) -> trainer_pb2.AttachRequest:
+            req = _attach(job_id, 1, B, times=_layer_times(B))
+            for _ in range(2 if twice else 1):
+                req.link_times.add(peer_device_id=peer, latency_s=latency_s, gbps=gbps)
+            return req
+
+        cases += [
+            (bad_link(peer=B), "link_times[0].peer_device_id"),  # its own device
+            (bad_link(peer="a b"), "link_times[0].peer_device_id"),
+            (bad_link(twice=True), "link_times[1].peer_device_id"),
+            (bad_link(latency_s=float("nan")), "link_times[0].latency_s"),
+            (bad_link(latency_s=-1e-3), "link_times[0].latency_s"),
+            (bad_link(gbps=0.0), "link_times[0].gbps"),
+            (bad_link(gbps=float("inf")), "link_times[0].gbps"),
+        ]
+        for req, field in cases[-7:]:
+            with pytest.raises(grpc.RpcError) as err:
+                trainer.Attach(req, metadata=md, timeout=T)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
+            assert err.value.details().startswith(field), (field, err.value.details())
         too_many = _attach(job_id, 1, B, times=[(0.1, 0.1)] * 1025)
         with pytest.raises(grpc.RpcError) as err:
             trainer.Attach(too_many, metadata=md, timeout=T)
@@ -449,3 +471,66 @@ def test_unmeasured_devices_take_the_measured_ratio_and_changes_scale() -> None:
     speeds = {d.id: d.tflops for d in fitted.apply(cluster).devices}
     assert speeds == pytest.approx({A: 20.0, B: 40.0 * 20.0 / 25.0, "m:2": 100.0 * 0.8},
                                    rel=REL)
+
+
+def test_links_measured_by_the_job_are_kept_with_the_daemons_figures_then(
+        tmp_path: Path) -> None:
+    """A rank's link_times are stored with the pair's latency and bandwidth in the daemon's
+    cluster at the time; a later attach without links keeps them."""
+    d = start_daemon(tmp_path / "state", heartbeat_timeout_s=600.0)
+    try:
+        ch, job_id = _setup(d)
+        trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+        md = _trainer_md(ch, job_id)
+        req = _attach(job_id, 0, A, model=model_json(), times=_layer_times(A))
+        req.link_times.add(peer_device_id=B, latency_s=2e-3, gbps=8.0)
+        trainer.Attach(req, metadata=md, timeout=T)
+        trainer.Attach(_attach(job_id, 0, A, times=_layer_times(A)), metadata=md, timeout=T)
+    finally:
+        d.stop()
+    store = SqliteStore(tmp_path / "state" / "state.db")
+    try:
+        (kept,) = store.measurements(job_id)
+    finally:
+        store.close()
+    (link,) = kept.links
+    assert (link.peer, link.latency_s, link.gbps) == (B, 2e-3, 8.0)
+    # both devices on one host: the daemon's intra-host figures (its config's defaults)
+    assert link.ref_gbps == d.config.intra_host_gbps
+    assert link.ref_latency_s == pytest.approx(d.config.latency_us / 1e6)
+
+
+def test_measured_links_override_the_pair_and_follow_the_agents_changes() -> None:
+    """Spec 1's device_links carry the job's figures for the measured pair only: the
+    bandwidth scaled by what the agents report now over then, the latency shifted."""
+    from hetpilot.daemon.measured import fit_job
+    from hetpilot.daemon.records import LayerTime, LinkTime, MeasurementRecord
+
+    model = _true_model()
+    layers = tuple(LayerTime(layer=i, fwd_s=f, bwd_s=b)
+                   for i, (f, b) in enumerate(_layer_times(A, model)))
+    old = LinkTime(peer=A, latency_s=9e-3, gbps=1.0, ref_latency_s=5e-6, ref_gbps=100.0)
+    new = LinkTime(peer=B, latency_s=2e-3, gbps=4.0, ref_latency_s=5e-6, ref_gbps=100.0)
+    records = [MeasurementRecord(job_id="j", device_id=B, rank=1, microbatch=2,
+                                 dtype="float32", layers=layers, unix_ms=1, links=(old,)),
+               MeasurementRecord(job_id="j", device_id=A, rank=0, microbatch=2,
+                                 dtype="float32", layers=layers, unix_ms=2,
+                                 links=(new,))]
+    fitted = fit_job(model, records)
+    assert fitted is not None
+    net = Network(intra_host_gbps=100.0, inter_host_gbps=10.0, latency_us=5.0)
+    devices = (Device(id=A, host=HOST, tflops=25.0, memory_gb=80.0),
+               Device(id=B, host=HOST, tflops=40.0, memory_gb=80.0),
+               Device(id="m:2", host=HOST, tflops=100.0, memory_gb=80.0))
+    applied = fitted.apply(Cluster(devices=devices, network=net))
+    # the newer measurement of the pair (A's) wins; unmeasured pairs keep the network's
+    assert applied.link(A, B) == pytest.approx((4.0, 2e-3))
+    assert applied.link(B, A) == pytest.approx((4.0, 2e-3))
+    assert applied.link(A, "m:2") == pytest.approx((100.0, 5e-6))
+    # the agents' figures for the pair halve the bandwidth and add 1 ms: so does the job's
+    slower = replace(net, intra_host_gbps=50.0, latency_us=1005.0)
+    applied = fitted.apply(Cluster(devices=devices, network=slower))
+    assert applied.link(A, B) == pytest.approx((2.0, 3e-3))
+    # a pair with a device outside the cluster is left out
+    applied = fitted.apply(Cluster(devices=devices[::2], network=net))
+    assert applied.network.device_links == ()

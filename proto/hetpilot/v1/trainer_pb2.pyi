@@ -65,6 +65,7 @@ class AttachRequest(_message.Message):
     LAYER_TIMES_FIELD_NUMBER: _builtins.int
     MEASURED_MICROBATCH_FIELD_NUMBER: _builtins.int
     MEASURED_DTYPE_FIELD_NUMBER: _builtins.int
+    LINK_TIMES_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     rank: _builtins.int
     world_size: _builtins.int
@@ -86,6 +87,13 @@ class AttachRequest(_message.Message):
         At most 1024 entries; each layer once and below the model's layer count.
         """
 
+    @_builtins.property
+    def link_times(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkTiming]:
+        """The links from this rank's device to other ranks' devices as the job's own
+        process group measured them (hetpilot.trainer.linkprobe); each pair once,
+        from either end. Empty: keep what was measured before. At most 1024.
+        """
+
     def __init__(
         self,
         *,
@@ -97,14 +105,43 @@ class AttachRequest(_message.Message):
         layer_times: _abc.Iterable[Global___LayerTiming] | None = ...,
         measured_microbatch: _builtins.int = ...,
         measured_dtype: _builtins.str = ...,
+        link_times: _abc.Iterable[Global___LinkTiming] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "layer_times", b"layer_times", "measured_dtype", b"measured_dtype", "measured_microbatch", b"measured_microbatch", "model_json", b"model_json", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "layer_times", b"layer_times", "link_times", b"link_times", "measured_dtype", b"measured_dtype", "measured_microbatch", b"measured_microbatch", "model_json", b"model_json", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AttachRequest: _TypeAlias = AttachRequest  # noqa: Y015
+
+@_typing.final
+class LinkTiming(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PEER_DEVICE_ID_FIELD_NUMBER: _builtins.int
+    LATENCY_S_FIELD_NUMBER: _builtins.int
+    GBPS_FIELD_NUMBER: _builtins.int
+    peer_device_id: _builtins.str
+    """The other end, "<host>:<index>"; not this rank's own device."""
+    latency_s: _builtins.float
+    """Seconds a message of activation size takes one way, while the ranks compute."""
+    gbps: _builtins.float
+    """Bandwidth the job's all-reduce reached between the two, in Gbit/s (> 0)."""
+    def __init__(
+        self,
+        *,
+        peer_device_id: _builtins.str = ...,
+        latency_s: _builtins.float = ...,
+        gbps: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["gbps", b"gbps", "latency_s", b"latency_s", "peer_device_id", b"peer_device_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LinkTiming: _TypeAlias = LinkTiming  # noqa: Y015
 
 @_typing.final
 class LayerTiming(_message.Message):

@@ -1,0 +1,199 @@
+"""Links between a job's ranks as the job's own transport sees them (issue 14).
+
+Why: the daemon plans a job's transfers and gradient sync with the agents' link
+figures (a TCP probe between hosts, a configured intra-host bandwidth), but the
+job talks through its process group (gloo, NCCL), whose rates differ from both:
+on a shared CPU host, gloo moved 18 Gbit/s point to point while a 16 MB
+all-reduce reached 4.8-11.5 Gbit/s ring-equivalent, and an activation-sized
+message sent while both ranks computed arrived after 1-3 ms against 0.2 ms for
+an idle ping-pong. Those two differences were most of the gap between the
+reference model's prediction and the measured iteration on pipelines and
+data-parallel plans (bench/RESULTS-trainer.md, "Fidelity"). So, on Attach, the
+ranks measure their links with the job's own process group and send the figures
+with their layer times; the daemon plans the job with them
+(:mod:`hetpilot.daemon.measured`).
+
+Per measured pair of ranks (a, b), in a process group of just the two:
+
+* ``latency_s``: the larger of the idle one-way time of an activation-sized
+  message (ping-pong) and the *busy* one: the sender posts the message and
+  computes on, the receiver computes for a while and then receives it; the time
+  the receiver waits is what a pipeline stage waits for an activation. Both
+  directions, median.
+* ``gbps``: the pair's all-reduce of ``ar_bytes``, as spec 5.3 models a ring of
+  two: ``AR = bytes * 8 / (1000 gbps) + 2 lat`` solved for ``gbps`` with the idle
+  one-way time of a one-element message as ``lat`` (at most half the all-reduce's
+  time, so noise never makes the bandwidth absurd). **A choice**: the contract has one bandwidth per link for both the
+  stage transfers and the all-reduce, and this is the all-reduce's, because the
+  sync moves a model's worth of bytes per iteration while a stage boundary moves
+  activations whose time is mostly the latency above.
+
+Pairs: every pair when the job has at most ``all_pairs_up_to`` ranks, in
+``world - 1`` rounds of disjoint pairs (the circle method); above that only
+neighbours in rank order (r, r + 1), in two rounds, since a plan's stages and
+sync rings are usually laid out along the ranks. Pairs not measured keep the
+agents' figures in the daemon. Every rank calls :func:`measure_links`; every
+rank gets the whole result.
+
+The "compute" while busy is a matmul loop on the rank's device. **CUDA/NCCL**:
+written for it (the loop synchronises the device; the sends run on NCCL's
+streams), **not run on a GPU**: only gloo on CPU is tested here.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LinkTime", "link_entries", "measure_links", "pair_rounds"]
+
+
+@dataclass(frozen=True)
+class LinkTime:
+    """What the job measured between two of its ranks."""
+
+    latency_s: float
+    gbps: float
+    idle_latency_s: float
+    busy_latency_s: float
+
+
+def pair_rounds(world: int, all_pairs_up_to: int = 8) -> list[list[tuple[int, int]]]:
+    """Rounds of disjoint pairs ``(a, b)`` with ``a < b`` (see the module docstring)."""
+    if world < 2:
+        return []
+    if world > all_pairs_up_to:
+        return [[(a, a + 1) for a in range(start, world - 1, 2)] for start in (0, 1)]
+    ranks = list(range(world)) + ([-1] if world % 2 else [])  # -1: a bye
+    n = len(ranks)
+    rounds = []
+    for _ in range(n - 1):
+        pairs = [(min(ranks[i], ranks[n - 1 - i]), max(ranks[i], ranks[n - 1 - i]))
+                 for i in range(n // 2)]
+        rounds.append([p for p in pairs if p[0] >= 0])
+        ranks = [ranks[0], ranks[-1], *ranks[1:-1]]  # rotate all but the first
+    return rounds
+
+
+def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
+                  ar_bytes: int = 16 * 1024 * 1024, repeats: int = 6,
+                  busy_ms: tuple[float, float] = (8.0, 3.0),
+                  all_pairs_up_to: int = 8) -> dict[tuple[int, int], LinkTime]:
+    """Measure the links between this job's ranks (collective: every rank of the default
+    process group calls it, with the same arguments). ``busy_ms``: how long the sender
+    computes after posting the message, and how long the receiver computes before it
+    receives. Returns ``{(a, b): LinkTime}`` for the measured pairs, ``a < b``."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    dev = torch.device(device)
+    rounds = pair_rounds(world, all_pairs_up_to)
+    mine: dict[tuple[int, int], dict[str, list[float]]] = {}
+    for pairs in rounds:
+        groups = [dist.new_group(ranks=list(p)) for p in pairs]  # every rank, same order
+        for pair, group in zip(pairs, groups, strict=True):
+            if rank in pair:
+                peer = pair[1] if rank == pair[0] else pair[0]
+                mine[pair] = _measure_pair(rank, peer, group, dev, msg_bytes, ar_bytes,
+                                           repeats, busy_ms)
+        for group in groups:
+            if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
+                dist.destroy_process_group(group)
+    every: list[Any] = [None] * world
+    dist.all_gather_object(every, mine)
+    out: dict[tuple[int, int], LinkTime] = {}
+    for pair in (p for pairs in rounds for p in pairs):
+        parts = [r[pair] for r in every if r and pair in r]
+        idle = statistics.median(x for p in parts for x in p["idle"])
+        busy = statistics.median(x for p in parts for x in p["busy"])
+        tiny = statistics.median(x for p in parts for x in p["tiny"])
+        ar = statistics.median(x for p in parts for x in p["ar"])
+        transfer = max(ar - 2 * tiny, ar / 2)  # spec 5.3's two latencies; never below half
+        out[pair] = LinkTime(latency_s=max(idle, busy), gbps=ar_bytes * 8 / 1e9 / transfer,
+                             idle_latency_s=idle, busy_latency_s=busy)
+    return out
+
+
+def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes: int,
+                  ar_bytes: int, repeats: int, busy_ms: tuple[float, float]
+                  ) -> dict[str, list[float]]:
+    """This rank's side of one pair: idle one-way times (its ping-pongs, halved), the waits
+    of its busy receives, and the all-reduce's times."""
+    msg = torch.zeros(max(1, msg_bytes // 4), device=dev)
+    big = torch.zeros(max(1, ar_bytes // 4), device=dev)
+    a = torch.randn(256, 256, device=dev)
+    cuda = dev.type == "cuda"
+    first = rank < peer
+
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(dev)
+        dist.barrier(group=group)
+
+    def compute(ms: float) -> None:
+        started = time.perf_counter()
+        while time.perf_counter() - started < ms / 1e3:
+            torch.mm(a, a)
+            if cuda:
+                torch.cuda.synchronize(dev)
+
+    def ping(buf: torch.Tensor) -> list[float]:
+        """One-way times of ``buf`` (ping-pongs, halved); the first sets the link up."""
+        times = []
+        for i in range(repeats + 1):
+            sync()
+            started = time.perf_counter()
+            if first:
+                dist.send(buf, peer, group=group)
+                dist.recv(buf, peer, group=group)
+            else:
+                dist.recv(buf, peer, group=group)
+                dist.send(buf, peer, group=group)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            if i:
+                times.append((time.perf_counter() - started) / 2)
+        return times
+
+    idle = ping(msg)
+    tiny = ping(torch.zeros(1, device=dev))
+    busy: list[float] = []
+    for i in range(2 * repeats):
+        sync()
+        sending = (i % 2 == 0) == first  # both directions, alternately
+        if sending:
+            work = dist.isend(msg, peer, group=group)
+            compute(busy_ms[0])
+            if work is not None:
+                work.wait()
+        else:
+            compute(busy_ms[1])
+            started = time.perf_counter()
+            dist.recv(msg, peer, group=group)
+            if cuda:
+                torch.cuda.synchronize(dev)
+            busy.append(time.perf_counter() - started)
+    ar: list[float] = []
+    for i in range(4):
+        sync()
+        started = time.perf_counter()
+        dist.all_reduce(big, group=group)
+        if cuda:
+            torch.cuda.synchronize(dev)
+        if i:  # the first one is a warm-up
+            ar.append(time.perf_counter() - started)
+    return {"idle": idle, "tiny": tiny, "busy": busy, "ar": ar}
+
+
+def link_entries(links: dict[tuple[int, int], LinkTime],
+                 device_ids: Sequence[str]) -> list[dict[str, dict[str, tuple[float, float]]]]:
+    """Per rank, what it sends on Attach: ``{"links": {peer device id: (latency_s, gbps)}}``
+    for the pairs whose lower rank it is (each pair once)."""
+    out: list[dict[str, dict[str, tuple[float, float]]]] = [{"links": {}} for _ in device_ids]
+    for (a, b), t in links.items():
+        out[a]["links"][device_ids[b]] = (t.latency_s, t.gbps)
+    return out
