@@ -16,10 +16,13 @@ with their layer times; the daemon plans the job with them
 Per measured pair of ranks (a, b), in a process group of just the two:
 
 * ``latency_s``: the larger of the idle one-way time of an activation-sized
-  message (ping-pong) and the *busy* one: the sender posts the message and
-  computes on, the receiver computes for a while and then receives it; the time
-  the receiver waits is what a pipeline stage waits for an activation. Both
-  directions, median.
+  tensor sent as the pipeline sends activations
+  (:func:`~hetpilot.trainer.activations.send_activation`: a header message,
+  then the tensor) and the *busy* one: the sender posts it and computes on,
+  the receiver computes for a while and then receives it; the time the receiver
+  waits is what a pipeline stage waits for an activation. Both directions,
+  median. Point-to-point messages go over the default process group, as the
+  pipeline's do; barriers and the all-reduce over the pair's own group.
 * ``gbps``: the pair's all-reduce of ``ar_bytes``, as spec 5.3 models a ring of
   two: ``AR = bytes * 8 / (1000 gbps) + 2 lat`` solved for ``gbps`` with the idle
   one-way time of a one-element message as ``lat`` (at most half the all-reduce's
@@ -50,6 +53,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from .activations import recv_activation, send_activation
 
 __all__ = ["LinkTime", "link_entries", "measure_links", "pair_rounds"]
 
@@ -141,39 +146,48 @@ def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes
             if cuda:
                 torch.cuda.synchronize(dev)
 
-    def ping(buf: torch.Tensor) -> list[float]:
-        """One-way times of ``buf`` (ping-pongs, halved); the first sets the link up."""
+    def send(k: int) -> None:
+        for work, _ in send_activation(msg, peer, k):
+            work.wait()
+
+    def ping(activation: bool) -> list[float]:
+        """One-way times (ping-pongs, halved) of an activation as the pipeline sends one,
+        or of a one-element tensor; the first exchange sets the link up."""
+        one = torch.zeros(1, device=dev)
         times = []
         for i in range(repeats + 1):
             sync()
             started = time.perf_counter()
-            if first:
-                dist.send(buf, peer, group=group)
-                dist.recv(buf, peer, group=group)
-            else:
-                dist.recv(buf, peer, group=group)
-                dist.send(buf, peer, group=group)
+            for sending in ((True, False) if first else (False, True)):
+                if activation and sending:
+                    send(i)
+                elif activation:
+                    recv_activation(peer, i, dev)
+                elif sending:
+                    dist.send(one, peer)
+                else:
+                    dist.recv(one, peer)
             if cuda:
                 torch.cuda.synchronize(dev)
             if i:
                 times.append((time.perf_counter() - started) / 2)
         return times
 
-    idle = ping(msg)
-    tiny = ping(torch.zeros(1, device=dev))
+    idle = ping(activation=True)
+    tiny = ping(activation=False)
     busy: list[float] = []
     for i in range(2 * repeats):
         sync()
         sending = (i % 2 == 0) == first  # both directions, alternately
         if sending:
-            work = dist.isend(msg, peer, group=group)
+            pending = send_activation(msg, peer, i)
             compute(busy_ms[0])
-            if work is not None:
+            for work, _ in pending:
                 work.wait()
         else:
             compute(busy_ms[1])
             started = time.perf_counter()
-            dist.recv(msg, peer, group=group)
+            recv_activation(peer, i, dev)
             if cuda:
                 torch.cuda.synchronize(dev)
             busy.append(time.perf_counter() - started)
