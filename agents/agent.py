@@ -68,9 +68,12 @@ class Agent:
                 config.resolved_state_dir(), host=config.host, daemon=config.daemon,
                 python=config.launch_python, stop_grace_s=config.stop_grace_s,
                 tls={"ca_file": config.ca_file, "cert_file": config.cert_file,
-                     "key_file": config.key_file})
-        self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]]] = ([], [])
-        """Launch states and output chunks of the report awaiting its ack."""
+                     "key_file": config.key_file},
+                retention_s=config.launch_retention_s)
+        self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]],
+                          list[tuple[str, int]]] = ([], [], [])
+        """Launch states, output chunks and busy-port refusals of the report awaiting
+        its ack."""
 
     # -- requests ------------------------------------------------------------
 
@@ -98,7 +101,7 @@ class Agent:
                 link = emu.link(self.config.host, h)
                 if link is not None:
                     links[h] = (link[0], 2 * link[1])  # rtt = 2 x one-way latency
-        launches, chunks = [], []
+        launches, chunks, refusals = [], [], []
         if self.launcher is not None:
             launches = [agent_pb2.LaunchStatus(
                 launch_id=st.launch_id, job_id=st.job_id, pid=st.pid, stopped=st.stopped,
@@ -107,8 +110,12 @@ class Agent:
                 exit_code=st.exit_code or 0, reason=st.reason[:2000],
                 log_bytes=st.output_bytes()) for st in self.launcher.statuses()]
             chunks = self.launcher.chunks()
+            refusals = self.launcher.refusals()
         self._sent = ([(st.launch_id, st.state == agent_pb2.LAUNCH_STATE_RUNNING)
-                       for st in launches], chunks)
+                       for st in launches], chunks, [(i, p) for i, _, p, _ in refusals])
+        launches += [agent_pb2.LaunchStatus(  # not started: the rendezvous port is in use
+            launch_id=i, job_id=job, state=agent_pb2.LAUNCH_STATE_EXITED, exit_code=127,
+            reason=why[:2000], rdzv_port_busy=port) for i, job, port, why in refusals]
         return agent_pb2.AgentReport(
             agent_id=self.config.host, seq=self._seq, unix_ms=int(time.time() * 1000),
             launches=launches,
@@ -213,7 +220,7 @@ class Agent:
                 log.warning("launch orders ignored: this agent runs with --no-launch")
             return
         launcher.acked(*self._sent)
-        self._sent = ([], [])
+        self._sent = ([], [], [])
         kinds = {d.index: d.kind for d in self.devices}
         for order in ack.start:
             launcher.start(order, kinds)

@@ -41,6 +41,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace", type=float, metavar="S",
                         help="seconds between SIGTERM and SIGKILL when a launch is stopped "
                              "(default 10)")
+    parser.add_argument("--launch-retention", type=float, metavar="S",
+                        help="seconds a launch's directory is kept after it ended and the "
+                             "daemon acknowledged its exit and output (default 86400)")
     parser.add_argument("--log-level", default="INFO")
 
 
@@ -53,7 +56,8 @@ def run(args: argparse.Namespace) -> int:
                      emulate=emulate, link_probe_interval_s=args.link_probe_interval,
                      emulate_file=args.emulate_file, state_dir=args.state_dir,
                      launch=False if args.no_launch else None,
-                     stop_grace_s=args.stop_grace)
+                     stop_grace_s=args.stop_grace,
+                     launch_retention_s=args.launch_retention)
         config = load_agent_config(args.config, daemon=args.daemon, **flags)
         if not config.daemon:
             env = os.environ.get("HETPILOT_ADDRESS", "")

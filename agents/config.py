@@ -101,6 +101,11 @@ class AgentConfig:
     and module entry points (it needs hetpilot and torch); default: the agent's own."""
     stop_grace_s: float = 10.0
     """A stopped launch gets SIGTERM, then SIGKILL after this many seconds."""
+    launch_retention_s: float = 86400.0
+    """A launch's directory (``launches/<id>/``: output, the ranks' own files) is removed
+    this long after it ended and the daemon acknowledged its exit and all of its output
+    (the daemon keeps that output, see its ``log_retention_hours``); 0: at once. Never
+    while it runs or before the daemon has it all."""
 
     def __post_init__(self) -> None:
         if self.daemon and ":" not in self.daemon:
@@ -112,6 +117,7 @@ class AgentConfig:
         for name in ("reprobe_interval_s", "link_probe_interval_s", "call_timeout_s",
                      "max_backoff_s", "stop_grace_s"):
             _check(name, getattr(self, name))
+        _check("launch_retention_s", self.launch_retention_s, positive=False)
         _check("price_per_hour", self.price_per_hour, positive=False)
         _check("power_watts", self.power_watts, positive=False)
         try:

@@ -32,6 +32,20 @@ directory back: a launch still running is adopted (watched by pid and start
 time, stopped by process group), one that ended is reported with the status its
 runner saved (255 when none was: it died with the agent's SIGKILL or the host).
 
+Rendezvous port: on the host that runs the c10d store (``rdzv_host``) the port
+of ``rdzv_endpoint`` is bound once (SO_REUSEADDR, as the store binds it) before
+anything is made; if that fails the launch is not started and its id stays
+unused: the next report says so (``LaunchStatus.rdzv_port_busy``, until an ack
+takes it), and the daemon orders the launch again with another port.
+
+Retention: a launch is *done* once it has exited and the daemon acknowledged
+its exit and all of its output (``done_unix`` in ``launch.json``); its directory
+is removed ``retention_s`` later (agent ``launch_retention_s``). Running, or
+not acknowledged, it is never touched. Its id is first appended to
+``launches/.removed`` (the tombstones, read back at start), so a restarted
+agent neither adopts nor starts it again; the directory is renamed to
+``.trash-<id>`` and deleted (a restart finishes a deletion it cut short).
+
 Stopping: SIGTERM to the launch's process group (runner and torchrun; torchrun
 stops its ranks) and to each rank's own group (torchrun starts ranks in their
 own sessions); after ``stop_grace_s``, SIGKILL to all of them. The ranks are
@@ -46,20 +60,24 @@ small file reads and writes, one ``/proc`` scan a second while launches run).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["EXIT_UNKNOWN", "LaunchState", "Launcher", "descendants", "process_table"]
+__all__ = ["EXIT_UNKNOWN", "LaunchState", "Launcher", "descendants", "port_in_use",
+           "process_table"]
 
 log = logging.getLogger("hetpilot.agent")
 
@@ -76,6 +94,28 @@ _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_
                  "MASTER_ADDR", "MASTER_PORT")
 PREFIX_TEMPLATE = "[rank${rank}]:"
 """torchrun's prefix of each rank's lines: the global rank (``hetpilot logs --rank``)."""
+TOMBSTONES = ".removed"
+"""Ids of the launches whose directories were removed (one per line)."""
+MAX_TOMBSTONES = 100_000
+"""Beyond this many, the oldest half is forgotten (the daemon never orders a launch
+again once it was reported)."""
+
+
+def port_in_use(port: int) -> str | None:
+    """Why ``port`` cannot be listened on here (on every address, with SO_REUSEADDR, as
+    torchrun's c10d store does), or None when it can."""
+    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
+        try:
+            with socket.socket(family, socket.SOCK_STREAM) as sock:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                sock.bind((address, port))
+                sock.listen(1)
+        except OSError as exc:
+            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT,
+                                                           errno.EADDRNOTAVAIL):  # no IPv6
+                continue
+            return exc.strerror or str(exc)
+    return None
 
 
 def _proc_stat(pid: int) -> tuple[int, int] | None:
@@ -158,6 +198,8 @@ class LaunchState:
     stopped: bool = False
     done: bool = False
     """Its exit and all of its output reached the daemon: no longer reported."""
+    done_unix: float = 0.0
+    """When it became done (wall clock): its directory goes ``retention_s`` later."""
     shipped: int = 0
     """Output bytes the daemon has acknowledged (not persisted: the daemon skips a
     resent chunk)."""
@@ -167,7 +209,7 @@ class LaunchState:
     """Descendants seen (pid -> start ticks): the ranks, to stop even without torchrun."""
 
     _PERSISTED = ("launch_id", "job_id", "pid", "start_ticks", "exit_code", "reason",
-                  "stopped", "done")
+                  "stopped", "done", "done_unix")
 
     @property
     def output(self) -> Path:
@@ -203,16 +245,23 @@ class Launcher:
 
     def __init__(self, state_dir: Path, *, host: str, daemon: str, python: str = "",
                  stop_grace_s: float = 10.0, local_addr: str = "",
-                 tls: Mapping[str, str] | None = None) -> None:
+                 tls: Mapping[str, str] | None = None,
+                 retention_s: float = 86400.0) -> None:
         self.root = Path(state_dir).absolute() / "launches"  # the ranks' cwd is elsewhere
         self.host = host
         self.daemon = daemon
         self.python = python or sys.executable
         self.stop_grace_s = stop_grace_s
+        self.retention_s = retention_s
         self.local_addr = local_addr
         self.tls = {k: os.path.abspath(v) for k, v in (tls or {}).items() if v}
         self._launches: dict[str, LaunchState] = {}
+        self._removed: set[str] = set()
+        self._tombstones = 0
+        self._refused: dict[str, tuple[str, int, str]] = {}
+        """Launch ids not started for a busy rendezvous port: (job id, port, reason)."""
         self._scanned = 0.0
+        self._cleaned = 0.0
         self._load()
 
     # -- state ------------------------------------------------------------------
@@ -221,8 +270,20 @@ class Launcher:
         """Every launch this host's agents started before (in any order of restarts)."""
         if not self.root.is_dir():
             return
+        try:
+            lines = (self.root / TOMBSTONES).read_text().split()
+        except FileNotFoundError:
+            lines = []
+        self._removed = set(lines)
+        self._tombstones = len(lines)
         for directory in sorted(self.root.iterdir()):
+            if directory.name.startswith(".trash-") and directory.is_dir():
+                shutil.rmtree(directory, ignore_errors=True)  # a removal cut short
+                continue
             if not directory.is_dir() or not _SAFE_ID.fullmatch(directory.name):
+                continue
+            if directory.name in self._removed:  # cut short before its rename
+                self._delete(directory)
                 continue
             try:
                 state = LaunchState.load(directory)
@@ -233,6 +294,8 @@ class Launcher:
                                     reason=f"unreadable launch record: {exc}")
                 log.warning("launch %s: %s", directory.name, state.reason)
             self._launches[state.launch_id] = state
+            if state.done and not state.done_unix:  # (an older agent's record)
+                state.done_unix = time.time()
             if state.running:
                 code = self._saved_exit(state)
                 if code is not None:
@@ -267,13 +330,21 @@ class Launcher:
 
     def start(self, order: Any, device_kinds: Mapping[str, str]) -> bool:
         """Start ``order`` (an ``agent_pb2.LaunchOrder``) unless its launch id was ever
-        started here; True when it started something now."""
+        started here, or it would run the rendezvous store on a port in use here (then
+        :meth:`refusals` says so until :meth:`acked`); True when it started something."""
         launch_id = order.launch_id
         if launch_id in self._launches:
+            return False
+        if launch_id in self._removed:
+            log.warning("launch %s (job %s): ordered again after it ended and its directory "
+                        "was removed: ignored", launch_id[:80], order.job_id[:80])
             return False
         if not _SAFE_ID.fullmatch(launch_id) or ".." in launch_id:
             log.warning("launch order with a bad id %r: ignored", launch_id[:80])
             return False
+        if order.rdzv_host and self._port_busy(order):
+            return False
+        self._refused.pop(launch_id, None)
         try:
             return self._start(order, device_kinds)
         except OSError as exc:  # the state dir (full, read-only): report it as a failed start
@@ -284,6 +355,29 @@ class Launcher:
             if state.running and state.proc is None:
                 self._ended(state, CANNOT_START, f"cannot start on {self.host}: {exc}")
             return True
+
+    def _port_busy(self, order: Any) -> bool:
+        """Whether the rendezvous port of ``order`` is in use here (noted for the daemon)."""
+        try:
+            port = int(order.rdzv_endpoint.rpartition(":")[2])
+        except ValueError:
+            return False  # torchrun says what is wrong with it
+        if not 0 < port < 65536:
+            return False
+        why = port_in_use(port)
+        if why is None:
+            return False
+        reason = (f"rendezvous port {port} is in use on {self.host} ({why}): "
+                  "not started, for the daemon to try another port")
+        if self._refused.get(order.launch_id, ("", 0, ""))[1] != port:
+            log.warning("launch %s (job %s): %s", order.launch_id, order.job_id, reason)
+        self._refused[order.launch_id] = (order.job_id, port, reason)
+        return True
+
+    def refusals(self) -> list[tuple[str, str, int, str]]:
+        """Launches not started for a busy rendezvous port, to report:
+        (launch id, job id, port, reason)."""
+        return [(i, job, port, why) for i, (job, port, why) in self._refused.items()]
 
     def _start(self, order: Any, device_kinds: Mapping[str, str]) -> bool:
         launch_id = order.launch_id
@@ -377,9 +471,11 @@ class Launcher:
     # -- watching ---------------------------------------------------------------
 
     def poll(self) -> None:
-        """Reap launches that ended, SIGKILL those past their stop grace, and note the
-        ranks of those running (once a second)."""
+        """Reap launches that ended, SIGKILL those past their stop grace, note the ranks
+        of those running and remove the directories past their retention (once a
+        second)."""
         self._refresh_trees()
+        self.clean()
         now = time.monotonic()
         for state in self.running():
             code: int | None = None
@@ -412,6 +508,50 @@ class Launcher:
             if set(found) - set(state.tree):
                 state.tree.update(found)
                 state.save()
+
+    def clean(self, force: bool = False) -> list[str]:
+        """Remove the directories of launches done ``retention_s`` ago (at most once a
+        second unless ``force``); their ids."""
+        if not force and time.monotonic() - self._cleaned < 1.0:
+            return []
+        self._cleaned = time.monotonic()
+        now = time.time()
+        due = [s for s in self._launches.values()
+               if s.done and not s.running and now - s.done_unix >= self.retention_s]
+        for state in due:
+            try:
+                self._tombstone(state.launch_id)
+            except OSError as exc:  # not recorded: not removed (it could start again)
+                log.warning("launch %s: cannot record its removal: %s", state.launch_id, exc)
+                return []
+            self._delete(state.dir)
+            del self._launches[state.launch_id]
+            log.info("launch %s (job %s): directory removed (ended and acknowledged %.0f s "
+                     "ago; launch_retention_s %g)", state.launch_id, state.job_id,
+                     now - state.done_unix, self.retention_s)
+        return [s.launch_id for s in due]
+
+    def _tombstone(self, launch_id: str) -> None:
+        path = self.root / TOMBSTONES
+        if self._tombstones >= MAX_TOMBSTONES:  # keep the newest half
+            lines = path.read_text().split()[-MAX_TOMBSTONES // 2:]
+            tmp = path.with_name(path.name + ".tmp")
+            tmp.write_text("".join(f"{i}\n" for i in lines))
+            os.replace(tmp, path)
+            self._removed = set(lines)
+            self._tombstones = len(lines)
+        with open(path, "a") as fh:
+            fh.write(f"{launch_id}\n")
+        self._removed.add(launch_id)
+        self._tombstones += 1
+
+    def _delete(self, directory: Path) -> None:
+        trash = directory.with_name(f".trash-{directory.name}")
+        try:
+            os.replace(directory, trash)
+        except OSError:
+            trash = directory
+        shutil.rmtree(trash, ignore_errors=True)
 
     def _kill(self, state: LaunchState) -> None:
         for pid, ticks in [(state.pid, state.start_ticks), *state.tree.items()]:
@@ -481,9 +621,14 @@ class Launcher:
         return out
 
     def acked(self, statuses: list[tuple[str, bool]],
-              chunks: list[tuple[str, int, bytes]]) -> None:
-        """The daemon took a report with these (launch id, running) states and chunks: the
-        output is shipped, and a launch whose exit and whole output it has is done."""
+              chunks: list[tuple[str, int, bytes]],
+              refusals: Sequence[tuple[str, int]] = ()) -> None:
+        """The daemon took a report with these (launch id, running) states, chunks and
+        (launch id, port) refusals: the output is shipped, the refusals told, and a
+        launch whose exit and whole output it has is done."""
+        for launch_id, port in refusals:
+            if self._refused.get(launch_id, ("", 0, ""))[1] == port:
+                del self._refused[launch_id]
         for launch_id, offset, data in chunks:
             state = self._launches.get(launch_id)
             if state is not None:
@@ -493,5 +638,6 @@ class Launcher:
             if state is not None and not running and not state.running and not state.done \
                     and state.shipped >= state.output_bytes():
                 state.done = True
+                state.done_unix = time.time()
                 with contextlib.suppress(OSError):
                     state.save()

@@ -267,16 +267,18 @@ def _variants(leaf: Leaf) -> list[tuple[str, Any]]:
     special = list(SPECIAL.get(f.name, []))
     out: list[tuple[str, Any]]
     if is_map(f):
+        # the values of the map's own value type (budgets: doubles; entry.env: strings;
+        # StreamLogs resume_from: uint64 offsets), under budget-like and hostile keys
         vf = f.message_type.fields_by_name["value"]  # type: ignore[union-attr]
-        vals = DOUBLES if vf.cpp_type in (FieldDescriptor.CPPTYPE_DOUBLE,
-                                          FieldDescriptor.CPPTYPE_FLOAT) else [("0", 0)]
+        vals = scalar_variants(vf)
+        one = _plain_default(vf)
         keys = [("price_per_hour", "price_per_hour"), ("power_watts", "power_watts"),
                 ("empty", ""), ("unknown", "gold"), ("x1000", "x" * 1000),
                 ("surrogate_d800", SURROGATES["surrogate_d800"])]
         out = [(f"{{{k}: {vl}}}", {kv: v}) for k, kv in keys[:2] for vl, v in vals]
-        out += [(f"{{{k}: 1}}", {kv: vals[-1][1]}) for k, kv in keys[2:]]
-        out += [("1000 entries", {f"k{i}": vals[-1][1] for i in range(1000)}),
-                ("both known + unknown", {"price_per_hour": 1.0, "power_watts": 1.0, "x": 1.0})]
+        out += [(f"{{{k}: {one!r}}}", {kv: one}) for k, kv in keys[2:]]
+        out += [("1000 entries", {f"k{i}": one for i in range(1000)}),
+                ("both known + unknown", {"price_per_hour": one, "power_watts": one, "x": one})]
         return special + out
     if f.is_repeated:
         if f.message_type is not None:
@@ -342,7 +344,7 @@ def apply(msg: Message, leaf: Leaf, value: Any, subs: list[Surrogate]) -> None:
         m = getattr(parent, name)
         m.clear()
         for k, v in value.items():
-            m[plain(k)] = v
+            m[plain(k)] = plain(v)
         return
     if f.is_repeated:
         rep = getattr(parent, name)
@@ -567,7 +569,8 @@ class Fuzzer:
         for _ in range(1 if rng.random() < 0.7 else rng.randint(2, 5)):
             leaf = rng.choice(all_leaves)
             pool = variants(leaf)
-            if leaf.field.cpp_type == FieldDescriptor.CPPTYPE_STRING and rng.random() < 0.01:
+            if (leaf.field.cpp_type == FieldDescriptor.CPPTYPE_STRING
+                    and leaf.field.type != FieldDescriptor.TYPE_BYTES and rng.random() < 0.01):
                 pool = RARE_STRINGS
             label, value = rng.choice(pool)
             if leaf.field.name == "global_batch" and rng.random() < 0.3:

@@ -14,7 +14,8 @@ A job file with an ``[entry]`` table (:mod:`hetpilot.entry`) has the agents
 start its ranks under torchrun; ``job`` then shows each host's part of the
 launch, and ``logs JOB [--rank R] [--follow]`` prints the ranks' output as the
 agents shipped it to the daemon (``--follow``: until the job has ended and all
-of it has arrived).
+of it has arrived; through a daemon restart, resuming after the last line it
+printed, for up to ``--reconnect-for`` seconds of the daemon being away).
 
 A job ends SUCCEEDED or FAILED (the trainer says so, or a launched job's ranks
 all exit 0 / die beyond the restart budget; ``job`` shows the reason) or
@@ -117,6 +118,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="only global rank R's lines (else every host's whole output)")
         parser.add_argument("--follow", "-f", action="store_true",
                             help="keep printing new output until the job has ended")
+        parser.add_argument("--reconnect-for", type=float, default=60.0, metavar="SECONDS",
+                            help="--follow: how long to keep reconnecting to a daemon that "
+                                 "went away (restarts), resuming after the last line printed; "
+                                 "then give up with exit 5 (default 60)")
     elif name == "budget":
         parser.add_argument("job_id")
         parser.add_argument("settings", nargs="+", metavar="KIND=VALUE",
@@ -617,31 +622,76 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
                 live.console.line()
 
 
+_RESUMABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+"""How a stream ends when the daemon stops, restarts or goes away (a dead connection
+shows within the channel's keepalive)."""
+
+
 def _logs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
     """A launched job's output (StreamLogs): each host's lines as they were shipped, a
     host's lines whole. ``--json``: one line per message, ``{"host": ..., "text": ...}``.
-    No deadline: the kept output may be large, and ``--follow`` lasts as long as the job
-    (an unreachable daemon still fails at once, UNAVAILABLE; a dead connection within
-    the channel's keepalive)."""
+    No deadline: the kept output may be large, and ``--follow`` lasts as long as the job.
+    Without ``--follow`` an unreachable daemon fails at once (UNAVAILABLE, exit 5). With
+    it, a daemon that goes away (a restart) is reconnected to with backoff (0.2 s
+    doubling to 2 s), resuming each host after the last line printed (each message's
+    ``end_offset``, sent back in ``resume_from``), so no line is printed twice or
+    missed; after ``--reconnect-for`` seconds without reaching it: exit 5."""
     if args.rank is not None and not 0 <= args.rank < 2**32:
         raise InputError(f"--rank: must be an integer >= 0, got {args.rank}")
-    req = job_pb2.StreamLogsRequest(job_id=args.job_id, follow=args.follow)
-    if args.rank is not None:
-        req.rank = args.rank
-    stream = stub.StreamLogs(req, metadata=md)
+    if not (args.reconnect_for >= 0 and args.reconnect_for < 1e9):
+        raise InputError(f"--reconnect-for: must be a number of seconds >= 0, got "
+                         f"{args.reconnect_for}")
+    printed: dict[str, int] = {}
+    """host -> offset in its output after the last line printed."""
     out = sys.stdout
-    try:
-        for chunk in stream:
-            text = chunk.data.decode("utf-8", "replace")
-            if args.json:
-                out.write(json.dumps({"host": chunk.host, "text": text}) + "\n")
-            else:
-                out.write(text)
-            out.flush()
-    except KeyboardInterrupt:
-        stream.cancel()
-        return 130
-    return 0
+    away_since: float | None = None
+    backoff = 0.2
+    while True:
+        req = job_pb2.StreamLogsRequest(job_id=args.job_id, follow=args.follow,
+                                        resume_from=printed)
+        if args.rank is not None:
+            req.rank = args.rank
+        stream = stub.StreamLogs(req, metadata=md)
+        try:
+            if args.follow:
+                stream.initial_metadata()  # the daemon took the call: it is back
+                if away_since is not None and stream.is_active():  # type: ignore[attr-defined]
+                    print("hetpilot logs: reconnected, resuming", file=sys.stderr, flush=True)
+                    away_since, backoff = None, 0.2
+            for chunk in stream:
+                text = chunk.data.decode("utf-8", "replace")
+                if args.json:
+                    out.write(json.dumps({"host": chunk.host, "text": text}) + "\n")
+                else:
+                    out.write(text)
+                out.flush()
+                if chunk.end_offset:
+                    printed[chunk.host] = chunk.end_offset
+            return 0
+        except KeyboardInterrupt:
+            stream.cancel()
+            return 130
+        except grpc.RpcError as exc:
+            code = exc.code()  # type: ignore[attr-defined]
+            if not args.follow or code not in _RESUMABLE:
+                raise
+            now = time.monotonic()
+            if away_since is None:
+                away_since = now
+                print(f"hetpilot logs: lost the daemon ({code.name}: "
+                      f"{exc.details()}); reconnecting for up to "  # type: ignore[attr-defined]
+                      f"{args.reconnect_for:g} s", file=sys.stderr, flush=True)
+            if now - away_since >= args.reconnect_for:
+                print(f"hetpilot logs: gave up: the daemon has been unreachable for "
+                      f"{now - away_since:.0f} s ({code.name}); run the command again to go "
+                      "on (it prints the kept output from the start)", file=sys.stderr,
+                      flush=True)
+                return EXIT[grpc.StatusCode.UNAVAILABLE]
+            try:
+                time.sleep(min(backoff, max(0.0, away_since + args.reconnect_for - now)))
+            except KeyboardInterrupt:
+                return 130
+            backoff = min(backoff * 2, 2.0)
 
 
 _COMMANDS: dict[str, Callable[[job_pb2_grpc.JobServiceStub, Md, argparse.Namespace], int]] = {

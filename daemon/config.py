@@ -141,11 +141,15 @@ class DaemonConfig:
     rdzv_port_min: int = 29400
     """Rendezvous ports of launched jobs (c10d store on the first chosen host): each
     launch takes the lowest port of [rdzv_port_min, rdzv_port_max] that no running
-    launch holds and that is free on the daemon's own host (open it in firewalls)."""
+    launch holds; that host's agent checks it is free there before starting torchrun,
+    else the launch moves to the next one (open them in firewalls)."""
     rdzv_port_max: int = 29499
     log_bytes_per_host: int = 32 * 1024 * 1024
     """Output of a launched job kept per host (state_dir/logs/JOB/HOST.log); older
     output is dropped beyond it (one rotation)."""
+    log_retention_hours: float = 168.0
+    """An ended job's kept output is removed this long after it ended (and every host's
+    ranks exited); 0: kept until removed by hand. A running job's output never is."""
     insecure_local: bool = False
     """``--insecure-local``: no authentication, loopback ``listen`` only (a one-machine
     trial; see :mod:`hetpilot.daemon.quickstart`)."""
@@ -190,6 +194,12 @@ class DaemonConfig:
                 and 64 * 1024 <= self.log_bytes_per_host <= 2**40):
             raise ConfigError("log_bytes_per_host: must be an integer in [64 KiB, 1 TiB], "
                               f"got {self.log_bytes_per_host!r}")
+        if not (isinstance(self.log_retention_hours, (int, float))
+                and not isinstance(self.log_retention_hours, bool)
+                and math.isfinite(self.log_retention_hours)
+                and 0 <= self.log_retention_hours <= 24 * 365 * 100):
+            raise ConfigError("log_retention_hours: must be a number of hours in [0, 876000] "
+                              f"(0: keep forever), got {self.log_retention_hours!r}")
         if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
             raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
 

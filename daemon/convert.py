@@ -39,8 +39,8 @@ from .records import (
     JobStatus,
     LaunchRecord,
     LayerTime,
-    LinkTime,
     LinkReport,
+    LinkTime,
     MeasurementRecord,
     PlanRecord,
     StageTiming,
@@ -67,6 +67,7 @@ __all__ = [
     "peers_to_proto",
     "plan_to_proto",
     "report_from_proto",
+    "resume_from_proto",
     "safe_text",
     "submit_from_proto",
     "timings_from_proto",
@@ -349,10 +350,16 @@ def launches_from_proto(req: agent_pb2.AgentReport) -> list[LaunchStatus]:
                                                  f"got {len(st.reason)}")
         if st.log_bytes > MAX_VERSION:
             raise ValidationError(f"{f}.log_bytes", f"must be < 2^63, got {st.log_bytes}")
+        if st.rdzv_port_busy and (st.rdzv_port_busy > 65535
+                                  or st.state != agent_pb2.LAUNCH_STATE_EXITED):
+            raise ValidationError(f"{f}.rdzv_port_busy", "must be a port (1-65535) of a "
+                                  "launch not started (LAUNCH_STATE_EXITED), got "
+                                  f"{st.rdzv_port_busy}")
         out.append(LaunchStatus(
             launch_id=launch_id, job_id=name(st.job_id, f"{f}.job_id"),
             running=st.state == agent_pb2.LAUNCH_STATE_RUNNING, exit_code=st.exit_code,
-            reason=st.reason, pid=st.pid, stopped=st.stopped, log_bytes=st.log_bytes))
+            reason=st.reason, pid=st.pid, stopped=st.stopped, log_bytes=st.log_bytes,
+            rdzv_port_busy=st.rdzv_port_busy))
     return out
 
 
@@ -370,6 +377,18 @@ def log_chunks_from_proto(req: agent_pb2.AgentReport) -> list[LogChunk]:
             raise ValidationError(f"{f}.offset", f"must be < 2^63, got {chunk.offset}")
         out.append(LogChunk(launch_id=name(chunk.launch_id, f"{f}.launch_id"),
                             offset=chunk.offset, data=chunk.data))
+    return out
+
+
+def resume_from_proto(req: job_pb2.StreamLogsRequest) -> dict[str, int]:
+    """StreamLogsRequest.resume_from, checked: host -> offset in its output."""
+    count(list(req.resume_from), "resume_from", MAX_ITEMS)
+    out = {}
+    for host, offset in req.resume_from.items():
+        host = name(host, "resume_from (a host)")
+        if offset > MAX_VERSION:
+            raise ValidationError(f"resume_from.{host}", f"must be < 2^63, got {offset}")
+        out[host] = offset
     return out
 
 

@@ -194,6 +194,7 @@ class ControlPlane:
         self._stopping = True
         for ev in self._plan_events.values():
             ev.set()
+        self.launches.logs.notify_all()  # log followers too (UNAVAILABLE: they resume)
 
     async def stop(self) -> None:
         self.end_streams()
@@ -398,16 +399,30 @@ class ControlPlane:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=5.0)
 
+    @property
+    def stopping(self) -> bool:
+        """The daemon is stopping (streams end at their next turn)."""
+        return self._stopping
+
     async def stream_logs(self, owner: str | None, job_id: str, rank: int | None,
-                          follow: bool) -> AsyncIterator[tuple[str, bytes]]:
-        """(host, whole lines) of a launched job's output: what is kept, then with
-        ``follow`` what comes, until the job has ended and every host's output has
-        arrived (or :data:`LOGS_SETTLE_S` after the end, for a host that never tells)."""
+                          follow: bool, resume_from: Mapping[str, int] | None = None
+                          ) -> AsyncIterator[tuple[str, bytes, int]]:
+        """(host, whole lines, offset in the host's output after them) of a launched
+        job's output: what is kept (each host in ``resume_from`` from that offset), then
+        with ``follow`` what comes, until the job has ended and every host's output has
+        arrived (or :data:`LOGS_SETTLE_S` after the end, for a host that never tells),
+        or the daemon stops (:attr:`stopping`)."""
         rec = self._own(owner, job_id)
         if not rec.entry:
             raise FailedPrecondition(f"job {job_id} has no entry point (its ranks were not "
                                      "launched by the agents): their output is where they run")
         logs = self.launches.logs
+        due = self.launches.logs_expire_ms(rec)
+        if due is not None and _now_ms() >= due and not logs.job_dir(job_id).exists():
+            raise FailedPrecondition(
+                f"job {job_id}'s output was removed: it ended over "
+                f"{self.config.log_retention_hours:g} h ago (daemon log_retention_hours)")
+        starts = dict(resume_from or {})
         readers: dict[str, tuple[HostReader, LineFilter]] = {}
         while True:
             ev = logs.event(job_id)
@@ -418,12 +433,12 @@ class ControlPlane:
                 or _now_ms() - rec.ended_ms > LOGS_SETTLE_S * 1000))
             for host in [h.host for h in launch.hosts] if launch is not None else []:
                 reader, lines = readers.setdefault(
-                    host, (HostReader(logs.path(job_id, host)), LineFilter(rank)))
+                    host, (logs.reader(job_id, host, starts.get(host)), LineFilter(rank)))
                 while data := await asyncio.to_thread(reader.read):
                     if out := lines.feed(data):
-                        yield host, out
-                if done and (out := lines.feed(b"", final=True)):
-                    yield host, out
+                        yield host, out, (reader.offset or 0) - lines.pending
+                if done and not self._stopping and (out := lines.feed(b"", final=True)):
+                    yield host, out, reader.offset or 0  # (stopping: resumed from here)
             if done:
                 return
             with contextlib.suppress(TimeoutError):
@@ -538,6 +553,10 @@ class ControlPlane:
                 self.launches.try_pending()
             except Exception:  # the sweep must go on (a store fault is retried next time)
                 log.exception("launching waiting jobs failed")
+            try:  # ended jobs' output past log_retention_hours
+                self.launches.expire_logs()
+            except Exception:
+                log.exception("removing expired job output failed")
 
     def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]:
         return [(a, a.host in self._up, self._reports.get(a.host)) for a in self._agents.values()]

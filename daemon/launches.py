@@ -12,8 +12,16 @@ and the job then plans on exactly those devices (:meth:`Launches.devices`), so
 every plan names only devices that have a rank. The first host runs the c10d
 rendezvous store, at its agent's advertised address (the host part of its probe
 address, else its name) and the lowest port of ``[rdzv_port_min,
-rdzv_port_max]`` that no running launch holds and that the daemon's own host
-can bind. A launch is never re-made: a failed job stays failed (re-submit it).
+rdzv_port_max]`` that no running launch holds. A launch is never re-made: a
+failed job stays failed (re-submit it).
+
+Rendezvous port. Only the store's host can tell whether the port is free there,
+so its agent tries to bind it before it starts torchrun; if it is in use, the
+agent starts nothing and says so (``LaunchStatus.rdzv_port_busy``), and the
+daemon moves the launch to the next free port and orders it again, up to
+:data:`RDZV_TRIES` ports; then the job FAILS with a reason naming the ports. The
+other hosts get their start orders only once the store's host reports the launch
+running, so none of them ever starts with a port that is then changed.
 
 Orders (the channel). Orders ride on the existing daemon-to-agent direction of
 ``AgentService.Report``: each ``ReportAck`` carries ``start`` orders (this
@@ -29,18 +37,24 @@ How a launch ends the job (unless the trainer ended it first with FinishJob):
 
 * every host's torchrun exited with 0: SUCCEEDED ("every rank exited with 0");
 * a host's torchrun exited non-zero (its ranks died beyond ``restart_budget``
-  restarts, or could not start) without being stopped: FAILED, the reason
-  naming the host, the exit code and the last lines of its output;
+  restarts, or could not start: the rendezvous port was in use on every try)
+  without being stopped: FAILED, the reason naming the host, the exit code and
+  the last lines of its output;
 * CANCELLED and FAILED jobs have their running launches stopped at once;
   a SUCCEEDED job's ranks get :data:`SUCCEEDED_GRACE_S` to exit on their own
   (rank 0 calls FinishJob before the others are done) before they are stopped.
+
+Retention: an ended job's output (:mod:`hetpilot.daemon.joblogs`) is removed
+``log_retention_hours`` after the job ended and every host's part exited
+(:meth:`Launches.expire_logs`, from the daemon's periodic sweep); a running
+job's never is. The agents remove their launch directories themselves
+(:mod:`hetpilot.agents.launcher`).
 """
 
 from __future__ import annotations
 
-import errno
 import logging
-import socket
+import os
 import time
 import uuid
 from collections.abc import Sequence
@@ -65,7 +79,8 @@ from .records import (
 if TYPE_CHECKING:
     from .core import ControlPlane
 
-__all__ = ["EXIT_UNKNOWN", "SUCCEEDED_GRACE_S", "LaunchStatus", "Launches", "LogChunk", "Order"]
+__all__ = ["EXIT_UNKNOWN", "RDZV_TRIES", "SUCCEEDED_GRACE_S", "LaunchStatus", "Launches",
+           "LogChunk", "Order"]
 
 log = logging.getLogger("hetpilot.daemon")
 
@@ -76,6 +91,8 @@ EXIT_UNKNOWN = 255
 CANNOT_START = 127
 """Exit code of a launch that could not be started."""
 MAX_REASON = 2000
+RDZV_TRIES = 5
+"""Rendezvous ports a launch tries on its store's host before its job fails."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +107,8 @@ class LaunchStatus:
     pid: int = 0
     stopped: bool = False
     log_bytes: int = 0
+    rdzv_port_busy: int = 0
+    """Not started: this rendezvous port was in use on the store's host."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -114,20 +133,6 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def _bindable(port: int) -> bool:
-    """Whether this host can listen on ``port`` now (a hint that it is free)."""
-    for family in (socket.AF_INET, socket.AF_INET6):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.bind(("", port))
-        except OSError as exc:
-            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT,
-                                                           errno.EADDRNOTAVAIL):  # no IPv6
-                continue
-            return False
-    return True
-
-
 class Launches:
     """The launches of every job, kept in the store and mirrored here. Runs on the
     event loop (the control plane's thread)."""
@@ -137,6 +142,8 @@ class Launches:
         self.store = plane.store
         config = plane.config
         self.logs = JobLogs(Path(config.state_dir) / "logs", config.log_bytes_per_host)
+        self.logs.clean_leftovers()
+        self._expired_at = 0.0
         self._by_job: dict[str, LaunchRecord] = {}
         self._by_id: dict[str, str] = {}
         self._active: set[str] = set()
@@ -200,11 +207,12 @@ class Launches:
             if up and a.launches and a.host not in plane.drained()
             and (not allowed or a.host in allowed) and len(a.devices) >= need)
 
-    def _port(self) -> int | None:
+    def _port(self, busy: Sequence[int] = ()) -> int | None:
+        """The lowest rendezvous port no running launch holds (and not in ``busy``)."""
         config = self.plane.config
-        held = {la.rdzv_port for la in self._active_launches()}
+        held = {la.rdzv_port for la in self._active_launches()} | set(busy)
         for port in range(config.rdzv_port_min, config.rdzv_port_max + 1):
-            if port not in held and _bindable(port):
+            if port not in held:
                 return port
         return None
 
@@ -283,10 +291,16 @@ class Launches:
                                  chunk.data)
         stops: list[str] = []
         reported: dict[str, LaunchStatus] = {}
+        busy: set[str] = set()
         changed: set[str] = set()
         for st in statuses:
             launch = self._launch(st.launch_id)
             part = launch.host(host) if launch is not None else None
+            if st.rdzv_port_busy and launch is not None and part is not None:
+                busy.add(st.launch_id)  # not started there (not "no longer known")
+                if self._port_busy(launch, part, st):
+                    changed.add(launch.job_id)
+                continue
             if launch is None or part is None:
                 if st.running:  # a launch no job owns (the daemon's state was replaced)
                     stops.append(st.launch_id)
@@ -305,7 +319,7 @@ class Launches:
         for launch in self._active_launches():
             part = launch.host(host)
             if (part is not None and part.state == LAUNCH_RUNNING
-                    and launch.launch_id not in reported):
+                    and launch.launch_id not in reported and launch.launch_id not in busy):
                 new = replace(part, state=LAUNCH_EXITED, exit_code=EXIT_UNKNOWN,
                               reason=f"the agent on {host} no longer knows this launch "
                                      "(restarted without its state dir?)",
@@ -323,6 +337,9 @@ class Launches:
             now = reported.get(launch.launch_id)
             rec = self.store.get_job(launch.job_id)
             if now is None and part.state == LAUNCH_ORDERED:
+                store_host = next((h for h in launch.hosts if h.rdzv_host), part)
+                if store_host is not part and store_host.state == LAUNCH_ORDERED:
+                    continue  # until the store's host has its port and runs
                 if rec is not None and not rec.ended and rec.entry:
                     starts.append(Order(launch=launch, part=part,
                                         entry=Entry.from_dict(rec.entry)))
@@ -334,6 +351,38 @@ class Launches:
     def _launch(self, launch_id: str) -> LaunchRecord | None:
         job_id = self._by_id.get(launch_id)
         return self._by_job.get(job_id) if job_id is not None else None
+
+    def _port_busy(self, launch: LaunchRecord, part: HostLaunch, st: LaunchStatus) -> bool:
+        """The store's host did not start ``launch``: its rendezvous port is in use there.
+        Move it to another port (the next start order carries it), or after
+        :data:`RDZV_TRIES` ports (or none left) give the part up as not started (its job
+        then fails); True then. A refusal of a port the launch no longer has is old news."""
+        port = st.rdzv_port_busy
+        rec = self.store.get_job(launch.job_id)
+        if (not part.rdzv_host or part.state != LAUNCH_ORDERED or port != launch.rdzv_port
+                or rec is None or rec.ended):
+            return False
+        busy = (*launch.busy_ports, port)
+        new_port = self._port(busy) if len(busy) < RDZV_TRIES else None
+        if new_port is not None:
+            address = launch.rdzv_endpoint.rpartition(":")[0]
+            moved = replace(launch, rdzv_endpoint=f"{address}:{new_port}", busy_ports=busy)
+            self._save(moved)
+            log.info("job %s: rendezvous port %d is in use on %s: launch %s moves to port %d "
+                     "(try %d of %d)", launch.job_id, port, part.host, launch.launch_id,
+                     new_port, len(busy) + 1, RDZV_TRIES)
+            return False
+        cfg = self.plane.config
+        why = (f"rendezvous port {port} is in use on {part.host} (tried "
+               f"{', '.join(map(str, busy))}"
+               + (f" of {cfg.rdzv_port_min}-{cfg.rdzv_port_max}" if len(busy) < RDZV_TRIES
+                  else "") + "; free them there, or change the daemon's rdzv_port_min / "
+               "rdzv_port_max)")
+        new = replace(part, state=LAUNCH_EXITED, exit_code=CANNOT_START, reason=why,
+                      updated_ms=_now_ms())
+        self._save(replace(launch.with_host(new), busy_ports=busy))
+        self._log_change(launch, part, new)
+        return True
 
     @staticmethod
     def _updated(part: HostLaunch, st: LaunchStatus) -> HostLaunch:
@@ -408,7 +457,53 @@ class Launches:
         for h in launch.hosts:
             if h.state != LAUNCH_EXITED:
                 return False
-            got = self.logs.received(launch.launch_id, h.host)
+            got = self.logs.received(launch.job_id, h.host)
             if h.log_bytes and (got is None or got < h.log_bytes):
                 return False
         return True
+
+    # -- retention ----------------------------------------------------------------
+
+    def logs_expire_ms(self, rec: JobRecord) -> int | None:
+        """When the job's kept output is due for removal (wall clock, ms); None: never
+        (retention off, the job has not ended, or a part of its launch on a host that
+        is up has not exited)."""
+        hours = self.plane.config.log_retention_hours
+        if not hours or not rec.ended:
+            return None
+        since = rec.ended_ms
+        launch = self._by_job.get(rec.job_id)
+        for h in launch.hosts if launch is not None else ():
+            if h.state != LAUNCH_EXITED and self.plane.is_up(h.host):
+                return None  # still running there (its output may still come)
+            since = max(since, h.updated_ms)
+        return since + int(hours * 3600 * 1000)
+
+    def expire_logs(self, force: bool = False) -> list[str]:
+        """Remove the kept output of jobs that ended ``log_retention_hours`` ago (at most
+        once a minute, or a quarter of the retention if shorter, unless ``force``); the
+        jobs whose output went."""
+        hours = self.plane.config.log_retention_hours
+        now = time.monotonic()
+        if not hours or (not force and now - self._expired_at < min(60.0, hours * 900)):
+            return []
+        self._expired_at = now
+        removed = []
+        wall = _now_ms()
+        for job_id in self.logs.jobs():
+            rec = self.store.get_job(job_id)
+            if rec is None:  # no such job (the state was replaced): by the files' age
+                try:
+                    due: int | None = int(os.stat(self.logs.job_dir(job_id)).st_mtime * 1000
+                                          + hours * 3600 * 1000)
+                except OSError:
+                    continue
+            else:
+                due = self.logs_expire_ms(rec)
+            if due is not None and wall >= due and self.logs.remove(job_id):
+                removed.append(job_id)
+        if removed:
+            log.info("removed the output of %d job(s) ended over %g h ago "
+                     "(log_retention_hours): %s", len(removed), hours,
+                     ", ".join(removed[:10]) + (", ..." if len(removed) > 10 else ""))
+        return removed

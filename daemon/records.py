@@ -190,13 +190,17 @@ class HostLaunch(_Json):
 @dataclass(frozen=True, kw_only=True)
 class LaunchRecord(_Json):
     """A job's launch (jobs with an entry point): which hosts run its ranks, under
-    torchrun with c10d rendezvous at ``rdzv_endpoint``. One per job; never re-made."""
+    torchrun with c10d rendezvous at ``rdzv_endpoint``. One per job; never re-made (its
+    port may change until the store's host has started: ``busy_ports``)."""
 
     launch_id: str
     job_id: str
     rdzv_endpoint: str
     hosts: tuple[HostLaunch, ...]
     created_ms: int = 0
+    busy_ports: tuple[int, ...] = ()
+    """Rendezvous ports the store's host found in use, in the order tried (the launch
+    moved on to another port each time)."""
     _nested: ClassVar[dict[str, type]] = {"hosts": HostLaunch}
 
     @property

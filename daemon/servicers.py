@@ -171,10 +171,17 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     async def StreamLogs(self, request: job_pb2.StreamLogsRequest,
                          context: grpc.aio.ServicerContext) -> AsyncIterator[job_pb2.LogLines]:
         rank = request.rank if request.HasField("rank") else None
-        async for host, data in self.plane.stream_logs(
-                self._owner(context), convert.name(request.job_id, "job_id"), rank,
-                request.follow):
-            yield job_pb2.LogLines(host=host, data=data)
+        job_id = convert.name(request.job_id, "job_id")
+        resume = convert.resume_from_proto(request)
+        owner = self._owner(context)
+        # headers at once: a client that reconnected knows it is through before any output
+        await context.send_initial_metadata(())
+        async for host, data, end in self.plane.stream_logs(
+                owner, job_id, rank, request.follow, resume):
+            yield job_pb2.LogLines(host=host, data=data, end_offset=end)
+        if request.follow and self.plane.stopping:  # not the end: resume after the restart
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the daemon is stopping; reconnect and resume (resume_from)")
 
 
 def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:

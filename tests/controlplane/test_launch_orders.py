@@ -107,11 +107,13 @@ def test_start_orders_repeat_until_reported_then_never(d: RunningDaemon) -> None
     assert order.trainer_token == info.trainer_token  # the ranks' own token, for this job
     # not reported yet (the ack was lost, the agent restarted): ordered again, the same
     assert list(a.report("a").start) == [order]
-    [order_b] = a.report("b").start
-    assert not order_b.rdzv_host and order_b.rdzv_endpoint == order.rdzv_endpoint
+    # b waits until the store's host (a) runs: its port may still change until then
+    assert not a.report("b").start
     # reported: never ordered again, whatever its state
     assert not a.report("a", _running(launch_id, job_id)).start
     assert not a.report("a", _running(launch_id, job_id)).start
+    [order_b] = a.report("b").start
+    assert not order_b.rdzv_host and order_b.rdzv_endpoint == order.rdzv_endpoint
     assert not a.report("b", _running(launch_id, job_id)).stop
     info = a.job(job_id)
     assert [h.state for h in info.launch] == [job_pb2.HOST_LAUNCH_STATE_RUNNING] * 2
@@ -213,15 +215,31 @@ def test_output_is_kept_once_and_streamed_by_rank(d: RunningDaemon) -> None:
     # --follow: until the job has ended and every host's output has arrived
     follow = a.jobs.StreamLogs(job_pb2.StreamLogsRequest(job_id=job_id, rank=1, follow=True),
                                metadata=OWNER_MD, timeout=20)
-    assert next(follow) == job_pb2.LogLines(host="a", data=b"[rank1]:step 1\n")
-    assert next(follow) == job_pb2.LogLines(host="b", data=b"[rank1]:on b\n")
+    # each message says where in its host's output it ends (past lines skipped for rank)
+    assert next(follow) == job_pb2.LogLines(host="a", data=b"[rank1]:step 1\n",
+                                            end_offset=len(first + more))
+    assert next(follow) == job_pb2.LogLines(host="b", data=b"[rank1]:on b\n", end_offset=13)
     tail = b"[rank1]:bye\n"
     a.report("b", _exited(launch_id, job_id, 0, log_bytes=13 + len(tail)))  # output not in yet
     a.report("a", _exited(launch_id, job_id, 0, log_bytes=len(first + more)))
     assert a.job(job_id).state == job_pb2.JOB_STATE_SUCCEEDED
     a.report("b", _exited(launch_id, job_id, 0, log_bytes=13 + len(tail)),
              logs=(chunk(13, tail),))
-    assert list(follow) == [job_pb2.LogLines(host="b", data=tail)]
+    assert list(follow) == [job_pb2.LogLines(host="b", data=tail, end_offset=13 + len(tail))]
+    # resumed from offsets (a reconnect): each host from where it was left, others whole
+    req = job_pb2.StreamLogsRequest(job_id=job_id, resume_from={"a": 15})
+    got = [(m.host, m.data) for m in a.jobs.StreamLogs(req, metadata=OWNER_MD, timeout=T)]
+    assert got == [("a", (first + more)[15:]), ("b", b"[rank1]:on b\n" + tail)]
+    req = job_pb2.StreamLogsRequest(job_id=job_id, resume_from={"a": 63, "b": 13})
+    got = [(m.host, m.data) for m in a.jobs.StreamLogs(req, metadata=OWNER_MD, timeout=T)]
+    assert got == [("b", tail)]
+    for bad, field in (({"no host": 1}, "resume_from (a host)"),
+                       ({"a": 2**63}, "resume_from.a")):
+        with pytest.raises(grpc.RpcError) as err:
+            list(a.jobs.StreamLogs(job_pb2.StreamLogsRequest(job_id=job_id, resume_from=bad),
+                                   metadata=OWNER_MD, timeout=T))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith(field), err.value.details()
     # another owner's job is not found; a job without an entry point has no output here
     with pytest.raises(grpc.RpcError) as err:
         list(a.jobs.StreamLogs(job_pb2.StreamLogsRequest(job_id=job_id), metadata=OTHER_MD,
@@ -262,3 +280,69 @@ def test_bad_entries_and_reports_are_refused_by_field(d: RunningDaemon) -> None:
     with pytest.raises(grpc.RpcError) as err:
         a.report("a", logs=(agent_pb2.LogChunk(launch_id="l", data=b"x" * (3 << 20)),))
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def _busy(launch_id: str, job_id: str, port: int) -> agent_pb2.LaunchStatus:
+    return _exited(launch_id, job_id, 127, rdzv_port_busy=port,
+                   reason=f"rendezvous port {port} is in use on a")
+
+
+def test_a_busy_rendezvous_port_moves_the_launch_then_fails_it(d: RunningDaemon) -> None:
+    """The store's host (a) finds the port in use: the daemon orders the launch again
+    with the next port, b only once a runs; a refusal of an old port changes nothing;
+    after RDZV_TRIES busy ports the job fails naming them."""
+    a = Agents(d)
+    job_id, launch_id = _launched(a)
+    [order] = a.report("a").start
+    assert order.rdzv_endpoint.endswith(":29731")
+    [order] = a.report("a", _busy(launch_id, job_id, 29731)).start  # in the same ack
+    assert order.launch_id == launch_id and order.rdzv_endpoint.endswith(":29732")
+    assert a.job(job_id).rdzv_endpoint.endswith(":29732")
+    # the refusal again (its ack was lost): old news, the order stays at 29732
+    [order] = a.report("a", _busy(launch_id, job_id, 29731)).start
+    assert order.rdzv_endpoint.endswith(":29732")
+    assert not a.report("b").start  # not before a runs
+    assert not a.report("a", _running(launch_id, job_id)).start
+    [order_b] = a.report("b").start
+    assert order_b.rdzv_endpoint.endswith(":29732")
+    assert a.job(job_id).state == job_pb2.JOB_STATE_RUNNING
+    # a running launch's port no longer moves
+    a.report("a", _busy(launch_id, job_id, 29732))
+    assert a.job(job_id).rdzv_endpoint.endswith(":29732")
+
+    # a second job whose store's host finds every port it tries in use
+    info = a.jobs.SubmitJob(submit_request(entry=_entry()), metadata=OWNER_MD, timeout=T)
+    job2, launch2 = info.job_id, info.launch_id
+    ports = []
+    for _ in range(5):  # RDZV_TRIES
+        port = int(a.job(job2).rdzv_endpoint.rpartition(":")[2])
+        assert port != 29732  # held by the first launch
+        ports.append(port)
+        a.report("a", _running(launch_id, job_id), _busy(launch2, job2, port))
+    info = a.job(job2)
+    assert info.state == job_pb2.JOB_STATE_FAILED, info.reason
+    assert info.reason.startswith(f"host a: could not start: rendezvous port {ports[-1]} is "
+                                  "in use on a (tried " + ", ".join(map(str, ports)))
+    assert len(set(ports)) == 5 and info.launch[1].stopped  # b was never ordered
+    assert not a.report("b", _running(launch_id, job_id)).start
+
+
+def test_no_port_left_fails_at_once(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    d = start_daemon(tmp_path / "state", heartbeat_timeout_s=600.0, rdzv_port_min=29800,
+                     rdzv_port_max=29800)
+    try:
+        a = Agents(d)
+        a.register("a")
+        info = a.jobs.SubmitJob(submit_request(entry=_entry(hosts=1)), metadata=OWNER_MD,
+                                timeout=T)
+        job_id, launch_id = info.job_id, info.launch_id
+        a.report("a", _busy(launch_id, job_id, 29800))
+        info = a.job(job_id)
+        assert info.state == job_pb2.JOB_STATE_FAILED
+        assert "rendezvous port 29800 is in use on a (tried 29800 of 29800-29800" in info.reason
+        with pytest.raises(grpc.RpcError) as err:  # a port that is no port
+            a.report("a", _busy(launch_id, job_id, 70000))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details().startswith("launches[0].rdzv_port_busy")
+    finally:
+        d.stop()

@@ -329,6 +329,7 @@ class LaunchStatus(_message.Message):
     PID_FIELD_NUMBER: _builtins.int
     STOPPED_FIELD_NUMBER: _builtins.int
     LOG_BYTES_FIELD_NUMBER: _builtins.int
+    RDZV_PORT_BUSY_FIELD_NUMBER: _builtins.int
     launch_id: _builtins.str
     job_id: _builtins.str
     state: Global___LaunchState.ValueType
@@ -347,6 +348,14 @@ class LaunchStatus(_message.Message):
     """The agent stopped it on the daemon's order (ReportAck.stop)."""
     log_bytes: _builtins.int
     """Bytes of output the launch has written so far (its host log)."""
+    rdzv_port_busy: _builtins.int
+    """Not started: this host runs the launch's rendezvous store (LaunchOrder.rdzv_host)
+    and this port of rdzv_endpoint was in use here (the agent tries to bind it before
+    it starts torchrun). Sent with state EXITED, exit_code 127 and the reason until
+    acknowledged; the launch id stays unused, so the daemon may order it again with
+    another port (it then orders the other hosts too, which it holds back until the
+    store's host reports the launch running).
+    """
     def __init__(
         self,
         *,
@@ -358,10 +367,11 @@ class LaunchStatus(_message.Message):
         pid: _builtins.int = ...,
         stopped: _builtins.bool = ...,
         log_bytes: _builtins.int = ...,
+        rdzv_port_busy: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "launch_id", b"launch_id", "log_bytes", b"log_bytes", "pid", b"pid", "reason", b"reason", "state", b"state", "stopped", b"stopped"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["exit_code", b"exit_code", "job_id", b"job_id", "launch_id", b"launch_id", "log_bytes", b"log_bytes", "pid", b"pid", "rdzv_port_busy", b"rdzv_port_busy", "reason", b"reason", "state", b"state", "stopped", b"stopped"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -376,7 +386,10 @@ class LogChunk(_message.Message):
     DATA_FIELD_NUMBER: _builtins.int
     launch_id: _builtins.str
     offset: _builtins.int
-    """Bytes of the launch's host log before `data` (a resent chunk is recognised)."""
+    """Bytes of the launch's host log before `data`. A chunk resent after a lost ack
+    (a broken stream, an agent or daemon restart) is recognised by it and kept once:
+    the daemon's own files say how far it has written, across its restarts.
+    """
     data: _builtins.bytes
     def __init__(
         self,

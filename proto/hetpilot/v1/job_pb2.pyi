@@ -749,9 +749,30 @@ Global___WatchPlansRequest: _TypeAlias = WatchPlansRequest  # noqa: Y015
 class StreamLogsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
+    @_typing.final
+    class ResumeFromEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.str
+        value: _builtins.int
+        def __init__(
+            self,
+            *,
+            key: _builtins.str = ...,
+            value: _builtins.int = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
+
     JOB_ID_FIELD_NUMBER: _builtins.int
     RANK_FIELD_NUMBER: _builtins.int
     FOLLOW_FIELD_NUMBER: _builtins.int
+    RESUME_FROM_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     rank: _builtins.int
     """Only the lines of this global rank (torchrun prefixes each rank's lines with
@@ -759,16 +780,25 @@ class StreamLogsRequest(_message.Message):
     """
     follow: _builtins.bool
     """Keep streaming new output until the job has ended and all of it has arrived."""
+    @_builtins.property
+    def resume_from(self) -> _containers.ScalarMap[_builtins.str, _builtins.int]:
+        """Resume after a broken stream: host -> the end_offset of the last LogLines of that
+        host already taken. Those hosts' output goes on from there (a line with
+        "[hetpilot: ...dropped]" first if it is no longer kept); the other hosts' starts
+        from the oldest output kept.
+        """
+
     def __init__(
         self,
         *,
         job_id: _builtins.str = ...,
         rank: _builtins.int | None = ...,
         follow: _builtins.bool = ...,
+        resume_from: _abc.Mapping[_builtins.str, _builtins.int] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "rank", b"rank"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "follow", b"follow", "job_id", b"job_id", "rank", b"rank"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_rank", b"_rank", "follow", b"follow", "job_id", b"job_id", "rank", b"rank", "resume_from", b"resume_from"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__rank: _TypeAlias = _typing.Literal["rank"]  # noqa: Y015
     _WhichOneofArgType__rank: _TypeAlias = _typing.Literal["_rank", b"_rank"]  # noqa: Y015
@@ -784,17 +814,23 @@ class LogLines(_message.Message):
 
     HOST_FIELD_NUMBER: _builtins.int
     DATA_FIELD_NUMBER: _builtins.int
+    END_OFFSET_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     data: _builtins.bytes
+    end_offset: _builtins.int
+    """Offset in the host's output just past `data` (and past any lines the rank
+    filter skipped): StreamLogsRequest.resume_from goes on from here.
+    """
     def __init__(
         self,
         *,
         host: _builtins.str = ...,
         data: _builtins.bytes = ...,
+        end_offset: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "host", b"host"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data", b"data", "end_offset", b"end_offset", "host", b"host"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -120,7 +120,9 @@ class JobServiceServicer:
         """The output of a launched job's ranks (jobs with an entry point), as each host's
         agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
         then with `follow` new output as it comes, until the job has ended and every
-        host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+        host's output has arrived. A job without an entry point is FAILED_PRECONDITION, so
+        is one whose output was removed (daemon log_retention_hours after it ended). A
+        daemon that stops ends a follow with UNAVAILABLE: reconnect with resume_from.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

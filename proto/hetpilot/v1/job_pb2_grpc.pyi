@@ -52,7 +52,9 @@ class JobServiceStub:
     """The output of a launched job's ranks (jobs with an entry point), as each host's
     agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
     then with `follow` new output as it comes, until the job has ended and every
-    host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+    host's output has arrived. A job without an entry point is FAILED_PRECONDITION, so
+    is one whose output was removed (daemon log_retention_hours after it ended). A
+    daemon that stops ends a follow with UNAVAILABLE: reconnect with resume_from.
     """
 
 @_typing.type_check_only
@@ -74,7 +76,9 @@ class JobServiceAsyncStub(JobServiceStub):
     """The output of a launched job's ranks (jobs with an entry point), as each host's
     agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
     then with `follow` new output as it comes, until the job has ended and every
-    host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+    host's output has arrived. A job without an entry point is FAILED_PRECONDITION, so
+    is one whose output was removed (daemon log_retention_hours after it ended). A
+    daemon that stops ends a follow with UNAVAILABLE: reconnect with resume_from.
     """
 
 class JobServiceServicer(metaclass=_abc_1.ABCMeta):
@@ -135,7 +139,9 @@ class JobServiceServicer(metaclass=_abc_1.ABCMeta):
         """The output of a launched job's ranks (jobs with an entry point), as each host's
         agent shipped it: what is kept (the newest `log_bytes_per_host` of each host),
         then with `follow` new output as it comes, until the job has ended and every
-        host's output has arrived. A job without an entry point is FAILED_PRECONDITION.
+        host's output has arrived. A job without an entry point is FAILED_PRECONDITION, so
+        is one whose output was removed (daemon log_retention_hours after it ended). A
+        daemon that stops ends a follow with UNAVAILABLE: reconnect with resume_from.
         """
 
 def add_JobServiceServicer_to_server(servicer: JobServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
