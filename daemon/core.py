@@ -399,6 +399,11 @@ class ControlPlane:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=5.0)
 
+    def job_ended(self, job_id: str) -> bool:
+        """Whether the job has ended (or is not known)."""
+        rec = self.store.get_job(job_id)
+        return rec is None or rec.ended
+
     @property
     def stopping(self) -> bool:
         """The daemon is stopping (streams end at their next turn)."""

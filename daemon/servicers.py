@@ -162,10 +162,14 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     async def WatchPlans(self, request: job_pb2.WatchPlansRequest,
                          context: grpc.aio.ServicerContext
                          ) -> AsyncIterator[common_pb2.PlanVersion]:
-        async for plan in self.plane.watch(self._owner(context),
-                                           convert.name(request.job_id, "job_id"),
+        job_id = convert.name(request.job_id, "job_id")
+        async for plan in self.plane.watch(self._owner(context), job_id,
                                            convert.version(request.after_version)):
             yield convert.plan_to_proto(plan)
+        if self.plane.stopping and not self.plane.job_ended(job_id):
+            # not the job's end: the client reconnects after the restart and resumes
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "the daemon is stopping; reconnect (after_version)")
 
     @_stream
     async def StreamLogs(self, request: job_pb2.StreamLogsRequest,

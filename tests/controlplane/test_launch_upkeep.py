@@ -307,3 +307,35 @@ def test_a_busy_rendezvous_port_on_the_store_host_moves_the_launch(tmp_path: Pat
         agent.send_signal(signal.SIGTERM)
         agent.wait(timeout=15)
         d.stop()
+
+
+@pytest.mark.slow
+def test_watch_goes_on_through_a_daemon_restart(tmp_path: Path) -> None:
+    """A stopping daemon ends WatchPlans with UNAVAILABLE, not as the job's end: ``hetpilot
+    watch`` reconnects after the restart, resumes after the last version it printed, and
+    ends when the job does."""
+    state, port = tmp_path / "state", _free_port()
+    d = _daemon(state, port)
+    address = f"127.0.0.1:{port}"
+    watch = None
+    try:
+        a = Agents(d)
+        a.register("a", launches=False)
+        job_id = a.jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=T).job_id
+        wait_until("a plan", lambda: a.job(job_id).plan_version >= 1)
+        watch, out, err = _cli(tmp_path, "watch", "watch", job_id, "--json", "--count", "0",
+                               "--daemon", address)
+        wait_until("the first version", lambda: b'"version": 1' in out.read_bytes())
+        d.stop()
+        time.sleep(3.0)  # before the fix it took the stop for the job's end: exit 0 here
+        assert watch.poll() is None, err.read_bytes()  # waiting for the daemon, not done
+        d = _daemon(state, port)
+        a = Agents(d)
+        a.jobs.CancelJob(job_pb2.CancelJobRequest(job_id=job_id), metadata=OWNER_MD, timeout=T)
+        assert watch.wait(timeout=30) == 0, err.read_bytes()
+        versions = [line for line in out.read_text().splitlines() if '"version"' in line]
+        assert len(versions) == len(set(versions))  # none printed twice
+    finally:
+        if watch is not None and watch.poll() is None:
+            watch.kill()
+        d.stop()
