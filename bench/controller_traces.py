@@ -55,7 +55,7 @@ from hetpilot.planner.catalog import make_cluster, transformer
 from hetpilot.planner.controller import Controller, ControllerConfig, planner_search
 from hetpilot.planner.types import Cluster, Device, Job, Layer, Link, Model, Network
 from hetpilot.sim.engine import SlotRecord, simulate, summarize
-from hetpilot.sim.oracle import OracleBound, oracle_bound
+from hetpilot.sim.oracle import OracleBound, lagged_bound, oracle_bound
 from hetpilot.sim.policies import CachedSearch
 from hetpilot.sim.scenario import Event, Scenario, Timeline
 
@@ -301,6 +301,8 @@ class Row:
     runs: dict[str, dict[str, Any]]
     oracle: OracleBound
     wall_s: float
+    lagged: OracleBound | None = None
+    """The lag-matched reference (:func:`hetpilot.sim.oracle.lagged_bound`)."""
 
 
 def run_policy(tr: Trace, tl: Timeline, search: CachedSearch, policy: str,
@@ -329,8 +331,9 @@ def run_trace(tr: Trace, search: CachedSearch,
                      ControllerConfig(iterations_per_slot=tr.scenario.iterations_per_slot),
                      search=search)
     bound = oracle_bound(tl, ctl.candidates, tr.scenario.slots, KIND)
+    lagged = lagged_bound(tl, ctl.candidates, tr.scenario.slots, KIND)
     return Row(tr.name, tr.mix, tr.shape, tr.hosts, tr.level, tr.budget, tr.V, runs, bound,
-               time.perf_counter() - t0), records
+               time.perf_counter() - t0, lagged), records
 
 
 def cheapest_plan(mix: Mix, search: CachedSearch) -> float:
@@ -349,10 +352,10 @@ def geomean(xs: Sequence[float]) -> float:
 def markdown(rows: Sequence[Row], main: str, explicit: str) -> str:
     out = []
     head = ["trace", "budget $/h", "job V", f"{main}: spend/budget (tail)", "T s",
-            "vs greedy", "vs static", "vs oracle", "versions/100",
+            "vs greedy", "vs static", "vs oracle", "vs lag-matched", "versions/100",
             f"{explicit}: spend/budget", "vs greedy", "versions/100",
             "greedy spend/budget", "greedy T s", "static spend/budget", "static T s",
-            "oracle T s (spend/budget)"]
+            "oracle T s (spend/budget)", "lag-matched T s (vs oracle)"]
     out.append("| " + " | ".join(head) + " |")
     out.append("|" + "---|" * len(head))
     for r in rows:
@@ -362,13 +365,17 @@ def markdown(rows: Sequence[Row], main: str, explicit: str) -> str:
         cells = [r.trace, f"{r.budget:g}", f"{r.job_V:g}",
                  f"{m['spend']:.3f} ({m['tail_spend']:.3f})", f"{m['T']:.4f}",
                  f"{g['T'] / m['T']:.3f}x", f"{s['T'] / m['T']:.3f}x",
-                 f"{(m['T'] / o.iteration_s - 1) * 100:+.1f}%", f"{m['versions_per_100']:.0f}"]
+                 f"{(m['T'] / o.iteration_s - 1) * 100:+.1f}%",
+                 "-" if r.lagged is None else f"{(m['T'] / r.lagged.iteration_s - 1) * 100:+.1f}%",
+                 f"{m['versions_per_100']:.0f}"]
         if e is not None:
             cells += [f"{e['spend']:.3f}", f"{g['T'] / e['T']:.3f}x", f"{e['versions_per_100']:.0f}"]
         else:
             cells += ["-", "-", "-"]
         cells += [f"{g['spend']:.3f}", f"{g['T']:.4f}", f"{s['spend']:.3f}", f"{s['T']:.4f}",
-                  f"{o.iteration_s:.4f} ({o.cost / r.budget:.3f})"]
+                  f"{o.iteration_s:.4f} ({o.cost / r.budget:.3f})",
+                  "-" if r.lagged is None else
+                  f"{r.lagged.iteration_s:.4f} ({(r.lagged.iteration_s / o.iteration_s - 1) * 100:+.1f}%)"]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -396,7 +403,17 @@ def targets(rows: Sequence[Row], label: str) -> dict[str, Any]:
         "geomean_speedup_vs_greedy": geomean(speedups),
         "min_speedup_vs_greedy": min(speedups),
         "mean_gap_to_oracle": statistics.fmean(vs_oracle),
+        "median_gap_to_oracle": statistics.median(vs_oracle),
         "max_gap_to_oracle": max(vs_oracle),
+        "mean_gap_to_oracle_by_shape": {
+            shape: statistics.fmean(g for r, g in zip(rows, vs_oracle, strict=True) if r.shape == shape)
+            for shape in dict.fromkeys(r.shape for r in rows)},
+        "mean_lagged_over_oracle": statistics.fmean(
+            r.lagged.iteration_s / r.oracle.iteration_s - 1.0 for r in rows if r.lagged is not None)
+        if any(r.lagged is not None for r in rows) else None,
+        "mean_gap_to_lagged": statistics.fmean(
+            r.runs[label]["T"] / r.lagged.iteration_s - 1.0 for r in rows if r.lagged is not None)
+        if any(r.lagged is not None for r in rows) else None,
         "spend_range": (min(r.runs[label]["spend"] for r in rows),
                         max(r.runs[label]["spend"] for r in rows)),
         "median_versions_per_100": statistics.median(versions),
@@ -561,7 +578,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"{tr.name}: budget {tr.budget:g} V {tr.V:g} | default V: spend {m['spend']:.3f} "
               f"T {m['T']:.4f} ({g['T'] / m['T']:.3f}x greedy, "
               f"{(m['T'] / row.oracle.iteration_s - 1) * 100:+.1f}% oracle, "
-              f"{m['versions_per_100']:.0f} v/100)"
+              + (f"{(m['T'] / row.lagged.iteration_s - 1) * 100:+.1f}% lag-matched, "
+                 if row.lagged is not None else "")
+              + f"{m['versions_per_100']:.0f} v/100)"
               + (f" | job V: spend {e['spend']:.3f} {g['T'] / e['T']:.3f}x greedy" if e else "")
               + f" | greedy spend {g['spend']:.3f} | {row.wall_s:.1f} s", flush=True)
     wall = time.perf_counter() - t_all
@@ -581,8 +600,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"- {label}: {json.dumps(tg)}" for label, tg in summary.items()) + "\n")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "rows": [{**{k: v for k, v in vars(r).items() if k != "oracle"},
-                      "oracle": vars(r.oracle)} for r in rows],
+            "rows": [{**{k: v for k, v in vars(r).items() if k not in ("oracle", "lagged")},
+                      "oracle": vars(r.oracle),
+                      "lagged": None if r.lagged is None else vars(r.lagged)} for r in rows],
             "targets": summary, "wall_s": wall}, indent=1) + "\n")
     return 0
 

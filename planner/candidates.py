@@ -18,7 +18,8 @@ import numpy as np
 
 from .types import COST_KINDS, Cluster, Plan
 
-__all__ = ["Candidate", "Frontier", "budget_multiplier", "frontier", "lower_hull", "plan_costs"]
+__all__ = ["Candidate", "Frontier", "budget_multiplier", "frontier", "lower_hull", "plan_costs",
+           "tie_share"]
 
 _T = TypeVar("_T")
 
@@ -81,7 +82,37 @@ def frontier(points: Sequence[tuple[float, float]]) -> Frontier:
     return (np.array([c for c, _ in hull], dtype=float), np.array([t for _, t in hull], dtype=float))
 
 
-def budget_multiplier(frontiers: Sequence[Frontier], budget: float) -> float | None:
+def _stack(frontiers: Sequence[Frontier],
+           paid: Sequence[np.ndarray] | None) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """Frontiers as (cost, time, paid) matrices, one row per slot, each row
+    padded with copies of its last (dearest, fastest) point; None if empty."""
+    pays = list(paid) if paid is not None else [f[0] for f in frontiers]
+    both = [(f, p) for f, p in zip(frontiers, pays, strict=True) if len(f[0])]
+    if not both:
+        return None
+    width = max(len(f[0]) for f, _ in both)
+    cost = np.empty((len(both), width))
+    time = np.empty((len(both), width))
+    pay = np.empty((len(both), width))
+    for i, ((c, t), p) in enumerate(both):
+        cost[i, :len(c)], cost[i, len(c):] = c, c[-1]
+        time[i, :len(t)], time[i, len(t):] = t, t[-1]
+        pay[i, :len(p)], pay[i, len(p):] = p, p[-1]
+    return cost, time, pay
+
+
+def _spend(stack: tuple[np.ndarray, np.ndarray, np.ndarray], lam: float, dear: bool = False) -> float:
+    """Average paid cost of each slot's minimiser of T + lam c; ties go to the
+    cheapest (or the dearest) minimiser."""
+    cost, time, pay = stack
+    score = time + lam * cost
+    width = cost.shape[1]
+    idx = width - 1 - np.argmin(score[:, ::-1], axis=1) if dear else np.argmin(score, axis=1)
+    return float(pay[np.arange(len(pay)), idx].mean())
+
+
+def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
+                      paid: Sequence[np.ndarray] | None = None) -> float | None:
     """The Lagrange multiplier (seconds of iteration time per unit of cost rate) of
 
         min avg_s T_s  subject to  avg_s c_s <= budget
@@ -90,30 +121,28 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float) -> float | N
     offline oracle's linear programme over these slots): the smallest
     ``l >= 0`` at which each slot's minimiser of ``T + l * c`` costs at most
     ``budget`` on average. 0 when the fastest points fit; None when even the
-    cheapest do not (or there are no slots)."""
-    fr = [f for f in frontiers if len(f[0])]
-    if not fr:
+    cheapest do not (or there are no slots).
+
+    ``paid``, one array per frontier (its points' cost rates as they turned
+    out: a slot's decision sees the previous slot's prices), makes the choice
+    by the frontiers' costs and the average of what the choices paid: the
+    rate that would have held the budget with the one-slot lag."""
+    stack = _stack(frontiers, paid)
+    if stack is None:
         return None
-    width = max(len(f[0]) for f in fr)
-    # pad each frontier with copies of its last (dearest, fastest) point
-    cost = np.array([np.pad(c, (0, width - len(c)), mode="edge") for c, _ in fr])
-    time = np.array([np.pad(t, (0, width - len(t)), mode="edge") for _, t in fr])
-    rows = np.arange(len(fr))
+    cost, time, pay = stack
     limit = budget * (1 + 1e-9)
 
     def spend(lam: float, dear: bool = False) -> float:
-        """Average cost of each slot's minimiser of T + lam c; ties go to the
-        cheapest (or the dearest) minimiser."""
-        score = time + lam * cost
-        idx = width - 1 - np.argmin(score[:, ::-1], axis=1) if dear else np.argmin(score, axis=1)
-        return float(cost[rows, idx].mean())
+        return _spend(stack, lam, dear)
 
     if spend(0.0) <= limit:
         return 0.0
-    if float(cost[:, 0].mean()) > limit:
+    if float(pay[:, 0].mean()) > limit:
         return None
-    steep = [float(np.max(-np.diff(t) / np.diff(c))) for c, t in fr if len(c) > 1]
-    top = 2.0 * max(steep, default=1.0)
+    dc, dt = np.diff(cost, axis=1), np.diff(time, axis=1)
+    real = dc > 0  # the padding adds no segments
+    top = 2.0 * (float(np.max(-dt[real] / dc[real])) if real.any() else 1.0)
     lo, hi = 0.0, top
     for _ in range(60):  # the smallest rate whose minimisers fit
         mid = 0.5 * (lo + hi)
@@ -133,3 +162,20 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float) -> float | N
         else:
             b = mid
     return 0.5 * (hi + a)
+
+
+def tie_share(frontiers: Sequence[Frontier], lam: float, budget: float,
+              paid: Sequence[np.ndarray] | None = None, rel: float = 1e-6) -> float:
+    """Where the rate ``lam`` sits on a kink (ties between neighbouring points
+    of some frontiers): the share ``x`` of the tied slots that must take the
+    dearer point for the slots to spend ``budget`` on average, the linear
+    programme's mix, ``(budget - S_cheap) / (S_dear - S_cheap)`` with
+    ``S_cheap`` (``S_dear``) the average spend with every tie going to the
+    cheaper (dearer) point; clipped to [0, 1]. 0 without ties."""
+    stack = _stack(frontiers, paid)
+    if stack is None or lam <= 0:
+        return 0.0
+    cheap, dear = _spend(stack, lam * (1 + rel)), _spend(stack, lam * (1 - rel))
+    if dear <= cheap:
+        return 0.0
+    return min(max((budget - cheap) / (dear - cheap), 0.0), 1.0)

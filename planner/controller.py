@@ -71,7 +71,15 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import serde
-from .candidates import Candidate, Frontier, budget_multiplier, frontier, lower_hull, plan_costs
+from .candidates import (
+    Candidate,
+    Frontier,
+    budget_multiplier,
+    frontier,
+    lower_hull,
+    plan_costs,
+    tie_share,
+)
 from .elastic import surviving_plan
 from .errors import InfeasibleError, ValidationError
 from .refmodel import evaluate
@@ -115,6 +123,10 @@ class Gate(Protocol):
 
 
 _STATE_FORMAT = 1
+
+
+_MIN_UNIT = 1e-9
+"""A budget below this (in its own unit) is weighed as this in the default V's scale."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -168,13 +180,18 @@ class ControllerConfig:
     max_credit: float = 1.0
     """With a learned rate: unspent budget is banked, but the target it allows
     stays below ``(1 + max_credit) * budget``."""
+    repay_rate: float = 1.0
+    """With a learned rate: a debt is repaid no faster than at ``1 + repay_rate``
+    times the rate that holds the budget itself: where ``repay_slots`` would
+    ask for more (the frontier has a gap below the budget, so repaying fast
+    means a much slower plan), the debt is spread over twice as many slots,
+    and again, up to ``repay_max_slots``. 0: always ``repay_slots``."""
+    repay_max_slots: int = 200
+    """The longest a debt is spread over (see ``repay_rate``)."""
     mix: bool = True
     """With a learned rate: where the rate sits on the kink between two plans
     that straddle the budget (no plan near it), time-share them on a schedule
     of whole slots whose switches are paid for (:meth:`Controller._mix`)."""
-    mix_settled: float = 0.05
-    """Time-share only while the target is within this fraction of the budget:
-    while a debt is repaid (or a credit spent) the learned rate alone decides."""
     mix_overhead: float = 0.03
     """A time-sharing cycle is made long enough that its two switches cost at
     most this fraction of what mixing gains over the cheaper plan alone."""
@@ -189,11 +206,11 @@ class ControllerConfig:
             raise ValidationError("config.slot_s", f"must be > 0, got {self.slot_s}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 0):
             raise ValidationError("config.hysteresis", f"must be >= 0, got {self.hysteresis}")
-        for name in ("learn_window", "repay_slots", "mix_max_cycle"):
+        for name in ("learn_window", "repay_slots", "mix_max_cycle", "repay_max_slots"):
             if getattr(self, name) < (0 if name == "learn_window" else 1):
                 raise ValidationError(f"config.{name}", f"must be >= {0 if name == 'learn_window' else 1}, "
                                       f"got {getattr(self, name)}")
-        for name in ("max_credit", "mix_overhead", "mix_settled"):
+        for name in ("max_credit", "mix_overhead", "repay_rate"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValidationError(f"config.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.iterations_per_slot is not None and self.iterations_per_slot < 1:
@@ -354,11 +371,17 @@ class Controller:
         self._carry: dict[str, float] = {}  # shadow prices to keep across a change of scale
         # the default V's learned multiplier: frontiers seen, shadow price in the queue
         self._frontiers: deque[Frontier] = deque(maxlen=max(self.config.learn_window, 1))
+        # what each frontier's points really cost in their slot (known a slot later:
+        # the decision saw the previous slot's prices), and the last one's devices
+        self._paid: deque[np.ndarray] = deque(maxlen=max(self.config.learn_window, 1))
+        self._front_devices: list[tuple[str, ...]] = []
         self._learned: dict[str, float] = {}
         self._debt: dict[str, float] = {}  # spending over (+) or under (-) the budget, settled
         self._mixing = 0.0  # this slot's time-sharing share (Decision.mix)
         self._mix_pair: list[float] | None = None  # the schedule's two plans (costs, times)
         self._mix_err = 0.0  # its running total of cost over the target (cost rate x slots)
+        self._tie_dear = False  # this slot's ties go to the dearer plan (tie_share 1)
+        self._horizon = float(self.config.repay_slots)  # slots this slot's debt is spread over
 
     # -- public surface ------------------------------------------------------
 
@@ -421,6 +444,8 @@ class Controller:
             self._fresh |= set(new_budgets) - set(self._budgets)
             if set(new_budgets) != set(self._budgets):  # another kind: another frontier
                 self._frontiers.clear()
+                self._paid.clear()
+                self._front_devices = []
                 self._learned = {}
             self._budgets = new_budgets
             self._queues = {k: self._queues.get(k, 0.0) for k in new_budgets}
@@ -530,7 +555,8 @@ class Controller:
             "debt": dict(self._debt),
             "mix": None if self._mix_pair is None else {"pair": list(self._mix_pair),
                                                         "err": self._mix_err},
-            "frontiers": _frontier_runs(self._frontiers),
+            "frontiers": _frontier_runs(self._frontiers, self._paid),
+            "front_devices": [list(d) for d in self._front_devices],
             **({"gate": self._gate.to_state()} if self._gate is not None else {}),
         }
 
@@ -615,20 +641,30 @@ class Controller:
                 raise ValidationError("state.mix", "must be null or {pair: 4 numbers, err: number}")
             ctl._mix_pair, ctl._mix_err = [float(v) for v in pair], float(err)
         ctl._frontiers.clear()
+        ctl._paid.clear()
         raw_frontiers = state.get("frontiers", [])
         if not isinstance(raw_frontiers, list):
             raise ValidationError("state.frontiers", "must be a list")
         for i, run in enumerate(raw_frontiers):
             try:
-                count, c, t = run[0], *(np.array(x, dtype=float) for x in run[1:])
+                count, c, t, *rest = run[0], *(np.array(x, dtype=float) for x in run[1:])
             except (TypeError, ValueError, IndexError) as exc:
                 raise ValidationError(f"state.frontiers[{i}]", "must be [count, costs, times]") from exc
-            if (isinstance(count, bool) or not isinstance(count, int) or count < 1 or len(run) != 3
-                    or c.shape != t.shape or c.ndim != 1
-                    or not (np.isfinite(c).all() and np.isfinite(t).all())):
+            paid = rest[0] if rest else c
+            if (isinstance(count, bool) or not isinstance(count, int) or count < 1
+                    or len(run) not in (3, 4) or c.shape != t.shape or c.ndim != 1
+                    or paid.shape != c.shape
+                    or not (np.isfinite(c).all() and np.isfinite(t).all() and np.isfinite(paid).all())):
                 raise ValidationError(f"state.frontiers[{i}]", "must be [count >= 1, costs, times] "
-                                      "with two lists of numbers of one length")
-            ctl._frontiers.extend((c, t) for _ in range(min(count, ctl._frontiers.maxlen or count)))
+                                      "or [count, costs, times, paid] with lists of numbers of one length")
+            n = min(count, ctl._frontiers.maxlen or count)
+            ctl._frontiers.extend((c, t) for _ in range(n))
+            ctl._paid.extend(paid for _ in range(n))
+        raw_devices = state.get("front_devices", [])
+        if not isinstance(raw_devices, list) or any(
+                not isinstance(d, list) or not all(isinstance(x, str) for x in d) for d in raw_devices):
+            raise ValidationError("state.front_devices", "must be a list of lists of device ids")
+        ctl._front_devices = [tuple(d) for d in raw_devices]
         raw_gate = state.get("gate")
         if gate is not None and raw_gate is not None:
             if not isinstance(raw_gate, Mapping):
@@ -653,6 +689,7 @@ class Controller:
             real = plan_costs(observed, plan)
             redone = self._updated(pending.queues_before, pending.budgets, real)
             queues.update({k: v for k, v in redone.items() if k in queues})
+        self._settle_frontier(observed)
         if pending is not None:
             paid = real if real is not None else pending.costs
             for k, b in pending.budgets.items():
@@ -768,7 +805,7 @@ class Controller:
         for k, b in budgets.items():
             unit = b if b > 0 else min((c.costs.get(k, 0.0) for c in cands if c.costs.get(k, 0.0) > 0),
                                        default=1.0)
-            weights[k] = 1.0 / unit ** 2
+            weights[k] = 1.0 / max(unit, _MIN_UNIT) ** 2  # 1e-200 ** 2 would be 0
         scale = _Scale(self.config.default_v / max(t_ref, 1e-12), MappingProxyType(weights), t_ref)
         self._auto = scale
         if self._carry:
@@ -784,6 +821,19 @@ class Controller:
         self._fresh.clear()
         return scale
 
+    def _settle_frontier(self, observed: Cluster) -> None:
+        """What the last slot's frontier plans really cost, now that ``observed``
+        shows that slot's prices (a plan on a device gone keeps the cost it was
+        chosen at)."""
+        if not (self._learning() and self._paid and self._front_devices
+                and len(self._front_devices) == len(self._paid[-1])):
+            return
+        (kind, _), = self._budgets.items()
+        by_id = observed.by_id
+        self._paid[-1] = np.array([
+            sum(by_id[d].cost(kind) for d in devs) if all(d in by_id for d in devs) else seen
+            for devs, seen in zip(self._front_devices, self._paid[-1], strict=True)])
+
     def _learning(self) -> bool:
         return (self.config.policy == "lyapunov" and self._V == 0.0 and len(self._budgets) == 1
                 and self.config.learn_window > 0)
@@ -795,11 +845,27 @@ class Controller:
         if not self._learning():
             return
         (kind, budget), = self._budgets.items()
-        self._frontiers.append(_frontier(cands, kind))
+        hull = lower_hull(cands, lambda c: (c.costs.get(kind, 0.0), c.iteration_s))
+        front = (np.array([c.costs.get(kind, 0.0) for c in hull], dtype=float),
+                 np.array([c.iteration_s for c in hull], dtype=float))
+        self._frontiers.append(front)
+        self._paid.append(front[0].copy())  # until the next slot shows what they cost
+        self._front_devices = [tuple(c.plan.devices) for c in hull]
         horizon = self.config.repay_slots
         debt = max(self._debt.get(kind, 0.0), -self.config.max_credit * budget * horizon)
         self._debt[kind] = debt
-        lam = budget_multiplier(self._frontiers, self._target())
+        paid = self._paid
+        self._horizon = float(horizon)
+        lam = budget_multiplier(self._frontiers, self._target(), paid=paid)
+        rho = self.config.repay_rate
+        if rho > 0 and debt > 0.0 and lam is not None:
+            base = budget_multiplier(self._frontiers, budget, paid=paid)
+            if base:  # repay no faster than at (1 + rho) times the rate at the budget itself
+                lo_rate, hi_rate = base / (1 + rho), base * (1 + rho)
+                while (lam is None or not lo_rate <= lam <= hi_rate) and \
+                        self._horizon < self.config.repay_max_slots:
+                    self._horizon = min(2 * self._horizon, float(self.config.repay_max_slots))
+                    lam = budget_multiplier(self._frontiers, self._target(), paid=paid)
         if lam is None:  # below the cheapest plans: weigh cost as heavily as they ever do
             lam = max((float(np.max(-np.diff(t) / np.diff(c))) for c, t in self._frontiers
                        if len(c) > 1), default=self._learned.get(kind, 0.0))
@@ -809,7 +875,7 @@ class Controller:
     def _target(self) -> float:
         """The budget less the debt spread over ``repay_slots`` (bounded)."""
         (kind, budget), = self._budgets.items()
-        return budget - self._debt.get(kind, 0.0) / self.config.repay_slots
+        return budget - self._debt.get(kind, 0.0) / self._horizon
 
     def _choose(
         self,
@@ -851,8 +917,9 @@ class Controller:
 
         if policy == "lyapunov" and self._learning():
             # equal scores (a learned rate on the kink between two plans): the cheaper first
+            sign = -1.0 if self._tie_dear else 1.0
             pool.sort(key=lambda c: (float(f"{score(c):.10g}"),
-                                     sum(c.costs.get(k, 0.0) for k in self._budgets)))
+                                     sign * sum(c.costs.get(k, 0.0) for k in self._budgets)))
         else:
             pool.sort(key=score)
         best: Candidate | None = None
@@ -881,15 +948,18 @@ class Controller:
              pool: Sequence[Candidate]) -> tuple[Candidate, SwitchCost] | None:
         """Time-sharing of two plans as a schedule of whole slots.
 
-        Where no plan sits at the target ``b_t`` (the budget less the debt
-        spread over ``repay_slots``) and the prices have not moved over the
-        learning window (every frontier in it is this slot's), the learned
-        rate is the slope between the two frontier plans that straddle the
-        target, ``lo`` (cheaper) and ``hi`` (dearer): both are equally good,
-        and a share ``x = (b_t - c_lo) / (c_hi - c_lo)`` of ``hi`` holds the
-        target while running ``x (T_lo - T_hi)`` seconds per iteration faster
-        than ``lo`` alone. (When prices move, the rate already time-shares
-        across slots, banking under-spending for cheap slots.)
+        Where the learned rate sits on a kink of this slot's frontier, between
+        two neighbouring plans ``lo`` (cheaper) and ``hi`` (dearer), both are
+        equally good and the linear programme the rate comes from mixes them:
+        of the slots where the rate ties two plans, a share ``x`` takes the
+        dearer (:func:`~hetpilot.planner.candidates.tie_share`: the share that
+        makes the window spend the target, the budget less the debt spread
+        over ``repay_slots``, or longer: ``repay_rate``). The controller
+        time-shares only where the prices have not moved over the learning
+        window (every frontier in it is this slot's); then every slot ties and
+        ``x = (b_t - c_lo) / (c_hi - c_lo)``. (When prices move, the rate
+        already shares across slots, banking under-spending for cheap slots;
+        a schedule made on moving prices lost speed on the trace library.)
 
         A plan runs whole slots (the trainer takes a plan per slot), so the
         mix is a cycle of ``n`` slots with two switches, each paid for
@@ -901,35 +971,31 @@ class Controller:
 
         (``I`` iterations per slot), and at least long enough to hold one slot
         of each; beyond ``mix_max_cycle`` slots it does not mix. The schedule
-        keeps ``E``, its running total of cost over the target since it began,
-        and runs ``hi`` until ``E >= +band``, then ``lo`` until ``E <= -band``,
-        with ``band = n / (2 (1 / (c_hi - b_t) + 1 / (b_t - c_lo)))``: one
-        cycle lasts ``n`` slots and averages the target. Only while the target
-        is within ``mix_settled`` of the budget (no debt being repaid).
+        keeps ``E``, its running total of cost over ``c_x = c_lo + x (c_hi -
+        c_lo)`` since it began, and runs ``hi`` until ``E >= +band``, then
+        ``lo`` until ``E <= -band``, with ``band = n / (2 (1 / (c_hi - c_x) +
+        1 / (c_x - c_lo)))``: one cycle lasts ``n`` slots and averages ``c_x``.
         """
-        (kind, budget), = self._budgets.items()
+        (kind, _), = self._budgets.items()
+        self._tie_dear = False
         lam = self._learned.get(kind)
         if not lam:
             return None
-        target = self._target()
-        if abs(target - budget) > self.config.mix_settled * budget:
-            return None  # repaying a debt (or spending a credit): the rate alone decides
         now_c, now_t = self._frontiers[-1]
         if any(len(c) != len(now_c) or not (np.array_equal(c, now_c) and np.array_equal(t, now_t))
                for c, t in self._frontiers):
             return None  # prices moved within the window: the rate banks across them instead
-        lo, hi = _straddle(([running] if running is not None else []) + list(pool), kind, target)
+        lo, hi = _kink(([running] if running is not None else []) + list(pool), kind, lam)
         if lo is None or hi is None:
             return None
+        x = tie_share(self._frontiers, lam, self._target(), paid=self._paid)
+        if x >= 1 - 1e-9:
+            self._tie_dear = True  # every tie to the dearer plan: no schedule needed
+            return None
+        if x <= 1e-9:
+            return None
         c_lo, c_hi = lo.costs.get(kind, 0.0), hi.costs.get(kind, 0.0)
-        if not c_lo < budget < c_hi:
-            return None
-        slope = (lo.iteration_s - hi.iteration_s) / (c_hi - c_lo)
-        if abs(slope - lam) > 1e-6 * max(slope, lam):
-            return None  # the rate prefers one of them: no mix
-        x = (target - c_lo) / (c_hi - c_lo)
-        if not 1e-9 < x < 1 - 1e-9:
-            return None
+        c_x = c_lo + x * (c_hi - c_lo)
         up = switch_cost(observed, self.model, lo.plan, hi.plan).seconds
         down = switch_cost(observed, self.model, hi.plan, lo.plan).seconds
         gain = x * (lo.iteration_s - hi.iteration_s) * self._iterations(lo.iteration_s)
@@ -939,7 +1005,7 @@ class Controller:
         n = max(math.ceil(need - 1e-3), math.ceil(1 / x - 1e-3), math.ceil(1 / (1 - x) - 1e-3), 2)
         if n > self.config.mix_max_cycle:
             return None
-        band = n / (2 * (1 / (c_hi - target) + 1 / (target - c_lo)))
+        band = n / (2 * (1 / (c_hi - c_x) + 1 / (c_x - c_lo)))
         pair = [float(f"{v:.9g}") for v in (c_lo, c_hi, lo.iteration_s, hi.iteration_s)]
         if pair != self._mix_pair:  # a new schedule: its own running total
             self._mix_pair, self._mix_err = pair, 0.0
@@ -952,7 +1018,7 @@ class Controller:
             pick = hi if err <= -band + slack else lo
         else:
             pick = hi if err < 0 else lo
-        self._mix_err = err + pick.costs.get(kind, 0.0) - target
+        self._mix_err = err + pick.costs.get(kind, 0.0) - c_x
         if running is not None and pick.plan == running.plan:
             self._mixing = x
             return running, SwitchCost(0.0, 0.0)
@@ -1001,27 +1067,31 @@ def _cost_subsets(cluster: Cluster, budgets: Mapping[str, float]) -> list[Cluste
     return [cluster.without(frozenset(d.id for d in worst_first[:k])) for k in drops]
 
 
-def _frontier_runs(frontiers: Sequence[Frontier]) -> list[list[Any]]:
-    """Frontiers as runs ``[count, costs, times]`` of equal ones: while prices
+def _frontier_runs(frontiers: Sequence[Frontier], paid: Sequence[np.ndarray]) -> list[list[Any]]:
+    """Frontiers as runs ``[count, costs, times]`` of equal ones (``[count,
+    costs, times, paid]`` where the points cost other than seen): while prices
     hold still the window is one frontier repeated, and the daemon writes the
     state every slot."""
     runs: list[list[Any]] = []
-    for c, t in frontiers:
-        if runs and np.array_equal(runs[-1][3], c) and np.array_equal(runs[-1][4], t):
+    keys: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for (c, t), p in zip(frontiers, paid, strict=True):
+        if keys and all(np.array_equal(a, b) for a, b in zip(keys[-1], (c, t, p), strict=True)):
             runs[-1][0] += 1
         else:
-            runs.append([1, c.tolist(), t.tolist(), c, t])
-    return [run[:3] for run in runs]
+            keys.append((c, t, p))
+            runs.append([1, c.tolist(), t.tolist()] + ([] if np.array_equal(p, c) else [p.tolist()]))
+    return runs
 
 
 def _frontier(cands: Sequence[Candidate], kind: str) -> Frontier:
     return frontier([(c.costs.get(kind, 0.0), c.iteration_s) for c in cands])
 
 
-def _straddle(cands: Sequence[Candidate], kind: str,
-              target: float) -> tuple[Candidate | None, Candidate | None]:
-    """The two plans of the lower convex (cost, time) frontier of ``cands`` whose
-    segment holds ``target`` (cheaper <= target < dearer); the first of equal
+def _kink(cands: Sequence[Candidate], kind: str,
+          lam: float) -> tuple[Candidate | None, Candidate | None]:
+    """The two neighbouring plans of the lower convex (cost, time) frontier of
+    ``cands`` whose segment has slope ``-lam`` (they tie under ``T + lam * c``),
+    cheaper first; (None, None) when ``lam`` picks one plan. The first of equal
     points wins, so list the running plan first."""
     def cost(c: Candidate) -> float:
         return float(f"{c.costs.get(kind, 0.0):.9g}")
@@ -1031,7 +1101,8 @@ def _straddle(cands: Sequence[Candidate], kind: str,
 
     hull = lower_hull(cands, lambda c: (cost(c), time(c)))
     for a, b in itertools.pairwise(hull):
-        if cost(a) <= target < cost(b):
+        slope = (time(a) - time(b)) / (cost(b) - cost(a))
+        if abs(slope - lam) <= 1e-6 * max(slope, lam):
             return a, b
     return None, None
 

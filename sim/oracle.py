@@ -26,9 +26,10 @@ import numpy as np
 from hetpilot.planner.candidates import Candidate
 from hetpilot.planner.types import Cluster
 
+from .engine import Observer
 from .scenario import Timeline
 
-__all__ = ["OracleBound", "oracle_bound", "oracle_from_points"]
+__all__ = ["OracleBound", "lagged_bound", "lagged_from_points", "oracle_bound", "oracle_from_points"]
 
 
 @dataclass(frozen=True)
@@ -101,3 +102,80 @@ def oracle_bound(timeline: Timeline, candidates: Callable[[Cluster], Sequence[Ca
         weights.append(n / slots)
     budget = sum(timeline.budgets(t).get(kind, float("inf")) for t in range(slots)) / slots
     return oracle_from_points(times, costs, weights, budget)
+
+
+def lagged_from_points(times: Sequence[np.ndarray], seen: Sequence[np.ndarray],
+                       paid: Sequence[np.ndarray], budget: float) -> OracleBound:
+    """The oracle's rule with the controller's information: one rate ``l``,
+    chosen in hindsight, and each slot the minimiser of ``T + l * seen``
+    (the cost rates the slot's decision could see: the previous slot's
+    prices), paying ``paid`` (the slot's true cost rates). ``l`` is the
+    smallest rate whose slots pay at most ``budget`` on average, mixing the
+    two sides of the last tie so that they pay it exactly. Not a bound (a
+    policy may vary its rate), a reference: how far a policy that knew the
+    best single exchange rate in advance but saw prices a slot late gets.
+    Slots weigh equally."""
+    n = len(times)
+
+    def pick(lam: float, cheap_ties: bool) -> tuple[float, float]:
+        avg_t = avg_c = 0.0
+        for t, c, p in zip(times, seen, paid, strict=True):
+            s = t + lam * c
+            m = s.min()
+            tie = np.flatnonzero(s <= m + 1e-12 * max(1.0, abs(m)))
+            j = tie[np.argmin(c[tie])] if cheap_ties else tie[np.argmax(c[tie])]
+            avg_t += float(t[j]) / n
+            avg_c += float(p[j]) / n
+        return avg_t, avg_c
+
+    t0, c0 = pick(0.0, cheap_ties=True)
+    if c0 <= budget * (1 + 1e-12):
+        return OracleBound(t0, c0, 0.0, False)
+    hi = 1.0
+    while pick(hi, cheap_ties=True)[1] > budget:
+        if hi > 1e12:  # not even the cheapest choices fit
+            return OracleBound(float("inf"), pick(hi, cheap_ties=True)[1], float("inf"), True)
+        hi *= 2.0
+    lo = 0.0
+    for _ in range(60):
+        mid = 0.5 * (lo + hi)
+        if pick(mid, cheap_ties=True)[1] > budget:
+            lo = mid
+        else:
+            hi = mid
+    t_hi, c_hi = pick(lo, cheap_ties=False)
+    t_lo, c_lo = pick(hi, cheap_ties=True)
+    x = 1.0 if c_hi <= c_lo else min(max((budget - c_lo) / (c_hi - c_lo), 0.0), 1.0)
+    return OracleBound(x * t_hi + (1 - x) * t_lo, x * c_hi + (1 - x) * c_lo, 0.5 * (lo + hi), True)
+
+
+def lagged_bound(timeline: Timeline, candidates: Callable[[Cluster], Sequence[Candidate]],
+                 slots: int, kind: str = "price_per_hour") -> OracleBound:
+    """:func:`lagged_from_points` over the first ``slots`` slots: slot t weighs
+    ``candidates`` of what a policy observes (the previous slot's
+    measurements, the devices up in slot t; :class:`~hetpilot.sim.engine.Observer`)
+    and pays their cost rates on slot t's truth. Iteration times are the
+    candidates' own (on the observation): exact while only prices move."""
+    observer = Observer(timeline)
+    seen_by: dict[int, tuple[Cluster, np.ndarray, np.ndarray, list[list[int]]]] = {}
+    times, seen, paid = [], [], []
+    for t in range(slots):
+        observed = observer.observe(t)
+        hit = seen_by.get(id(observed))
+        if hit is None:
+            cands = candidates(observed)
+            ids = [d.id for d in observed.devices]
+            pos = {d: i for i, d in enumerate(ids)}
+            hit = seen_by[id(observed)] = (
+                observed, np.array([c.iteration_s for c in cands]),
+                np.array([c.costs.get(kind, 0.0) for c in cands]),
+                [[pos[d] for d in c.plan.devices] for c in cands])
+        obs, t_arr, c_arr, used = hit
+        truth = timeline.truth(t)
+        price = np.array([truth.by_id[d.id].cost(kind) if d.id in truth.by_id else np.inf
+                          for d in obs.devices])
+        times.append(t_arr)
+        seen.append(c_arr)
+        paid.append(np.array([float(price[u].sum()) for u in used]))
+    budget = sum(timeline.budgets(t).get(kind, float("inf")) for t in range(slots)) / slots
+    return lagged_from_points(times, seen, paid, budget)
