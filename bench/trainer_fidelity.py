@@ -101,7 +101,7 @@ def dataset(size: int, widths: tuple[int, ...]) -> torch.utils.data.TensorDatase
 
 def _measure_net(rank: int, msg_floats: int) -> dict[str, float]:
     """trainer_bench's gloo measurement (rank 0's view), a bare barrier's time, and the link
-    as the job measures it (:func:`_job_links`)."""
+    as the job measures it (:func:`_job_links`, added by the caller)."""
     def ping(buf: torch.Tensor, n: int) -> float:
         times = []
         for _ in range(n):
@@ -132,14 +132,14 @@ def _measure_net(rank: int, msg_floats: int) -> dict[str, float]:
     return {"p2p_s": p2p_s, "p2p_bytes": small.numel() * 4,
             "p2p_large_s": large_s, "p2p_large_bytes": large.numel() * 4,
             "allreduce_s": statistics.median(ar), "allreduce_bytes": big.numel() * 4,
-            "barrier_s": statistics.median(bar), **_job_links(small.numel() * 4)}
+            "barrier_s": statistics.median(bar)}
 
 
-def _job_links(msg_bytes: int) -> dict[str, float]:
+def _job_links(msg_bytes: int, op_ms: float) -> dict[str, float]:
     """The link as ``hetpilot train`` measures it on Attach and the daemon plans the job with
     it (:func:`hetpilot.trainer.linkprobe.measure_links`): latency (the larger of the idle
     and the busy one-way time of an activation message) and the all-reduce's bandwidth."""
-    (t,) = measure_links("cpu", msg_bytes=msg_bytes).values()
+    (t,) = measure_links("cpu", msg_bytes=msg_bytes, op_ms=op_ms).values()
     return {"link_latency_s": t.latency_s, "link_gbps": t.gbps,
             "busy_p2p_s": t.busy_latency_s, "link_idle_s": t.idle_latency_s}
 
@@ -274,6 +274,11 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
             dist.barrier()
             times = measure_layer_times(layers, sample, micro, device="cpu",
                                         repeats=cfg["measure_repeats"])
+            # as hetpilot train does: ops of a quarter of a microbatch through the model
+            whole = [sum(f + b for f, b in times)]
+            dist.broadcast_object_list(whole, src=0)
+            net.update(_job_links(micro * max(widths) * 4,
+                                  min(max(whole[0] * 250, 0.5), 20.0)))
         rounds.append({"net": net, "times": times, "seg": seg})
 
     measure()

@@ -515,6 +515,8 @@ def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
     """Every rank: when every rank measured its real layers (no emulation), measure the
     links between the ranks with the job's process group
     (:mod:`hetpilot.trainer.linkprobe`) and add them to ``measured`` (rank 0 sends them)."""
+    import statistics
+
     import torch.distributed as dist
 
     from .linkprobe import link_entries, measure_links
@@ -529,7 +531,10 @@ def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
         return
     size: list[Any] = [_message_bytes(spec, profile)]
     dist.broadcast_object_list(size, src=0)  # rank 0 has the profile
-    links = measure_links(device, msg_bytes=size[0])
+    # the synthetic pipeline's ops: a quarter of a microbatch's forward and backward
+    # through the whole model (two stages), as the ranks measured it, within 0.5-20 ms
+    whole = statistics.median(sum(f + b for f, b in m["layers"].values()) for m in measured)
+    links = measure_links(device, msg_bytes=size[0], op_ms=min(max(whole * 250, 0.5), 20.0))
     if rank == 0:
         print("hetpilot: links measured by the job: " + ", ".join(
             f"{device_ids[a]}-{device_ids[b]} {t.gbps:.3g} Gbit/s, "

@@ -15,14 +15,18 @@ with their layer times; the daemon plans the job with them
 
 Per measured pair of ranks (a, b), in a process group of just the two:
 
-* ``latency_s``: the larger of the idle one-way time of an activation-sized
+* ``latency_s``: the larger of two one-way times. Idle: an activation-sized
   tensor sent as the pipeline sends activations
   (:func:`~hetpilot.trainer.activations.send_activation`: a header message,
-  then the tensor) and the *busy* one: the sender posts it and computes on,
-  the receiver computes for a while and then receives it; the time the receiver
-  waits is what a pipeline stage waits for an activation. Both directions,
-  median. Point-to-point messages go over the default process group, as the
-  pipeline's do; barriers and the all-reduce over the pair's own group.
+  then the tensor), ping-pong, halved. Busy: the pair runs a synthetic
+  two-stage 1F1B pipeline (``microbatches`` forwards and backwards of
+  ``op_ms`` each, a matmul loop, with the pipeline's own activation and
+  gradient messages), each rank leading in half the runs, and the latency is
+  the transfer time ``C`` (spec 5.1) at which spec 5.2 gives that pipeline the
+  makespan it took, less the message's bytes over ``gbps``. So it is the
+  latency *in the reference model's terms* of messages exchanged while both
+  ranks compute: on a CPU host whose cores the ranks fill, the transport's
+  threads wait for a core, and a message took 1-3 ms instead of 0.2.
 * ``gbps``: the pair's all-reduce of ``ar_bytes``, as spec 5.3 models a ring of
   two: ``AR = bytes * 8 / (1000 gbps) + 2 lat`` solved for ``gbps`` with the idle
   one-way time of a one-element message as ``lat`` (at most half the all-reduce's
@@ -47,14 +51,16 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from hetpilot.planner.refmodel import builtin_makespan_1f1b
+from hetpilot.planner.schedules import order
 
-from .activations import recv_activation, send_activation
+from .activations import recv_activation, recv_grads, send_activation, send_grads
 
 __all__ = ["LinkTime", "link_entries", "measure_links", "pair_rounds"]
 
@@ -87,13 +93,13 @@ def pair_rounds(world: int, all_pairs_up_to: int = 8) -> list[list[tuple[int, in
 
 
 def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
-                  ar_bytes: int = 16 * 1024 * 1024, repeats: int = 6,
-                  busy_ms: tuple[float, float] = (8.0, 3.0),
+                  ar_bytes: int = 16 * 1024 * 1024, repeats: int = 6, op_ms: float = 3.0,
+                  microbatches: int = 8,
                   all_pairs_up_to: int = 8) -> dict[tuple[int, int], LinkTime]:
     """Measure the links between this job's ranks (collective: every rank of the default
-    process group calls it, with the same arguments). ``busy_ms``: how long the sender
-    computes after posting the message, and how long the receiver computes before it
-    receives. Returns ``{(a, b): LinkTime}`` for the measured pairs, ``a < b``."""
+    process group calls it, with the same arguments). ``op_ms`` and ``microbatches``: the
+    synthetic pipeline's op length and size (see the module docstring). Returns
+    ``{(a, b): LinkTime}`` for the measured pairs, ``a < b``."""
     world, rank = dist.get_world_size(), dist.get_rank()
     dev = torch.device(device)
     rounds = pair_rounds(world, all_pairs_up_to)
@@ -104,7 +110,7 @@ def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
             if rank in pair:
                 peer = pair[1] if rank == pair[0] else pair[0]
                 mine[pair] = _measure_pair(rank, peer, group, dev, msg_bytes, ar_bytes,
-                                           repeats, busy_ms)
+                                           repeats, op_ms, microbatches)
         for group in groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
@@ -118,16 +124,18 @@ def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
         tiny = statistics.median(x for p in parts for x in p["tiny"])
         ar = statistics.median(x for p in parts for x in p["ar"])
         transfer = max(ar - 2 * tiny, ar / 2)  # spec 5.3's two latencies; never below half
-        out[pair] = LinkTime(latency_s=max(idle, busy), gbps=ar_bytes * 8 / 1e9 / transfer,
-                             idle_latency_s=idle, busy_latency_s=busy)
+        gbps = ar_bytes * 8 / 1e9 / transfer
+        busy = max(0.0, busy - msg_bytes * 8 / 1e9 / gbps)  # C_j = lat + bytes / gbps
+        out[pair] = LinkTime(latency_s=max(idle, busy), gbps=gbps, idle_latency_s=idle,
+                             busy_latency_s=busy)
     return out
 
 
 def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes: int,
-                  ar_bytes: int, repeats: int, busy_ms: tuple[float, float]
+                  ar_bytes: int, repeats: int, op_ms: float, microbatches: int
                   ) -> dict[str, list[float]]:
-    """This rank's side of one pair: idle one-way times (its ping-pongs, halved), the waits
-    of its busy receives, and the all-reduce's times."""
+    """This rank's side of one pair: idle one-way times (its ping-pongs, halved), the
+    synthetic pipeline's per-transfer times, and the all-reduce's times."""
     msg = torch.zeros(max(1, msg_bytes // 4), device=dev)
     big = torch.zeros(max(1, ar_bytes // 4), device=dev)
     a = torch.randn(256, 256, device=dev)
@@ -139,12 +147,13 @@ def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes
             torch.cuda.synchronize(dev)
         dist.barrier(group=group)
 
-    def compute(ms: float) -> None:
+    def compute(ms: float) -> float:
         started = time.perf_counter()
         while time.perf_counter() - started < ms / 1e3:
             torch.mm(a, a)
             if cuda:
                 torch.cuda.synchronize(dev)
+        return time.perf_counter() - started
 
     def send(k: int) -> None:
         for work, _ in send_activation(msg, peer, k):
@@ -175,22 +184,8 @@ def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes
 
     idle = ping(activation=True)
     tiny = ping(activation=False)
-    busy: list[float] = []
-    for i in range(2 * repeats):
-        sync()
-        sending = (i % 2 == 0) == first  # both directions, alternately
-        if sending:
-            pending = send_activation(msg, peer, i)
-            compute(busy_ms[0])
-            for work, _ in pending:
-                work.wait()
-        else:
-            compute(busy_ms[1])
-            started = time.perf_counter()
-            recv_activation(peer, i, dev)
-            if cuda:
-                torch.cuda.synchronize(dev)
-            busy.append(time.perf_counter() - started)
+    busy = _pipeline_transfers(rank, peer, group, dev, msg, compute, sync,
+                               max(1, repeats // 2), op_ms, microbatches)
     ar: list[float] = []
     for i in range(4):
         sync()
@@ -211,3 +206,58 @@ def link_entries(links: dict[tuple[int, int], LinkTime],
     for (a, b), t in links.items():
         out[a]["links"][device_ids[b]] = (t.latency_s, t.gbps)
     return out
+
+
+def _pipeline_transfers(rank: int, peer: int, group: Any, dev: torch.device,
+                        msg: torch.Tensor, compute: Callable[[float], float],
+                        sync: Callable[[], None], repeats: int, op_ms: float,
+                        microbatches: int) -> list[float]:
+    """Per run, the transfer time ``C`` under which spec 5.2 gives a two-stage 1F1B
+    pipeline of ``microbatches`` ops of ``op_ms`` (a matmul loop) the makespan this pair
+    took; each rank leads (is stage 0) in half the runs. Both ranks get the same list."""
+    m = microbatches
+    out: list[float] = []
+    for lead in sorted((rank, peer)) * repeats:
+        stage = 0 if rank == lead else 1
+        sync()
+        started = time.perf_counter()
+        busy, pending = 0.0, []
+        for is_bwd, k in order("1f1b", 2, stage, m):
+            if not is_bwd:
+                if stage == 1:
+                    recv_activation(peer, k, dev)
+                busy += compute(op_ms)
+                if stage == 0:
+                    pending += send_activation(msg, peer, k)
+            else:
+                if stage == 0:
+                    recv_grads([msg], peer, k)
+                busy += compute(op_ms)
+                if stage == 1:
+                    pending += send_grads([msg], peer, k)
+        for work, _ in pending:
+            work.wait()
+        took = torch.tensor([time.perf_counter() - started, busy / (2 * m)],
+                            dtype=torch.float64, device=dev)
+        both = [torch.zeros_like(took) for _ in range(2)]
+        dist.all_gather(both, took, group=group)
+        makespan = max(float(t[0]) for t in both)
+        op = sum(float(t[1]) for t in both) / 2
+        out.append(_solve_transfer(op, makespan, m))
+    return out
+
+
+def _solve_transfer(op_s: float, makespan: float, microbatches: int) -> float:
+    """The ``C`` at which spec 5.2's two-stage 1F1B makespan with every op ``op_s`` long is
+    ``makespan`` (bisection: the makespan grows with ``C``); 0 when even ``C = 0`` gives
+    more."""
+    def span(c: float) -> float:
+        return builtin_makespan_1f1b([op_s, op_s], [op_s, op_s], [c], microbatches)
+
+    if span(0.0) >= makespan:
+        return 0.0
+    lo, hi = 0.0, makespan
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if span(mid) < makespan else (lo, mid)
+    return (lo + hi) / 2

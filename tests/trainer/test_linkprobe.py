@@ -35,7 +35,7 @@ def test_large_jobs_measure_rank_neighbours_only() -> None:
 def _worker(rank: int, world: int, out: str) -> None:
     torch.set_num_threads(1)
     links = measure_links("cpu", msg_bytes=64 * 1024, ar_bytes=1 << 20, repeats=3,
-                          busy_ms=(2.0, 1.0))
+                          op_ms=1.0, microbatches=4)
     Path(out, f"{rank}.json").write_text(json.dumps(
         {f"{a}-{b}": [t.latency_s, t.gbps, t.idle_latency_s, t.busy_latency_s]
          for (a, b), t in links.items()}))
@@ -60,3 +60,14 @@ def test_each_pair_is_sent_once_by_its_lower_rank() -> None:
     entries = link_entries({(0, 1): t, (1, 2): t}, ["h:0", "h:1", "g:0"])
     assert entries == [{"links": {"h:1": (1e-3, 5.0)}}, {"links": {"g:0": (1e-3, 5.0)}},
                        {"links": {}}]
+
+
+def test_the_transfer_time_is_solved_back_from_the_reference_makespan() -> None:
+    """Every op 1 s long, M = 4: the makespan spec 5.2 gives at C = 0.25 is solved back
+    to C = 0.25."""
+    from hetpilot.planner.refmodel import builtin_makespan_1f1b
+    from hetpilot.trainer.linkprobe import _solve_transfer
+
+    span = builtin_makespan_1f1b([1.0, 1.0], [1.0, 1.0], [0.25], 4)
+    assert _solve_transfer(1.0, span, 4) == pytest.approx(0.25, abs=1e-9)
+    assert _solve_transfer(1.0, span - 1.0, 4) == 0.0  # faster than C = 0 allows

@@ -73,3 +73,22 @@ def test_epoch_record_has_loss_and_the_eval_hook_metric(tmp_path: Path) -> None:
         expected = float(nn.functional.cross_entropy(model(x), y))
     assert abs(record["eval_metric"] - expected) < 1e-6
     assert saved["training"], "the hook left rank 0's layers in eval mode"
+
+
+def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -> None:
+    """The runtime's one-index gather of a TensorDataset gives what DataLoader's
+    default_collate gives from one sample at a time: values, dtype and shape."""
+    from torch.utils.data import TensorDataset, default_collate
+
+    from hetpilot.trainer.runtime import Trainer
+
+    gen = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(40, 3, 5, generator=gen),
+                         torch.randint(0, 9, (40,), generator=gen),
+                         torch.randn(40, generator=gen, dtype=torch.float64))
+    for indices in ([7, 3, 3, 39, 0], [12], list(range(40))):
+        for which in range(3):
+            fast = Trainer._collate(data, indices, which)
+            slow = default_collate([data[i][which] for i in indices])
+            assert fast.dtype == slow.dtype and fast.shape == slow.shape
+            assert torch.equal(fast, slow)
