@@ -78,9 +78,8 @@ def test_epoch_record_has_loss_and_the_eval_hook_metric(tmp_path: Path) -> None:
 def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -> None:
     """The runtime's one-index gather of a TensorDataset gives what DataLoader's
     default_collate gives from one sample at a time: values, dtype and shape."""
-    from torch.utils.data import TensorDataset, default_collate
-
     from hetpilot.trainer.runtime import Trainer
+    from torch.utils.data import TensorDataset, default_collate
 
     gen = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(40, 3, 5, generator=gen),
