@@ -55,6 +55,11 @@ class Cluster:
         self.state = tmp / "state"
         (tmp / "daemon.toml").write_text(DAEMON_TOML)
         (tmp / "job.toml").write_text(JOB_TOML)
+        # EMULATED: a fixed 100 Gbit/s link between the two hosts, so that the plan over
+        # both does not hinge on what loopback measures on a loaded machine (3-5 Gbit/s
+        # there made one host's plan the faster one, and the test waited in vain)
+        (tmp / "links.json").write_text(json.dumps(
+            {"links": [{"a": "hosta", "b": "hostb", "gbps": 100.0, "latency_us": 5.0}]}))
         (tmp / "cluster.token").write_text(CLUSTER_TOKEN + "\n")
         self.env = {**os.environ, "HETPILOT_TOKEN": OWNER_TOKEN, "PYTHONUNBUFFERED": "1",
                     "COLUMNS": "200"}
@@ -83,6 +88,7 @@ class Cluster:
         self._spawn(f"agent-{host}", "agent", "--daemon", self.address, "--host", host,
                     "--probe-listen", "127.0.0.1:0", "--token-file",
                     str(self.tmp / "cluster.token"), "--link-probe-interval", "1",
+                    "--emulate-file", str(self.tmp / "links.json"),
                     "--emulate", f"tflops={tflops},memory_gb=80,price_per_hour=2,count=2")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:

@@ -188,7 +188,9 @@ def test_submit_launches_two_ranks_logs_and_cancel(launching: Launching) -> None
     job = c.json("job", job_id)
     assert job["state"] == "succeeded", (job["reason"], c.log("daemon")[-3000:])
     assert job["model_name"] == "mlp" and job["plan_version"] >= 1
-    assert sorted(job["devices"]) == ["hosta:0", "hostb:0"]  # the launched ranks' devices
+    # planned on the launched ranks' devices only; both, or one where the link the job
+    # measured between them makes a second replica slower than none (a small MLP)
+    assert job["devices"] and set(job["devices"]) <= {"hosta:0", "hostb:0"}
     assert job["entry"]["module"] == "hetpilot" and job["rdzv_endpoint"].startswith("127.0.0.1:")
     parts = {p["host"]: p for p in job["launch"]}
     assert set(parts) == {"hosta", "hostb"} and parts["hosta"]["rdzv_host"]

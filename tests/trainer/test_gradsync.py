@@ -356,14 +356,15 @@ def test_rank_in_two_groups(tmp_path: Path, importable: None) -> None:
 @pytest.mark.timeout(90)
 def test_min_seconds_is_honoured(tmp_path: Path, importable: None) -> None:
     spawn(_emulated, 2, (str(tmp_path),), timeout_s=80)
+    least = 0.4 - 1e-9  # the emulated minimum; ends are sums of clock readings (rounding)
     for res in _read(tmp_path, 2):
         blocking, overlap, bytes0 = res["blocking"], res["overlap"], res["bytes0"]
-        assert blocking["bucket_s"][0] >= 0.4 and blocking["exposed_s"] >= 0.4
+        assert blocking["bucket_s"][0] >= least and blocking["exposed_s"] >= least
         assert blocking["emulated_s"] > 0
         # blocking: once per bucket with its whole size
         assert blocking["asked"] == [[0, bytes0], [1, blocking["bucket_bytes"] - bytes0]]
         assert overlap["launched"] == 1.0
-        assert overlap["bucket_s"][0] >= 0.4  # from its first launch, in the backward
+        assert overlap["bucket_s"][0] >= least  # from its first launch, in the backward
         assert overlap["exposed_s"] < 0.35  # 0.3 s of it passed before finish()
         assert overlap["emulated_s"] > 0
         # overlapped: once per chunk with its size (bucket 0 is cut in several)
