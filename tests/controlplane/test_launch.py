@@ -202,7 +202,10 @@ def test_submit_launches_two_ranks_logs_and_cancel(launching: Launching) -> None
     followed = c.log("follow")
     records = [json.loads(line.split(":", 1)[1]) for line in followed.splitlines()
                if line.startswith("[rank0]:{")]
-    assert [r["epoch"] for r in records] == [0, 1], followed[-3000:]
+    # one record per epoch, and one more for each plan switch inside an epoch (the daemon
+    # may re-plan once the ranks' measurements at the plan's microbatch size arrive)
+    assert [r["epoch"] for r in records if r["closed_by"] == "epoch"] == [0, 1], \
+        followed[-3000:]
     assert records[0]["device_id"] in ("hosta:0", "hostb:0")
     assert watch.wait(timeout=30) == 0  # the watch ends with the job
     plans = [json.loads(line) for line in c.log("watch").splitlines() if '"version"' in line]
@@ -210,7 +213,7 @@ def test_submit_launches_two_ranks_logs_and_cancel(launching: Launching) -> None
     listing = c.cli("jobs")
     assert listing.returncode == 0 and job_id in listing.stdout and "succeeded" in listing.stdout
     rank0 = c.cli("logs", job_id, "--rank", "0")
-    assert rank0.returncode == 0 and rank0.stdout.count("[rank0]:{") == 2
+    assert rank0.returncode == 0 and rank0.stdout.count("[rank0]:{") == len(records)
     assert all(line.startswith("[rank0]:") for line in rank0.stdout.splitlines())
     assert "[rank0]" not in c.cli("logs", job_id, "--rank", "1").stdout
     # the agents keep each rank's own output too (torchrun --log-dir)
