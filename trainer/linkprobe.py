@@ -59,6 +59,7 @@ import torch
 import torch.distributed as dist
 from hetpilot.planner.refmodel import builtin_makespan_1f1b
 from hetpilot.planner.schedules import order
+from scipy.optimize import brentq
 
 from .activations import recv_activation, recv_grads, send_activation, send_grads
 
@@ -249,15 +250,11 @@ def _pipeline_transfers(rank: int, peer: int, group: Any, dev: torch.device,
 
 def _solve_transfer(op_s: float, makespan: float, microbatches: int) -> float:
     """The ``C`` at which spec 5.2's two-stage 1F1B makespan with every op ``op_s`` long is
-    ``makespan`` (bisection: the makespan grows with ``C``); 0 when even ``C = 0`` gives
-    more."""
-    def span(c: float) -> float:
-        return builtin_makespan_1f1b([op_s, op_s], [op_s, op_s], [c], microbatches)
+    ``makespan`` (the makespan grows with ``C`` and exceeds ``C``, so ``[0, makespan]``
+    brackets it); 0 when even ``C = 0`` gives more."""
+    def excess(c: float) -> float:
+        return builtin_makespan_1f1b([op_s, op_s], [op_s, op_s], [c], microbatches) - makespan
 
-    if span(0.0) >= makespan:
+    if excess(0.0) >= 0:
         return 0.0
-    lo, hi = 0.0, makespan
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        lo, hi = (mid, hi) if span(mid) < makespan else (lo, mid)
-    return (lo + hi) / 2
+    return float(brentq(excess, 0.0, makespan, xtol=1e-12))
