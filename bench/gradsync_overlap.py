@@ -8,7 +8,14 @@ both see the same machine load:
 
 * ``blocking`` (``overlap=False``): the runtime's sync, one blocking all-reduce per
   bucket after the whole backward;
-* ``overlap``: chunks of ``--cap-mb`` launched during the last backward.
+* ``overlap``: chunks of ``--cap-mb`` launched during the last backward;
+
+each once with the gradients as views of the sync's buffers (``grad_views=True``, the
+runtime's default: the backward accumulates into the buffer, the all-reduce runs on it,
+``GradSync.zero_grad`` zeroes it) and once copying (``grad_views=False``: fresh gradients
+each iteration, concatenated into a new buffer and copied back, cleared with
+``p.grad = None`` as ``optimizer.zero_grad(set_to_none=True)`` does). The iteration time
+includes the zeroing.
 
 It prints the median per-iteration backward time, exposed sync time (time spent
 in ``finish()``, what the iteration waits for), iteration time, and the ratios.
@@ -54,14 +61,16 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
 
     group = dist.new_group(list(range(world)))
     syncs = {mode: GradSync([(params, group, "mlp")], bucket_cap_mb=cfg["cap_mb"],
-                            overlap=mode == "overlap", min_seconds=minimum)
-             for mode in ("blocking", "overlap")}
+                            overlap=mode.startswith("overlap"), min_seconds=minimum,
+                            grad_views=mode.endswith("views"))
+             for mode in MODES}
     gen = torch.Generator().manual_seed(rank)
     data = [torch.randn(cfg["batch"], width, generator=gen) for _ in range(micro)]
     rows: dict[str, list[dict[str, float]]] = {m: [] for m in syncs}
-    for it in range(cfg["warmup"] + 2 * cfg["iterations"]):
-        mode = ("blocking", "overlap")[it % 2]
+    for it in range(cfg["warmup"] + len(MODES) * cfg["iterations"]):
+        mode = MODES[it % len(MODES)]
         sync = syncs[mode]
+        sync.zero_grad()  # binds the views again after another mode's iteration
         dist.barrier()
         started = time.perf_counter()
         bwd = 0.0
@@ -73,8 +82,11 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
             loss.backward()
             bwd += time.perf_counter() - t0
         stats = sync.finish()
-        for p in params:
-            p.grad = None
+        if mode.endswith("views"):
+            sync.zero_grad()
+        else:
+            for p in params:
+                p.grad = None
         if it >= cfg["warmup"]:
             rows[mode].append({"bwd_s": bwd, "exposed_s": stats.exposed_s,
                                "iteration_s": time.perf_counter() - started,
@@ -83,6 +95,9 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
     for sync in syncs.values():
         sync.close()
     Path(out, f"rank{rank}.json").write_text(json.dumps({"rows": rows, "bytes": nbytes}))
+
+
+MODES = ("blocking-copy", "blocking-views", "overlap-copy", "overlap-views")
 
 
 def main() -> None:
@@ -109,21 +124,27 @@ def main() -> None:
     print(f"model: {args.layers} x Linear({args.width}, {args.width}) + Tanh, "
           f"{mb:.1f} MiB of float32 gradients; {args.micro} microbatches of {args.batch}; "
           f"bucket cap {args.cap_mb:g} MiB; {args.iterations} iterations per mode, "
-          "alternating")
+          "in turn")
     med: dict[str, dict[str, float]] = {}
-    for mode in ("blocking", "overlap"):
+    for mode in MODES:
         med[mode] = {key: statistics.median(max(r["rows"][mode][i][key] for r in ranks)
                                             for i in range(args.iterations))
                      for key in ("bwd_s", "exposed_s", "iteration_s", "launched", "chunks")}
-    print(f"{'mode':10s} {'backward_s':>11s} {'exposed_sync_s':>15s} {'iteration_s':>12s} "
+    print(f"{'mode':15s} {'backward_s':>11s} {'exposed_sync_s':>15s} {'iteration_s':>12s} "
           f"{'launched_in_bwd':>16s} {'chunks':>7s}")
     for mode, m in med.items():
-        print(f"{mode:10s} {m['bwd_s']:11.4f} {m['exposed_s']:15.4f} {m['iteration_s']:12.4f} "
+        print(f"{mode:15s} {m['bwd_s']:11.4f} {m['exposed_s']:15.4f} {m['iteration_s']:12.4f} "
               f"{m['launched']:16.2f} {m['chunks']:7.0f}")
-    b, o = med["blocking"], med["overlap"]
-    print(f"overlap / blocking: exposed sync {o['exposed_s'] / b['exposed_s']:.2f}x, "
-          f"backward {o['bwd_s'] / b['bwd_s']:.2f}x, iteration {o['iteration_s'] / b['iteration_s']:.2f}x "
-          "(medians over iterations of the slower rank)")
+    def ratio(a: str, b: str) -> None:
+        x, y = med[a], med[b]
+        print(f"{a} / {b}: exposed sync {x['exposed_s'] / y['exposed_s']:.2f}x, "
+              f"backward {x['bwd_s'] / y['bwd_s']:.2f}x, "
+              f"iteration {x['iteration_s'] / y['iteration_s']:.2f}x")
+
+    print("(medians over iterations of the slower rank)")
+    ratio("overlap-views", "blocking-views")
+    ratio("blocking-views", "blocking-copy")
+    ratio("overlap-views", "overlap-copy")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,9 @@ group of those ranks; then one all-reduce per tied parameter over its holders.
 
 With ``overlap=False`` :meth:`GradSync.finish` is the blocking sync the
 runtime always did: bucket by bucket in layer order, the untied parameters'
-gradients (zeros where there is none) flattened in layer order into one buffer,
-one blocking ``all_reduce(SUM)``, copied back; then the tied parameters.
+gradients (zeros where there is none) in layer order in one buffer, one blocking
+``all_reduce(SUM)``; then the tied parameters. The buffer is the gradients' own
+storage (see "Gradients as views" below), or a copy where it cannot be.
 
 With ``overlap=True`` (what DDP does) the sync starts while the backward runs:
 
@@ -91,6 +92,22 @@ stream once, so that ``exposed_s`` and the emulated durations are real and the
 flat buffers can be freed safely whatever streams they were used on. Hooks of
 CUDA parameters run on autograd's device threads: the launch state is under a
 lock.
+
+**Gradients as views of the sync buffers** (``grad_views=True``, the default; DDP's
+``gradient_as_bucket_view``). Each *unit* (a bucket when blocking, a chunk when
+overlapping) gets one flat buffer, kept for the life of the plan, and the ``p.grad`` of
+each of its trainable parameters is a view into it, in the layout the copy would have
+(layer order; a chunk's reverse order). The backward accumulates into the buffer in
+place (autograd adds into a defined ``.grad``), the all-reduce runs on the buffer itself
+and the sums land in ``p.grad``: no ``torch.cat`` before, no copy after, and no fresh
+gradient allocation each iteration. Measured on the fidelity bench's 4.72 M-parameter
+model, the blocking path spent 4.4 ms of a 100 ms iteration in the two copies.
+:meth:`zero_grad` zeroes the buffers and binds the views again (call it instead of, or
+after, ``optimizer.zero_grad(set_to_none=True)``). A unit is bound again by copying when
+something replaced a ``p.grad`` (the numbers are the same; only the copy is back). A unit
+whose parameters differ in dtype or device, or include a non-contiguous parameter, keeps
+the copying path. Frozen parameters (``requires_grad=False``) keep their place in the
+buffer as zeros but never get a ``.grad``, so an optimizer holding them leaves them be.
 
 **Using it in the runtime**: build one per plan from ``Trainer._buckets``
 (``Bucket(self._untied_params(first, end), pg, f"{first}-{end}")``) and
@@ -204,6 +221,7 @@ class GradSync:
         overlap: bool = True,
         min_seconds: MinSeconds | None = None,
         global_order: bool = True,
+        grad_views: bool = True,
     ) -> None:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
@@ -239,6 +257,11 @@ class GradSync:
         self._launch_order: list[int] = []
         if overlap:
             self._plan(int(bucket_cap_mb * 2**20))
+        # Views: per bucket (blocking) or per chunk (overlapped); None keeps the copying path.
+        units = [ch.params for ch in self._chunks] if overlap else [list(b.params)
+                                                                      for b in self.buckets]
+        self._views: list[_Views | None] = [
+            _Views.make(params) if grad_views else None for params in units]
 
     # -- construction -------------------------------------------------------------
 
@@ -280,6 +303,19 @@ class GradSync:
             handle.remove()
         self._handles.clear()
         self._armed = False
+        for views in self._views:
+            if views is not None:
+                views.release()
+        self._views = []
+
+    def zero_grad(self) -> None:
+        """Zero the gradients of every parameter held in a view buffer and bind the views
+        (after the optimizer step; the runtime's ``zero_grad``). Parameters on the copying
+        path are left to the optimizer's ``zero_grad``."""
+        for views in self._views:
+            if views is not None:
+                views.buf.zero_()
+                views.bind(copy=False)
 
     # -- the iteration ------------------------------------------------------------
 
@@ -345,10 +381,12 @@ class GradSync:
 
     def _launch(self, c: int, in_backward: bool) -> None:
         chunk = self._chunks[c]
-        parts = [p.grad.reshape(-1) if p.grad is not None
-                 else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                 for p in chunk.params]
-        buf = torch.cat(parts)
+        views = self._views[c]
+        if views is not None:
+            views.bind(copy=True)
+            buf = views.buf
+        else:
+            buf = _flatten(chunk.params)
         started = time.perf_counter()
         work = self._all_reduce(buf, self.buckets[chunk.bucket].group)
         self._flights[c] = _Flight(buf, work, started, in_backward)
@@ -384,17 +422,18 @@ class GradSync:
             if not params:
                 continue
             started = time.perf_counter()
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-            flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
-            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
-            pos = 0
-            for p in params:
-                assert p.grad is not None
-                n = p.numel()
-                p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
-                pos += n
+            views = self._views[bi]
+            if views is not None:
+                views.bind(copy=True)
+                flat = views.buf
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
+            else:
+                for p in params:
+                    if p.grad is None and p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                flat = _flatten(params)
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
+                _unflatten(flat, params)
             nbytes = flat.numel() * flat.element_size()
             stats.bytes += nbytes
             stats.bucket_bytes += nbytes
@@ -427,13 +466,11 @@ class GradSync:
             chunk = self._chunks[c]
             first[chunk.bucket] = min(first.get(chunk.bucket, flight.started), flight.started)
             flight.work.wait()
-            pos = 0
-            for p in chunk.params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                n = p.numel()
-                p.grad.copy_(flight.buf[pos : pos + n].view_as(p.grad))
-                pos += n
+            if self._views[c] is None:
+                for p in chunk.params:
+                    if p.grad is None and p.requires_grad:
+                        p.grad = torch.zeros_like(p)
+                _unflatten(flight.buf, chunk.params)
             stats.bucket_bytes += chunk.nbytes
             early += chunk.nbytes if flight.in_backward else 0
         stats.bytes += stats.bucket_bytes
@@ -472,6 +509,78 @@ class GradSync:
         (empty without ``overlap``)."""
         return [(self._chunks[c].bucket, len(self._chunks[c].params), self._chunks[c].nbytes)
                 for seq in self._seqs for c in seq]
+
+
+@dataclass
+class _Views:
+    """One unit's flat gradient buffer and its parameters' views into it."""
+
+    buf: torch.Tensor
+    params: list[torch.Tensor]
+    views: list[torch.Tensor | None]
+    """Per parameter: its gradient's view, or None for a frozen parameter (zeros)."""
+
+    @staticmethod
+    def make(params: Sequence[torch.Tensor]) -> _Views | None:
+        """The unit's buffer, or None when it cannot be one (mixed dtypes or devices, a
+        non-contiguous parameter, nothing to train). Gradients already there are kept."""
+        params = list(params)
+        if not params or not any(p.requires_grad for p in params):
+            return None
+        if len({(p.dtype, p.device) for p in params}) != 1:
+            return None
+        if not all(p.is_contiguous() for p in params):
+            return None
+        p0 = params[0]
+        buf = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        views: list[torch.Tensor | None] = []
+        pos = 0
+        for p in params:
+            n = p.numel()
+            views.append(buf[pos : pos + n].view_as(p) if p.requires_grad else None)
+            pos += n
+        made = _Views(buf, params, views)
+        made.bind(copy=True)
+        return made
+
+    def bind(self, copy: bool) -> None:
+        """Make each trainable ``p.grad`` its view. ``copy``: a gradient that is not the
+        view (something replaced it) is copied in first, a missing one reads as zeros."""
+        for p, view in zip(self.params, self.views, strict=True):
+            if view is None:
+                continue
+            grad = p.grad
+            if grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape:
+                continue
+            if copy:
+                if grad is None:
+                    view.zero_()
+                else:
+                    view.copy_(grad)
+            p.grad = view
+
+    def release(self) -> None:
+        """Drop the views from the parameters (the plan is over)."""
+        for p, view in zip(self.params, self.views, strict=True):
+            if view is not None and p.grad is not None and p.grad.data_ptr() == view.data_ptr():
+                p.grad = None
+
+
+def _flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The copying path: gradients (zeros where none) concatenated in the given order."""
+    return torch.cat([p.grad.reshape(-1) if p.grad is not None
+                      else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                      for p in params])
+
+
+def _unflatten(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """Copy the sums back; a frozen parameter's place (zeros) is skipped."""
+    pos = 0
+    for p in params:
+        n = p.numel()
+        if p.grad is not None:
+            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
+        pos += n
 
 
 def _hook(ref: weakref.ReferenceType[GradSync], slot: int) -> Callable[[torch.Tensor], None]:

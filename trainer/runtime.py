@@ -622,6 +622,7 @@ class Trainer:
                 if step:
                     optim.step()
                 optim.zero_grad(set_to_none=True)
+            self._gradsync.zero_grad()  # the synced gradients live on in its buffers
             self._reconcile_buffers(buffers_before)
         elif self._scaler is not None:  # an idle rank still takes part in the overflow vote
             self._scaler.update([], self.device)

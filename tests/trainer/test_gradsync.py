@@ -137,16 +137,14 @@ def blocking_reference(buckets: list[tuple[list[nn.Parameter], Any]],
     for params, pg in buckets:
         if not params:
             continue
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        flat = torch.cat([p.grad.reshape(-1) for p in params if p.grad is not None])
+        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
+                          torch.zeros(p.numel(), dtype=p.dtype) for p in params])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
         pos = 0
         for p in params:
-            assert p.grad is not None
             n = p.numel()
-            p.grad.copy_(flat[pos : pos + n].view_as(p.grad))
+            if p.requires_grad:  # a frozen parameter gets no gradient (none in one process)
+                p.grad = flat[pos : pos + n].view_as(p).clone()
             pos += n
     for param, pg in tied:
         if param.grad is None:
@@ -154,18 +152,28 @@ def blocking_reference(buckets: list[tuple[list[nn.Parameter], Any]],
         dist.all_reduce(param.grad, op=dist.ReduceOp.SUM, group=pg)
 
 
-def sgd_step(model: nn.ModuleList, layers: range) -> list[torch.Tensor]:
-    """Record the gradients of the stage's parameters, step, clear (so that iteration 2
-    starts elsewhere)."""
+def sgd_step(model: nn.ModuleList, layers: range,
+             sync: GradSync | None = None) -> list[torch.Tensor]:
+    """Record the gradients of the stage's trainable parameters, step, clear (so that
+    iteration 2 starts elsewhere): with ``sync.zero_grad()`` when given (the runtime's way,
+    the gradients stay views of the sync's buffers), else by setting them to None."""
     grads = []
     held = dict.fromkeys(p for layer in layers for p in model[layer].parameters())
     with torch.no_grad():
         for p in held:
+            if not p.requires_grad:
+                assert p.grad is None, "a frozen parameter was given a gradient"
+                continue
             assert p.grad is not None, "a bucket parameter was left without a gradient"
             grads.append(p.grad.clone())
-            if p.requires_grad:
-                p -= 0.1 * p.grad
-            p.grad = None
+            p -= 0.1 * p.grad
+            if sync is None:
+                p.grad = None
+        if sync is not None:
+            tied = [param for param, _ in sync.tied]
+            sync.zero_grad()
+            for param in tied:
+                param.grad = None
     return grads
 
 
@@ -173,6 +181,11 @@ def sgd_step(model: nn.ModuleList, layers: range) -> list[torch.Tensor]:
 
 CONFIGS: dict[str, dict[str, Any]] = {
     "blocking": {"overlap": False},
+    "blocking_zero_grad": {"overlap": False, "zero_grad": True},
+    "blocking_copy": {"overlap": False, "views": False},
+    "small_cap_zero_grad": {"overlap": True, "cap": SMALL_CAP_MB, "roots": True,
+                            "zero_grad": True},
+    "small_cap_copy": {"overlap": True, "cap": SMALL_CAP_MB, "views": False},
     "one_chunk": {"overlap": True},
     "one_chunk_roots": {"overlap": True, "roots": True},
     "small_cap": {"overlap": True, "cap": SMALL_CAP_MB},
@@ -203,12 +216,14 @@ def _compare(rank: int, out: str, layout: dict[int, tuple[range, list[tuple[int,
         sync = GradSync([Bucket(untied(model, a, b), pg, f"{a}-{b}") for a, b, pg in spans],
                         [(model[0].shared, tie_group)],
                         bucket_cap_mb=cfg.get("cap", 25.0), overlap=cfg["overlap"],
-                        global_order=cfg.get("global_order", True))
-        diffs, equal, stats = [], True, []
+                        global_order=cfg.get("global_order", True),
+                        grad_views=cfg.get("views", True))
+        diffs, equal, stats, bound = [], True, [], True
         for it in range(ITERATIONS):
             run_stage(model, layers, rank, it, sync, cfg.get("roots", False))
             got: SyncStats = sync.finish()
-            grads = sgd_step(model, layers)
+            bound = bound and _grads_are_views(sync)
+            grads = sgd_step(model, layers, sync if cfg.get("zero_grad") else None)
             for g, r in zip(grads, ref_grads[it], strict=True):
                 diffs.append(float((g - r).abs().max()))
                 equal = equal and torch.equal(g, r)
@@ -217,8 +232,17 @@ def _compare(rank: int, out: str, layout: dict[int, tuple[range, list[tuple[int,
                           "exposed_s": got.exposed_s})
         sync.close()
         results[name] = {"max_diff": max(diffs), "bitwise": equal, "stats": stats,
-                         "layout": sync.chunk_layout}
+                         "layout": sync.chunk_layout, "views": bound}
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
+
+
+def _grads_are_views(sync: GradSync) -> bool:
+    """Whether every trainable bucket parameter's gradient lies in one shared buffer per
+    unit (its storage is a sync buffer's, not a tensor of its own)."""
+    params = [p for b in sync.buckets for p in b.params if p.requires_grad]
+    storages = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
+    return all(p.grad is not None for p in params) and len(storages) <= (
+        len(sync.chunk_layout) if sync.overlap else len(sync.buckets))
 
 
 def _replicas(rank: int, world: int, out: str) -> None:
@@ -293,7 +317,10 @@ def _check_replicas(results: list[dict[str, Any]], bitwise: bool) -> None:
     for rank, res in enumerate(results):
         # the blocking GradSync is the runtime's sync: the same sums to the bit
         assert res["blocking"]["bitwise"], (rank, res["blocking"])
+        assert res["blocking_copy"]["bitwise"], (rank, res["blocking_copy"])
         for name, r in res.items():
+            # gradients live in the sync's buffers, unless the config asks for copies
+            assert r["views"] == (CONFIGS[name].get("views", True)), (rank, name)
             if bitwise:
                 assert r["bitwise"], (rank, name, r["max_diff"])
             assert r["max_diff"] <= 1e-12, (rank, name, r["max_diff"])
@@ -491,3 +518,45 @@ def test_a_parameter_in_two_buckets_is_refused() -> None:
     p = nn.Parameter(torch.zeros(2))
     with pytest.raises(ValueError, match="each may be synced once"):
         GradSync([([p], None), ([p], None)])
+
+
+def test_gradients_accumulate_in_the_sync_buffer_and_zero_grad_keeps_them_there() -> None:
+    """Views (the default): the backward accumulates into the sync's own buffer, the
+    all-reduce sums that buffer (no copy in or out: the storage never changes), zero_grad
+    zeroes it in place; a gradient replaced from outside is copied in, not lost; a frozen
+    parameter keeps its place as zeros and gets no gradient."""
+    net, ref = _net(), _net()
+    frozen = nn.Parameter(torch.ones(3, dtype=torch.float64), requires_grad=False)
+    params = [*net.parameters(), frozen]
+    sync = LocalSync([(params, None)])  # one chunk: all float64, under the cap
+    storage = {id(p): p.grad.untyped_storage().data_ptr() for p in net.parameters()
+               if p.grad is not None}
+    assert len(storage) == len(list(net.parameters())) and len(set(storage.values())) == 1
+    assert frozen.grad is None
+    for it in range(2):
+        for k in range(2):
+            if k == 1:
+                sync.arm()
+            _loss(net, 10 * it + k, False).backward()
+            _loss(ref, 10 * it + k, False).backward()
+        sync.finish()
+        for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None and q.grad is not None
+            assert p.grad.untyped_storage().data_ptr() == storage[id(p)]  # in place
+            assert torch.equal(p.grad, 2 * q.grad)
+        assert frozen.grad is None and sync.launched[-1] == sum(p.numel() for p in params)
+        sync.zero_grad()
+        ref.zero_grad(set_to_none=True)
+        assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
+    first = next(net.parameters())
+    first.grad = None  # an optimizer's zero_grad(set_to_none=True): autograd allocates anew
+    sync.arm()
+    _loss(net, 99, False).backward()
+    _loss(ref, 99, False).backward()
+    sync.finish()
+    for p, q in zip(net.parameters(), ref.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert p.grad.untyped_storage().data_ptr() == storage[id(p)]  # bound again
+        assert torch.equal(p.grad, 2 * q.grad)
+    sync.close()
+    assert all(p.grad is None for p in net.parameters())  # the plan's buffers let go
