@@ -2,7 +2,8 @@
 
 Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
-non-tensor leaves) so that a failing test names the mechanism. They live in
+non-tensor leaves, frozen parameters under weight decay) so that a failing test names
+the mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
 """
@@ -14,16 +15,16 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["bn_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
+__all__ = ["bn_tiny", "frozen_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
-         batch: int = 12) -> dict[str, Any]:
+         batch: int = 12, optimizer: Any = None) -> dict[str, Any]:
     return {
         "layers": layers,
         "sample": x[:3],
         "loss": loss,
-        "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
+        "optimizer": optimizer or (lambda params: torch.optim.Adam(params, lr=0.02)),
         "dataset": torch.utils.data.TensorDataset(x, y),
         "global_batch": batch,
     }
@@ -136,3 +137,30 @@ def pytree_tiny() -> dict[str, Any]:
     x, y = torch.randn(48, 4, generator=gen), torch.randn(48, 2, generator=gen)
     layers = [Split(), Merge(), nn.Identity(), Out()]
     return _job(layers, x, y, nn.functional.mse_loss)
+
+
+class Shifted(nn.Module):
+    """A trainable Linear plus a frozen offset vector (``requires_grad=False``)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.offset = nn.Parameter(torch.randn(d), requires_grad=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h) + self.offset)
+
+
+def frozen_tiny() -> dict[str, Any]:
+    """Fine-tuning: a frozen embedding tied to the head, a frozen parameter beside trainable
+    ones, and AdamW with weight decay over every parameter (as ``model.parameters()``
+    gives them): a frozen parameter must get no gradient, or the decay would move it."""
+    torch.manual_seed(4)
+    vocab, d = 11, 6
+    embed = Embed(vocab, d)
+    embed.tok.weight.requires_grad_(False)
+    layers = [embed, Shifted(d), Shifted(d), Head(embed)]
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(0, vocab, (48, 5), generator=gen)
+    return _job(layers, ids, torch.roll(ids, -1, dims=1), _lm_loss,
+                optimizer=lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1))

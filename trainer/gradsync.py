@@ -226,7 +226,9 @@ class GradSync:
         if not bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {bucket_cap_mb}")
         self.buckets = [b if isinstance(b, Bucket) else Bucket(*b) for b in buckets]
-        self.tied = [(p, g) for p, g in tied]
+        # a frozen tied parameter is not synced (the same on every rank: it is the model's)
+        # and gets no gradient, which an optimizer with weight decay would step
+        self.tied = [(p, g) for p, g in tied if p.requires_grad]
         self.bucket_cap_mb = bucket_cap_mb
         self.overlap = overlap
         self.min_seconds = min_seconds

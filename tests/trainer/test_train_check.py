@@ -49,6 +49,7 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("tied_tiny", 5),  # items 1 and 3: integer ids, embedding tied to the head
         ("bn_tiny", 3),  # item 4: BatchNorm under recompute and across replicas
         ("pytree_tiny", 4),  # item 2: tuple/dict activations, int and non-tensor leaves
+        ("frozen_tiny", 4),  # frozen parameters (one tied) under AdamW's weight decay
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
