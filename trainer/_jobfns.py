@@ -2,10 +2,10 @@
 
 Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
-non-tensor leaves, frozen parameters under weight decay) so that a failing test names
-the mechanism. They live in
-the package because spawned ranks import them by module name. The realistic
-models are in :mod:`hetpilot.trainer.examples`.
+non-tensor leaves, frozen parameters under weight decay) so that a failing
+test names the mechanism. They live in the package because spawned ranks
+import them by module name. The realistic models are in
+:mod:`hetpilot.trainer.examples`.
 """
 
 from __future__ import annotations
