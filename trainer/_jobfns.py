@@ -2,10 +2,10 @@
 
 Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
-non-tensor leaves, frozen parameters under weight decay) so that a failing
-test names the mechanism. They live in the package because spawned ranks
-import them by module name. The realistic models are in
-:mod:`hetpilot.trainer.examples`.
+non-tensor leaves, frozen parameters under weight decay, layers that write
+into their input) so that a failing test names the mechanism. They live in
+the package because spawned ranks import them by module name. The realistic
+models are in :mod:`hetpilot.trainer.examples`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["bn_tiny", "frozen_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
+__all__ = ["bn_tiny", "frozen_tiny", "inplace_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -164,3 +164,15 @@ def frozen_tiny() -> dict[str, Any]:
     ids = torch.randint(0, vocab, (48, 5), generator=gen)
     return _job(layers, ids, torch.roll(ids, -1, dims=1), _lm_loss,
                 optimizer=lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1))
+
+
+def inplace_tiny() -> dict[str, Any]:
+    """A flattened VGG-style list: ``ReLU(inplace=True)`` as layers of their own, so that
+    cuts put one first in a stage (its input an autograd leaf) and recompute checkpoints
+    it alone (its saved input is what it overwrites)."""
+    torch.manual_seed(5)
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randn(48, 6, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
+              nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)

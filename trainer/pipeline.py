@@ -20,6 +20,10 @@ A stage with ``recompute`` runs each layer under
 input and runs the forward again in the backward (spec sections 5.1, 5.4).
 The recomputation restores the layer's buffers afterwards, so BatchNorm's
 running statistics are updated once per microbatch, as without recompute.
+A layer that writes into its input (``nn.ReLU(inplace=True)`` as a layer of
+its own) runs on a copy of it under recompute, and as a stage's first layer
+(whose input is an autograd leaf); each layer's first call tells whether it
+writes, and only those that do keep paying for the copy.
 
 Mixed precision (:mod:`hetpilot.trainer.precision`): the forward runs under
 ``torch.autocast`` and the floating leaves sent to the next stage are cast to
@@ -35,6 +39,7 @@ ranks only. This path has run over gloo on CPU only where it was built.
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -42,6 +47,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 from .activations import (
@@ -174,17 +180,41 @@ class StageRunner:
         self._contexts = [_restore_buffers(layer) if any(True for _ in layer.buffers())
                           else None for layer in self.layers]
         self._pin = device.type == "cuda"
+        self._mutates: list[bool | None] = [None] * len(self.layers)
+        """Per layer: whether it writes into its input (None: not seen yet); see _guarded."""
 
-    def _forward(self, x: Any) -> Any:
+    def _forward(self, x: Any, received: bool = False) -> Any:
+        """The stage's layers on ``x`` (``received``: it came from the previous stage, its
+        floating leaves are autograd leaves)."""
         with self.precision.autocast(self.device):
-            for layer, context in zip(self.layers, self._contexts, strict=True):
+            for i, (layer, context) in enumerate(zip(self.layers, self._contexts, strict=True)):
+                fn: Callable[[Any], Any] = layer
+                if (self.recompute or (received and i == 0)) and self._mutates[i] is not False:
+                    fn = functools.partial(self._guarded, i)
                 if not self.recompute:
-                    x = layer(x)
+                    x = fn(x)
                 elif context is None:
-                    x = checkpoint(layer, x, use_reentrant=False)
+                    x = checkpoint(fn, x, use_reentrant=False)
                 else:
-                    x = checkpoint(layer, x, use_reentrant=False, context_fn=context)
+                    x = checkpoint(fn, x, use_reentrant=False, context_fn=context)
         return x
+
+    def _guarded(self, i: int, x: Any) -> Any:
+        """Layer ``i`` on a copy of ``x``'s floating leaves, noting whether it wrote into them.
+
+        A layer that modifies its input in place (``nn.ReLU(inplace=True)`` as a layer of
+        its own, as in a flattened VGG) breaks two things a single process never meets:
+        recompute (the checkpoint's saved input would be overwritten) and a stage's first
+        layer (its input is an autograd leaf received from the previous stage). Each layer
+        runs on a copy until its first call shows whether it writes into its input; the
+        layers that do keep the copy, the others run on the input itself from then on."""
+        copy = map_tensors(lambda t: t.clone() if t.is_floating_point() else t, x)
+        leaves = [t for t in pytree.tree_leaves(copy) if isinstance(t, torch.Tensor)]
+        before = [t._version for t in leaves]
+        out = self.layers[i](copy)
+        if self._mutates[i] is None:
+            self._mutates[i] = any(t._version != v for t, v in zip(leaves, before, strict=True))
+        return out
 
     def _to_device(self, value: Any) -> Any:
         """Move tensor leaves here (from pinned memory, non-blocking, on CUDA); cast floating
@@ -252,7 +282,7 @@ class StageRunner:
                 else:
                     x, x_in = self._receive(k, stats)
                 began = clock.start()
-                y = self._forward(x)
+                y = self._forward(x, received=not first)
                 if last:
                     target = self._to_device(targets(k))
                     with self.precision.autocast(self.device):  # fp32 losses stay fp32

@@ -50,11 +50,14 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("bn_tiny", 3),  # item 4: BatchNorm under recompute and across replicas
         ("pytree_tiny", 4),  # item 2: tuple/dict activations, int and non-tensor leaves
         ("frozen_tiny", 4),  # frozen parameters (one tied) under AdamW's weight decay
+        ("inplace_tiny", 5),  # ReLU(inplace=True) layers first in a stage and recomputed
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
     lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
+    if job == "inplace_tiny":
+        assert re.search(r"\)R", "\n".join(lines)), "no plan ran with recompute"
 
 
 @pytest.mark.slow
