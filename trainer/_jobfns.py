@@ -3,7 +3,7 @@
 Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
 non-tensor leaves, frozen parameters under weight decay, layers that write
-into their input) so that a failing test names the mechanism. They live in
+into their input, dropout) so that a failing test names the mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
 """
@@ -15,7 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["bn_tiny", "frozen_tiny", "inplace_tiny", "norm_first", "pytree_tiny", "tied_tiny"]
+__all__ = ["bn_tiny", "dropout_tiny", "frozen_tiny", "inplace_tiny", "norm_first", "pytree_tiny",
+           "tied_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -175,4 +176,28 @@ def inplace_tiny() -> dict[str, Any]:
     x, y = torch.randn(48, 6, generator=gen), torch.randn(48, 2, generator=gen)
     layers = [nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
               nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+class NoisyBlock(nn.Module):
+    """Functional dropout inside a module (as attention dropout is), beside a Linear."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(nn.functional.dropout(self.lin(h), 0.3, self.training))
+
+
+def dropout_tiny() -> dict[str, Any]:
+    """Random draws in the forward: ``nn.Dropout`` as a layer, inside a layer, and
+    functional. The trainer seeds each stage's forward of each microbatch from the data
+    position (``pipeline.microbatch_seed``), so one process taking the same steps draws
+    the same masks, whichever rank ran what before."""
+    torch.manual_seed(6)
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(48, 6, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2)), NoisyBlock(8), nn.Dropout(0.1),
+              NoisyBlock(8), nn.Linear(8, 2)]
     return _job(layers, x, y, nn.functional.mse_loss)

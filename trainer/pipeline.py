@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -60,7 +61,7 @@ from .activations import (
 )
 from .precision import Precision
 
-__all__ = ["StageRunner", "StageStats"]
+__all__ = ["StageRunner", "StageStats", "microbatch_seed", "seeded"]
 
 @dataclass
 class StageStats:
@@ -89,6 +90,42 @@ class StageStats:
         self.sync_bytes += other.sync_bytes
         self.sync_early_bytes += other.sync_early_bytes
         self.microbatches += other.microbatches
+
+
+def microbatch_seed(seed: int, epoch: int, iteration: int, group: int, first_layer: int,
+                    k: int) -> int:
+    """Seed of the random draws (dropout) of one stage's forward of microbatch ``k``.
+
+    A pipeline stage's layers draw from their rank's generator, so without this the draws
+    would depend on which rank ran which microbatch before. Keyed by the data position,
+    the plan's group, the stage's first layer and the microbatch, the same draws happen on
+    every run of the same plan, in the trainer and in train-check's one-process reference
+    (:mod:`hetpilot.trainer.reference`), and recompute replays them (checkpoint keeps the
+    generator's state)."""
+    key = f"{seed}/{epoch}/{iteration}/{group}/{first_layer}/{k}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
+
+
+@contextlib.contextmanager
+def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
+    """Run the block with the generators seeded (and restored after); None: leave them."""
+    if seed is None:
+        yield
+        return
+    # the generators themselves: torch.manual_seed and fork_rng cost ~140 us a call here,
+    # once per forward op; this costs a few us
+    gens = [torch.default_generator]
+    if device.type == "cuda":
+        gens.append(torch.cuda.default_generators[
+            device.index if device.index is not None else torch.cuda.current_device()])
+    states = [g.get_state() for g in gens]
+    for g in gens:
+        g.manual_seed(seed)
+    try:
+        yield
+    finally:
+        for g, state in zip(gens, states, strict=True):
+            g.set_state(state)
 
 
 def _restore_buffers(layer: nn.Module) -> Callable[[], tuple[Any, Any]]:
@@ -174,6 +211,9 @@ class StageRunner:
         self.bwd_target_s = bwd_target_s
         self.grad_scale = 1.0
         """float16 loss scale (:class:`~hetpilot.trainer.precision.LossScaler`), set per iteration."""
+        self.rng_seed: Callable[[int], int] | None = None
+        """Microbatch ``k`` -> the seed of its forward's random draws (set per iteration by
+        the runtime: :func:`microbatch_seed`); None leaves the generators alone."""
         self.before_last_backward: Callable[[Sequence[torch.Tensor]], None] | None = None
         """Called right before the iteration's last backward op with the tensors it starts
         from (:meth:`hetpilot.trainer.gradsync.GradSync.arm`)."""
@@ -282,7 +322,8 @@ class StageRunner:
                 else:
                     x, x_in = self._receive(k, stats)
                 began = clock.start()
-                y = self._forward(x, received=not first)
+                with seeded(self.rng_seed(k) if self.rng_seed else None, self.device):
+                    y = self._forward(x, received=not first)
                 if last:
                     target = self._to_device(targets(k))
                     with self.precision.autocast(self.device):  # fp32 losses stay fp32

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from .activations import map_tensors
+from .pipeline import microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
 from .runtime import layer_seed
@@ -128,7 +129,10 @@ class ReferenceRun:
                     if is_bwd:
                         continue
                     x = acts[k]
-                    with self._precision.autocast(torch.device("cpu")):
+                    draws = microbatch_seed(self.seed, self.epoch, self.iteration, gi,
+                                            stage.layers[0], k)
+                    with seeded(draws, torch.device("cpu")), \
+                            self._precision.autocast(torch.device("cpu")):
                         for layer in range(*stage.layers):
                             x = self.layers[layer](x)
                     if si + 1 < len(group.stages):

@@ -36,6 +36,7 @@ step counter and the data order carry on unchanged.
 
 from __future__ import annotations
 
+import functools
 import io
 import json
 import logging
@@ -55,7 +56,7 @@ from torch.utils.data import TensorDataset, default_collate
 from hetpilot.emulation import EmulationFile, allreduce_s
 
 from .gradsync import Bucket, GradSync
-from .pipeline import StageRunner, StageStats
+from .pipeline import StageRunner, StageStats, microbatch_seed
 from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, precision_for
 from .replicas import Tie, find_ties, reconcile_buffers, snapshot_buffers, tie_param
@@ -605,6 +606,9 @@ class Trainer:
             buffers_before = self._snapshot_replica_buffers()
             if self._scaler is not None:
                 self._runner.grad_scale = self._scaler.scale
+            first_layer = self.plan.groups[gi].stages[self._role[1]].layers[0]
+            self._runner.rng_seed = functools.partial(
+                microbatch_seed, self.seed, self.epoch, self.iteration, gi, first_layer)
             stats, loss = self._runner.run(
                 self._ops,
                 lambda k: self._collate(self.dataset, mine[k * m : (k + 1) * m], 0),

@@ -91,3 +91,23 @@ def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -
             slow = default_collate([data[i][which] for i in indices])
             assert fast.dtype == slow.dtype and fast.shape == slow.shape
             assert torch.equal(fast, slow)
+
+
+def test_seeded_draws_repeat_and_leave_the_generator_where_it_was() -> None:
+    """A stage's forward of a microbatch draws the same numbers every time its key is the
+    same, different ones for another microbatch, and the caller's stream is untouched."""
+    from hetpilot.trainer.pipeline import microbatch_seed, seeded
+
+    cpu = torch.device("cpu")
+    torch.manual_seed(123)
+    expected = torch.rand(4)
+    torch.manual_seed(123)
+    keys = [microbatch_seed(0, 1, 2, 0, 3, k) for k in (0, 0, 1)]
+    draws = []
+    for key in keys:
+        with seeded(key, cpu):
+            draws.append(torch.rand(5))
+    assert torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    assert torch.equal(torch.rand(4), expected)  # as if the blocks had not run
+    assert len(set(keys)) == 2 and all(0 <= k < 2**63 for k in keys)
+    assert microbatch_seed(0, 1, 2, 1, 3, 0) != keys[0]  # another group draws otherwise

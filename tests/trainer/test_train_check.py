@@ -51,12 +51,13 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("pytree_tiny", 4),  # item 2: tuple/dict activations, int and non-tensor leaves
         ("frozen_tiny", 4),  # frozen parameters (one tied) under AdamW's weight decay
         ("inplace_tiny", 5),  # ReLU(inplace=True) layers first in a stage and recomputed
+        ("dropout_tiny", 5),  # dropout: the same draws as one process, recompute included
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
     lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
-    if job == "inplace_tiny":
+    if job in ("inplace_tiny", "dropout_tiny"):
         assert re.search(r"\)R", "\n".join(lines)), "no plan ran with recompute"
 
 
