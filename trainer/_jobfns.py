@@ -169,13 +169,14 @@ def frozen_tiny() -> dict[str, Any]:
 
 def inplace_tiny() -> dict[str, Any]:
     """A flattened VGG-style list: ``ReLU(inplace=True)`` as layers of their own, so that
-    cuts put one first in a stage (its input an autograd leaf) and recompute checkpoints
-    it alone (its saved input is what it overwrites)."""
+    cuts put one first in a stage (its input an autograd leaf), or after layers that
+    return views of that leaf (``Unflatten``, ``Flatten``), and recompute checkpoints it
+    alone (its saved input is what it overwrites)."""
     torch.manual_seed(5)
     gen = torch.Generator().manual_seed(5)
     x, y = torch.randn(48, 6, generator=gen), torch.randn(48, 2, generator=gen)
-    layers = [nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.ReLU(inplace=True),
-              nn.Linear(8, 2)]
+    layers = [nn.Linear(6, 8), nn.ReLU(inplace=True), nn.Linear(8, 8), nn.Unflatten(1, (2, 4)),
+              nn.Flatten(), nn.ReLU(inplace=True), nn.Linear(8, 2)]
     return _job(layers, x, y, nn.functional.mse_loss)
 
 

@@ -128,6 +128,16 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
             g.set_state(state)
 
 
+def _storages(value: Any) -> set[int]:
+    return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(value)
+            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+
+
+def _shares_storage(out: Any, inp: Any) -> bool:
+    """Whether a floating leaf of ``out`` lies in the memory of one of ``inp`` (a view)."""
+    return not _storages(out).isdisjoint(_storages(inp))
+
+
 def _restore_buffers(layer: nn.Module) -> Callable[[], tuple[Any, Any]]:
     """``context_fn`` for checkpoint: the recomputation leaves the layer's buffers as it found
     them (BatchNorm would otherwise update its running statistics a second time)."""
@@ -226,17 +236,20 @@ class StageRunner:
     def _forward(self, x: Any, received: bool = False) -> Any:
         """The stage's layers on ``x`` (``received``: it came from the previous stage, its
         floating leaves are autograd leaves)."""
+        aliased = received  # x is (a view of) the received autograd leaves
         with self.precision.autocast(self.device):
             for i, (layer, context) in enumerate(zip(self.layers, self._contexts, strict=True)):
                 fn: Callable[[Any], Any] = layer
-                if (self.recompute or (received and i == 0)) and self._mutates[i] is not False:
+                if (self.recompute or aliased) and self._mutates[i] is not False:
                     fn = functools.partial(self._guarded, i)
                 if not self.recompute:
-                    x = fn(x)
+                    y = fn(x)
                 elif context is None:
-                    x = checkpoint(fn, x, use_reentrant=False)
+                    y = checkpoint(fn, x, use_reentrant=False)
                 else:
-                    x = checkpoint(fn, x, use_reentrant=False, context_fn=context)
+                    y = checkpoint(fn, x, use_reentrant=False, context_fn=context)
+                aliased = aliased and _shares_storage(y, x)  # Flatten, a view: still the leaf
+                x = y
         return x
 
     def _guarded(self, i: int, x: Any) -> Any:
@@ -245,7 +258,8 @@ class StageRunner:
         A layer that modifies its input in place (``nn.ReLU(inplace=True)`` as a layer of
         its own, as in a flattened VGG) breaks two things a single process never meets:
         recompute (the checkpoint's saved input would be overwritten) and a stage's first
-        layer (its input is an autograd leaf received from the previous stage). Each layer
+        layer (its input is an autograd leaf received from the previous stage; also the
+        layers after it while each returns a view of its input, as ``nn.Flatten`` does). Each layer
         runs on a copy until its first call shows whether it writes into its input; the
         layers that do keep the copy, the others run on the input itself from then on."""
         copy = map_tensors(lambda t: t.clone() if t.is_floating_point() else t, x)
