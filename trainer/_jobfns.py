@@ -3,7 +3,8 @@
 Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
 non-tensor leaves, frozen parameters under weight decay, layers that write
-into their input, dropout) so that a failing test names the mechanism. They live in
+into their input, dropout, sparse gradients, attention with the user's own
+checkpointing) so that a failing test names the mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
 """
@@ -15,8 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["bn_tiny", "dropout_tiny", "frozen_tiny", "inplace_tiny", "norm_first", "pytree_tiny",
-           "tied_tiny"]
+__all__ = ["attention_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "inplace_tiny",
+           "norm_first", "pytree_tiny", "sparse_tiny", "tied_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -202,3 +203,56 @@ def dropout_tiny() -> dict[str, Any]:
     layers = [nn.Sequential(nn.Linear(6, 8), nn.Dropout(0.2)), NoisyBlock(8), nn.Dropout(0.1),
               NoisyBlock(8), nn.Linear(8, 2)]
     return _job(layers, x, y, nn.functional.mse_loss)
+
+
+def sparse_tiny() -> dict[str, Any]:
+    """``nn.Embedding(sparse=True)``: its gradient arrives as a sparse tensor, which the
+    gradient sync sums into its dense buffer."""
+    torch.manual_seed(7)
+    gen = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 20, (48, 4), generator=gen)
+    y = torch.randn(48, 2, generator=gen)
+    layers = [nn.Embedding(20, 8, sparse=True), nn.Flatten(), nn.Linear(32, 8), nn.Tanh(),
+              nn.Linear(8, 2)]
+    return _job(layers, ids, y, nn.functional.mse_loss,
+                optimizer=lambda params: torch.optim.SGD(params, lr=0.05))
+
+
+class SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` with a residual and LayerNorm."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.mha = nn.MultiheadAttention(d, 2, batch_first=True)
+        self.ln = nn.LayerNorm(d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out, _ = self.mha(h, h, h, need_weights=False)
+        return self.ln(h + out)
+
+
+class OwnCheckpoint(nn.Module):
+    """A layer that checkpoints itself (reentrant), as some user models do."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def _inner(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = torch.utils.checkpoint.checkpoint(self._inner, h, use_reentrant=True)
+        assert isinstance(out, torch.Tensor)
+        return out
+
+
+def attention_tiny() -> dict[str, Any]:
+    """Sequences through attention blocks and a self-checkpointing layer, under AdamW."""
+    torch.manual_seed(8)
+    gen = torch.Generator().manual_seed(8)
+    x, y = torch.randn(24, 5, 8, generator=gen), torch.randn(24, 5, 8, generator=gen)
+    layers = [nn.Linear(8, 8), SelfAttention(8), OwnCheckpoint(8), nn.GELU(), SelfAttention(8),
+              nn.Linear(8, 8)]
+    return _job(layers, x, y, nn.functional.mse_loss,
+                optimizer=lambda params: torch.optim.AdamW(params, lr=0.01))

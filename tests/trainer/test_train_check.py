@@ -52,6 +52,8 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("frozen_tiny", 4),  # frozen parameters (one tied) under AdamW's weight decay
         ("inplace_tiny", 7),  # ReLU(inplace=True) layers first in a stage and recomputed
         ("dropout_tiny", 5),  # dropout: the same draws as one process, recompute included
+        ("sparse_tiny", 5),  # a sparse embedding gradient summed into the dense sync buffer
+        ("attention_tiny", 6),  # MultiheadAttention, a layer checkpointing itself, AdamW
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
