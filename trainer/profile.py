@@ -143,15 +143,19 @@ def _microbatch_size(sample: Any) -> int:
 
 def _layer_input(value: Any, first: bool) -> Any:
     """``value`` detached; a floating leaf that required a gradient requires one again
-    (the runtime's rule at a cut). Layer 0 gets a private copy, so an in-place op
-    cannot touch the caller's sample."""
+    (the runtime's rule at a cut), behind a copy, so that a layer writing into its input
+    (``ReLU(inplace=True)``) writes into the copy, as the runtime's stages let it
+    (:mod:`hetpilot.trainer.pipeline`), not into an autograd leaf. Layer 0 gets a private
+    copy, so an in-place op cannot touch the caller's sample."""
 
     def leaf(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if first:
             return t.detach().clone()
-        return t.detach().requires_grad_(t.requires_grad and t.is_floating_point())
+        if t.requires_grad and t.is_floating_point():
+            return t.detach().requires_grad_().clone()
+        return t.detach()
 
     return pytree.tree_map(leaf, value)
 

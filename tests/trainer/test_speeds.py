@@ -100,3 +100,20 @@ def test_microbatch_size_autocast_and_the_daemon_form() -> None:
                                                                     (0.008, 0.016)]
     with pytest.raises(ValueError, match="microbatch"):
         measure_layer_times(model, torch.randn(2, 64), 0, device="cpu")
+
+
+def test_layers_writing_into_their_input_are_profiled_and_timed() -> None:
+    """ReLU(inplace=True) as a layer of its own: the profile and the job's own timing (what
+    ``hetpilot train`` sends on Attach) give each layer its input behind a copy, as the
+    runtime's stages do, instead of failing on an in-place write into an autograd leaf."""
+    from hetpilot.trainer._jobfns import inplace_tiny
+    from hetpilot.trainer.profile import profile_model
+
+    job = inplace_tiny()
+    layers = job["layers"]
+    prof = profile_model(layers, job["sample"], name="inplace")
+    relus = [la for la in prof["layers"] if "ReLU" in la["name"]]
+    assert len(relus) == 2 and all(la["fwd_gflop"] == 0.0 for la in relus)
+    assert all(la["act_mb"] > 0 for la in relus)  # ReLU keeps its output for the backward
+    times = measure_layer_times(layers, job["sample"], 4, device="cpu", repeats=2)
+    assert len(times) == len(layers) and all(f > 0 and b >= 0 for f, b in times)
