@@ -32,8 +32,12 @@ must be equal), and by the mean loss:
   at most :data:`MIXED_TOLERANCE` (bfloat16 0.1, float16 0.05). Measured on
   the same runs: <= 0.046 (bfloat16), <= 0.015 (float16).
 
-The job must be deterministic in training mode (no dropout, or dropout 0):
-random ops draw different numbers on different ranks than in one process.
+Dropout and other random draws in a layer's forward are compared exactly:
+each stage's forward of each microbatch draws from generators seeded by the
+data position, the group, the stage's first layer and the microbatch
+(:func:`hetpilot.trainer.pipeline.microbatch_seed`), and the reference seeds
+the same way. Randomness elsewhere (in the loss, or from a generator of the
+job's own) must be deterministic.
 """
 
 from __future__ import annotations
