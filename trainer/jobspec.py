@@ -18,7 +18,7 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeGuard
 
 from hetpilot.planner.errors import ValidationError
 
@@ -45,4 +45,45 @@ def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> d
     missing = [k for k in required if k not in spec]
     if missing:
         raise ValidationError(field, f"{target}() returned no {', '.join(map(repr, missing))}")
+    _check_values(spec, f"{field}: {target}()")
     return spec
+
+
+def _positive_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _check_values(spec: dict[str, Any], where: str) -> None:
+    """The keys that are there have usable values; the error names the key."""
+    def bad(key: str, problem: str) -> ValidationError:
+        return ValidationError(f"{where}['{key}']", problem)
+
+    if "layers" in spec:
+        layers = spec["layers"]
+        if isinstance(layers, (str, bytes, dict)) or not hasattr(layers, "__len__") \
+                or not hasattr(layers, "__getitem__"):
+            raise bad("layers", f"must be a list of modules or factories, got "
+                                f"{type(layers).__name__}")
+        if len(layers) == 0:
+            raise bad("layers", "is empty: a model needs at least one layer")
+        for i, layer in enumerate(layers):
+            if not callable(layer):
+                raise bad("layers", f"item {i} ({type(layer).__name__}) is neither a module "
+                                    "nor a factory")
+    for key in ("loss", "optimizer", "metric"):
+        if key in spec and spec[key] is not None and not callable(spec[key]):
+            raise bad(key, f"must be callable, got {type(spec[key]).__name__}")
+    for key in ("global_batch", "microbatch_size"):
+        if key in spec and spec[key] is not None and not _positive_int(spec[key]):
+            raise bad(key, f"must be a positive integer, got {spec[key]!r}")
+    for key in ("dataset", "eval_dataset"):
+        data = spec.get(key)
+        if data is not None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+            raise bad(key, f"must be a map-style dataset (len and indexing), got "
+                           f"{type(data).__name__}")
+    data, batch = spec.get("dataset"), spec.get("global_batch")
+    if data is not None and _positive_int(batch) and len(data) < batch:
+        raise bad("global_batch", f"is {batch}, more than the dataset's {len(data)} samples")
+    micro = spec.get("microbatch_size")
+    if _positive_int(micro) and _positive_int(batch) and micro > batch:
+        raise bad("microbatch_size", f"is {micro}, more than global_batch {batch}")

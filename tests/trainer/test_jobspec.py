@@ -1,0 +1,75 @@
+"""load_job: a job function's values are checked when it is loaded, each refusal naming the
+key and the problem (the CLI turns it into exit 2), instead of failing later in a rank."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from hetpilot.planner.errors import ValidationError
+from hetpilot.trainer.jobspec import load_job
+
+JOBS = textwrap.dedent('''
+    import torch
+    from torch import nn
+
+    def job(**change):
+        x, y = torch.randn(8, 4), torch.randn(8, 2)
+        spec = {"layers": [nn.Linear(4, 3), nn.Linear(3, 2)], "loss": nn.functional.mse_loss,
+                "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+                "dataset": torch.utils.data.TensorDataset(x, y), "global_batch": 4,
+                "sample": x[:2]}
+        spec.update(change)
+        return spec
+
+    def good(): return job()
+    def zero_batch(): return job(global_batch=0)
+    def bool_batch(): return job(global_batch=True)
+    def big_batch(): return job(global_batch=100)
+    def big_micro(): return job(microbatch_size=8)
+    def no_layers(): return job(layers=[])
+    def layer_is_int(): return job(layers=[nn.Linear(4, 2), 3])
+    def loss_not_callable(): return job(loss="mse")
+    def iterable_data(): return job(dataset=iter([1, 2]))
+''')
+
+
+@pytest.fixture()
+def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "userjobs_spec.py").write_text(JOBS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return "userjobs_spec"
+
+
+@pytest.mark.parametrize(("fn", "key", "words"), [
+    ("zero_batch", "global_batch", "positive integer, got 0"),
+    ("bool_batch", "global_batch", "positive integer, got True"),
+    ("big_batch", "global_batch", "100, more than the dataset's 8 samples"),
+    ("big_micro", "microbatch_size", "8, more than global_batch 4"),
+    ("no_layers", "layers", "is empty"),
+    ("layer_is_int", "layers", "item 1 (int) is neither a module nor a factory"),
+    ("loss_not_callable", "loss", "must be callable, got str"),
+    ("iterable_data", "dataset", "map-style dataset"),
+])
+def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
+                                               words: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        load_job(f"{jobs}:{fn}", "--job")
+    assert f"['{key}']" in str(info.value) and words in str(info.value)
+    assert str(info.value).startswith("--job")
+
+
+def test_a_good_job_loads(jobs: str) -> None:
+    assert load_job(f"{jobs}:good", "--job")["global_batch"] == 4
+
+
+def test_train_check_exits_2_on_a_bad_value(tmp_path: Path) -> None:
+    (tmp_path / "userjobs_cli.py").write_text(JOBS)
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job", "userjobs_cli:big_batch",
+         "--ranks", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "['global_batch']" in res.stderr and "Traceback" not in res.stderr
