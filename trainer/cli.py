@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -140,6 +141,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--ranks: must be >= 2, got {args.ranks}")
         if args.iterations < 1:
             return _fail(f"--iterations: must be >= 1, got {args.iterations}")
+        if args.tolerance is not None and not math.isfinite(args.tolerance):
+            return _fail(f"--tolerance: must be a finite number, got {args.tolerance}")
         from .check import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,

@@ -77,6 +77,14 @@ def test_cli_names_the_differing_layer_and_exits_1() -> None:
     assert "FAIL" in res.stdout
 
 
+@pytest.mark.parametrize("tolerance", ["nan", "inf"])
+def test_cli_refuses_a_tolerance_that_is_not_finite(tolerance: str) -> None:
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--tolerance", tolerance],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2 and "--tolerance" in res.stderr and "finite" in res.stderr
+
+
 def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "hetpilot", "train-check", "--job", "nocolon", "--ranks", "2"],
