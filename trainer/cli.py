@@ -133,6 +133,23 @@ def _load_spec(target: str, command: str) -> dict[str, Any]:
     return load_job(target, "--model", ("layers", "sample") if command == "profile" else TRAIN_KEYS)
 
 
+RANK_BYTES = 300 * 2**20
+"""What one train-check rank holds at least: a Python process with torch and gloo (230-310
+MiB measured for the shipped GPT example's ranks)."""
+
+
+def _available_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo; None where there is none (not Linux)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args.checkpoint, args.out)
@@ -143,6 +160,12 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--iterations: must be >= 1, got {args.iterations}")
         if args.tolerance is not None and not math.isfinite(args.tolerance):
             return _fail(f"--tolerance: must be a finite number, got {args.tolerance}")
+        available = _available_bytes()
+        if available is not None and args.ranks * RANK_BYTES > available:
+            return _fail(f"--ranks: {args.ranks} local ranks need about "
+                         f"{args.ranks * RANK_BYTES / 2**30:.1f} GiB (at least "
+                         f"{RANK_BYTES // 2**20} MiB each); {available / 2**30:.1f} GiB is "
+                         "available here")
         from .check import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,

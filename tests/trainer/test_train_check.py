@@ -85,6 +85,21 @@ def test_cli_refuses_a_tolerance_that_is_not_finite(tolerance: str) -> None:
     assert res.returncode == 2 and "--tolerance" in res.stderr and "finite" in res.stderr
 
 
+def test_cli_refuses_more_ranks_than_the_memory_holds() -> None:
+    """Each local rank is a process with torch (hundreds of MiB): a rank count the machine
+    cannot hold is refused before any starts, instead of exhausting its memory."""
+    from hetpilot.trainer.cli import RANK_BYTES, _available_bytes
+
+    available = _available_bytes()
+    assert available is not None  # Linux
+    too_many = available // RANK_BYTES + 1
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--ranks", str(too_many)],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--ranks" in res.stderr and "GiB is available" in res.stderr
+
+
 def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
     res = subprocess.run(
         [sys.executable, "-m", "hetpilot", "train-check", "--job", "nocolon", "--ranks", "2"],
