@@ -28,7 +28,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["CpuMeter", "CpuStats", "cpu_ticks", "memory_used", "runnable"]
+__all__ = ["CpuMeter", "CpuStats", "cpu_ticks", "meminfo_gb", "memory_used", "runnable"]
 
 
 def cpu_ticks() -> tuple[float, float]:
@@ -43,6 +43,19 @@ def runnable() -> int:
     """Runnable processes on the host now, the reader included."""
     with open("/proc/loadavg") as fh:
         return int(fh.read().split()[3].split("/")[0])
+
+
+def meminfo_gb() -> tuple[float, float]:
+    """(total, available) GB from /proc/meminfo; zeros where it is missing."""
+    values: dict[str, float] = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                key, _, rest = line.partition(":")
+                values[key] = float(rest.split()[0]) * 1024 / 1e9
+    except (OSError, ValueError, IndexError):
+        return 0.0, 0.0
+    return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
 
 
 def memory_used() -> float:

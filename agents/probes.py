@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from .config import AgentConfig
-from .cpustat import CpuMeter
+from .cpustat import CpuMeter, meminfo_gb
 
 __all__ = ["CPU_PROBE_N", "CUDA_PROBE_N", "DeviceState", "cpu_matmul_tflops", "discover",
            "refresh"]
@@ -77,19 +77,6 @@ def cpu_matmul_tflops(n: int = CPU_PROBE_N, seconds: float = 0.2) -> float:
         elapsed = time.perf_counter() - t0
         if elapsed >= seconds:
             return 2 * n**3 * iters / elapsed / 1e12
-
-
-def _meminfo() -> tuple[float, float]:
-    """(total, available) GB from /proc/meminfo; zeros where it is missing."""
-    values: dict[str, float] = {}
-    try:
-        with open("/proc/meminfo") as fh:
-            for line in fh:
-                key, _, rest = line.partition(":")
-                values[key] = float(rest.split()[0]) * 1024 / 1e9
-    except (OSError, ValueError, IndexError):
-        return 0.0, 0.0
-    return values.get("MemTotal", 0.0), values.get("MemAvailable", 0.0)
 
 
 def _cuda_devices(config: AgentConfig) -> list[DeviceState]:
@@ -160,7 +147,7 @@ def _nvml_update(devices: list[DeviceState]) -> list[DeviceState]:
 
 
 def _cpu_device(config: AgentConfig, meter: CpuMeter) -> DeviceState:
-    total, free = _meminfo()
+    total, free = meminfo_gb()
     d = DeviceState(index="0", name=f"cpu x{os.cpu_count() or 1}", kind="cpu",
                     tflops=cpu_matmul_tflops(), memory_total_gb=total, memory_free_gb=free,
                     price_per_hour=config.price_per_hour, power_watts=config.power_watts,
@@ -206,7 +193,7 @@ def refresh(devices: list[DeviceState], config: AgentConfig, *,
         return discover(config) if reprobe else _nvml_update(devices)
     if meter is None:
         raise ValueError("refresh: a CPU host needs the meter its last report read")
-    total, free = _meminfo()
+    total, free = meminfo_gb()
     d = devices[0]
     tflops = cpu_matmul_tflops() if reprobe else d.tflops
     return [_with_load(replace(d, tflops=tflops, memory_total_gb=total, memory_free_gb=free), meter)]

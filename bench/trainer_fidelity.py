@@ -76,7 +76,7 @@ from hetpilot.planner.refmodel import (
 )
 from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from_dict
 from hetpilot.trainer.launch import spawn
-from hetpilot.trainer.linkprobe import measure_links
+from hetpilot.trainer.linkprobe import measure_links, synthetic_op_ms
 from hetpilot.trainer.plans import check_plan
 from hetpilot.trainer.profile import profile_model
 from hetpilot.trainer.runtime import Trainer
@@ -277,8 +277,7 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
             # as hetpilot train does: ops of a quarter of a microbatch through the model
             whole = [sum(f + b for f, b in times)]
             dist.broadcast_object_list(whole, src=0)
-            net.update(_job_links(micro * max(widths) * 4,
-                                  min(max(whole[0] * 250, 0.5), 20.0)))
+            net.update(_job_links(micro * max(widths) * 4, synthetic_op_ms(whole[0])))
         rounds.append({"net": net, "times": times, "seg": seg})
 
     measure()

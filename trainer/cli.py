@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hetpilot.agents.cpustat import meminfo_gb
 from hetpilot.planner.errors import ValidationError
 
 __all__ = ["add_arguments", "run"]
@@ -138,18 +139,6 @@ RANK_BYTES = 300 * 2**20
 MiB measured for the shipped GPT example's ranks)."""
 
 
-def _available_bytes() -> int | None:
-    """MemAvailable from /proc/meminfo; None where there is none (not Linux)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
-
-
 def run(args: argparse.Namespace) -> int:
     if args.command == "export":
         return _export(args.checkpoint, args.out)
@@ -160,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--iterations: must be >= 1, got {args.iterations}")
         if args.tolerance is not None and not math.isfinite(args.tolerance):
             return _fail(f"--tolerance: must be a finite number, got {args.tolerance}")
-        available = _available_bytes()
-        if available is not None and args.ranks * RANK_BYTES > available:
+        available = meminfo_gb()[1] * 1e9  # 0 where there is no /proc/meminfo: no check
+        if available and args.ranks * RANK_BYTES > available:
             return _fail(f"--ranks: {args.ranks} local ranks need about "
                          f"{args.ranks * RANK_BYTES / 2**30:.1f} GiB (at least "
                          f"{RANK_BYTES // 2**20} MiB each); {available / 2**30:.1f} GiB is "
@@ -545,7 +534,7 @@ def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
 
     import torch.distributed as dist
 
-    from .linkprobe import link_entries, measure_links
+    from .linkprobe import link_entries, measure_links, synthetic_op_ms
 
     world, rank = dist.get_world_size(), dist.get_rank()
     if world < 2:
@@ -557,10 +546,9 @@ def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
         return
     size: list[Any] = [_message_bytes(spec, profile)]
     dist.broadcast_object_list(size, src=0)  # rank 0 has the profile
-    # the synthetic pipeline's ops: a quarter of a microbatch's forward and backward
-    # through the whole model (two stages), as the ranks measured it, within 0.5-20 ms
+    # the synthetic pipeline's ops, from a microbatch through the model as the ranks timed it
     whole = statistics.median(sum(f + b for f, b in m["layers"].values()) for m in measured)
-    links = measure_links(device, msg_bytes=size[0], op_ms=min(max(whole * 250, 0.5), 20.0))
+    links = measure_links(device, msg_bytes=size[0], op_ms=synthetic_op_ms(whole))
     if rank == 0:
         print("hetpilot: links measured by the job: " + ", ".join(
             f"{device_ids[a]}-{device_ids[b]} {t.gbps:.3g} Gbit/s, "

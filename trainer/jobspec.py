@@ -29,7 +29,8 @@ TRAIN_KEYS = ("layers", "loss", "optimizer", "dataset", "global_batch")
 
 def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> dict[str, Any]:
     """Call ``MODULE:FN`` (importable from the working directory too, as with ``python -m``);
-    raise :class:`ValidationError` naming ``field`` when it cannot be loaded or lacks a key."""
+    raise :class:`ValidationError` naming ``field`` when it cannot be loaded, lacks a key, or
+    a key's value cannot be used (naming the key too)."""
     module_name, _, fn_name = target.partition(":")
     if not module_name or not fn_name:
         raise ValidationError(field, f"must be MODULE:FN, got {target!r}")

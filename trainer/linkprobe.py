@@ -63,7 +63,7 @@ from scipy.optimize import brentq
 
 from .activations import recv_activation, recv_grads, send_activation, send_grads
 
-__all__ = ["LinkTime", "link_entries", "measure_links", "pair_rounds"]
+__all__ = ["LinkTime", "link_entries", "measure_links", "pair_rounds", "synthetic_op_ms"]
 
 
 @dataclass(frozen=True)
@@ -91,6 +91,13 @@ def pair_rounds(world: int, all_pairs_up_to: int = 8) -> list[list[tuple[int, in
         rounds.append([p for p in pairs if p[0] >= 0])
         ranks = [ranks[0], ranks[-1], *ranks[1:-1]]  # rotate all but the first
     return rounds
+
+
+def synthetic_op_ms(microbatch_s: float) -> float:
+    """``op_ms`` for :func:`measure_links` from the seconds of one microbatch's forward and
+    backward through the whole model: a quarter of it (a two-stage pipeline's forward or
+    backward op), within 0.5-20 ms."""
+    return min(max(microbatch_s * 250, 0.5), 20.0)
 
 
 def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,

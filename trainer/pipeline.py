@@ -259,9 +259,10 @@ class StageRunner:
         its own, as in a flattened VGG) breaks two things a single process never meets:
         recompute (the checkpoint's saved input would be overwritten) and a stage's first
         layer (its input is an autograd leaf received from the previous stage; also the
-        layers after it while each returns a view of its input, as ``nn.Flatten`` does). Each layer
-        runs on a copy until its first call shows whether it writes into its input; the
-        layers that do keep the copy, the others run on the input itself from then on."""
+        layers after it while each returns a view of its input, as ``nn.Flatten`` does).
+        Each layer runs on a copy until its first call shows whether it writes into its
+        input; the layers that do keep the copy, the others run on the input itself from
+        then on."""
         copy = map_tensors(lambda t: t.clone() if t.is_floating_point() else t, x)
         leaves = [t for t in pytree.tree_leaves(copy) if isinstance(t, torch.Tensor)]
         before = [t._version for t in leaves]

@@ -88,10 +88,11 @@ def test_cli_refuses_a_tolerance_that_is_not_finite(tolerance: str) -> None:
 def test_cli_refuses_more_ranks_than_the_memory_holds() -> None:
     """Each local rank is a process with torch (hundreds of MiB): a rank count the machine
     cannot hold is refused before any starts, instead of exhausting its memory."""
-    from hetpilot.trainer.cli import RANK_BYTES, _available_bytes
+    from hetpilot.agents.cpustat import meminfo_gb
+    from hetpilot.trainer.cli import RANK_BYTES
 
-    available = _available_bytes()
-    assert available is not None  # Linux
+    available = int(meminfo_gb()[1] * 1e9)
+    assert available > 0  # Linux
     too_many = available // RANK_BYTES + 1
     res = subprocess.run(
         [sys.executable, "-m", "hetpilot", "train-check", "--ranks", str(too_many)],
