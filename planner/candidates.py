@@ -111,8 +111,26 @@ def _spend(stack: tuple[np.ndarray, np.ndarray, np.ndarray], lam: float, dear: b
     return float(pay[np.arange(len(pay)), idx].mean())
 
 
+def _soft_spend(stack: tuple[np.ndarray, np.ndarray, np.ndarray], lam: float,
+                smooth: float) -> float:
+    """Average paid cost when each slot takes each point of its frontier with
+    probability proportional to ``exp(-(T + lam c - min) / (smooth * T_min))``:
+    the softmin of the entropy-regularised programme, a temperature of
+    ``smooth`` times the slot's fastest iteration time. Continuous and strictly
+    decreasing in ``lam`` wherever a frontier has two points; the padding
+    (copies of a row's last point) weighs nothing."""
+    cost, time, pay = stack
+    score = time + lam * cost
+    real = np.ones(cost.shape, dtype=bool)
+    real[:, 1:] = (cost[:, 1:] != cost[:, :-1]) | (time[:, 1:] != time[:, :-1])
+    temp = smooth * np.maximum(time.min(axis=1, keepdims=True), 1e-12)
+    w = np.where(real, np.exp(-(score - score.min(axis=1, keepdims=True)) / temp), 0.0)
+    return float(((w * pay).sum(axis=1) / w.sum(axis=1)).mean())
+
+
 def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
-                      paid: Sequence[np.ndarray] | None = None) -> float | None:
+                      paid: Sequence[np.ndarray] | None = None,
+                      smooth: float = 0.0) -> float | None:
     """The Lagrange multiplier (seconds of iteration time per unit of cost rate) of
 
         min avg_s T_s  subject to  avg_s c_s <= budget
@@ -126,7 +144,18 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
     ``paid``, one array per frontier (its points' cost rates as they turned
     out: a slot's decision sees the previous slot's prices), makes the choice
     by the frontiers' costs and the average of what the choices paid: the
-    rate that would have held the budget with the one-slot lag."""
+    rate that would have held the budget with the one-slot lag.
+
+    ``smooth`` > 0 solves the entropy-regularised programme instead
+    (:func:`_soft_spend`, temperature ``smooth`` times each slot's fastest
+    iteration time). Why: the linear programme's spend is a step function of
+    the rate, with a jump at every kink of a frontier that recurs in the
+    slots (a price level held for a while). A budget inside such a jump pins
+    the rate to that kink whatever the budget, so a controller learning its
+    rate at ``budget - debt / horizon`` stops responding to its debt until the
+    debt carries the target past the jump. The smoothed spend is continuous
+    and strictly decreasing, so the rate follows the target; as ``smooth``
+    goes to 0 it returns the linear programme's rate."""
     stack = _stack(frontiers, paid)
     if stack is None:
         return None
@@ -134,7 +163,7 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
     limit = budget * (1 + 1e-9)
 
     def spend(lam: float, dear: bool = False) -> float:
-        return _spend(stack, lam, dear)
+        return _soft_spend(stack, lam, smooth) if smooth > 0 else _spend(stack, lam, dear)
 
     if spend(0.0) <= limit:
         return 0.0
@@ -144,6 +173,10 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
     real = dc > 0  # the padding adds no segments
     top = 2.0 * (float(np.max(-dt[real] / dc[real])) if real.any() else 1.0)
     lo, hi = 0.0, top
+    for _ in range(200):  # the soft choice still leans on dearer points at ``top``
+        if not (smooth > 0 and spend(hi) > limit):
+            break
+        lo, hi = hi, 2 * hi
     for _ in range(60):  # the smallest rate whose minimisers fit
         mid = 0.5 * (lo + hi)
         if spend(mid) > limit:
@@ -151,7 +184,8 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
         else:
             hi = mid
     # where the minimisers cost exactly the budget over a range of rates (the
-    # budget sits on a plan), take the middle of the range, not its edge (a tie)
+    # budget sits on a plan), take the middle of the range, not its edge (a tie);
+    # the smoothed spend has that range too, to rounding (it leaks nothing there)
     a, b = hi, top
     if spend(a, dear=True) < budget * (1 - 1e-9):
         return hi

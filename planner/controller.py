@@ -173,6 +173,16 @@ class ControllerConfig:
     budget over them: the offline oracle's linear programme solved on the
     past (:func:`~hetpilot.planner.candidates.budget_multiplier`). 0: no
     learning (the normalised drift-plus-penalty of ``default_v``)."""
+    learn_smoothing: float = 0.01
+    """With a learned rate: the rate comes from the entropy-regularised
+    programme over the window (each slot's choice a softmin with a temperature
+    of this fraction of its fastest iteration time;
+    :func:`~hetpilot.planner.candidates.budget_multiplier`'s ``smooth``)
+    instead of the linear programme itself. The linear programme's rate pins
+    to a kink of frontiers that recur in the window while the target sits in
+    the jump of spend there, and the debt then moves nothing until it carries
+    the target past the jump; the smoothed rate follows the target. 0: the
+    linear programme."""
     repay_slots: int = 25
     """With a learned rate: spending over (under) the budget so far is repaid
     (spent) over about this many slots, by learning the rate at
@@ -198,6 +208,12 @@ class ControllerConfig:
     mix_max_cycle: int = 50
     """Longest time-sharing cycle in slots; when even that does not amortise the
     switches, the controller does not mix."""
+    mix_after: int = 25
+    """Time-share only once this many slots have shown the same frontier. Before
+    that the smoothed rate (``learn_smoothing``) shares through the debt: on the
+    trace library a schedule made on the first few slots of a price level lost
+    speed (mean gap to the oracle 3.07% with schedules from the first slot,
+    3.03% from the 10th, 2.97% from the 25th, the same as never)."""
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.default_v) and self.default_v > 0):
@@ -206,11 +222,11 @@ class ControllerConfig:
             raise ValidationError("config.slot_s", f"must be > 0, got {self.slot_s}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 0):
             raise ValidationError("config.hysteresis", f"must be >= 0, got {self.hysteresis}")
-        for name in ("learn_window", "repay_slots", "mix_max_cycle", "repay_max_slots"):
+        for name in ("learn_window", "repay_slots", "mix_max_cycle", "repay_max_slots", "mix_after"):
             if getattr(self, name) < (0 if name == "learn_window" else 1):
                 raise ValidationError(f"config.{name}", f"must be >= {0 if name == 'learn_window' else 1}, "
                                       f"got {getattr(self, name)}")
-        for name in ("max_credit", "mix_overhead", "repay_rate"):
+        for name in ("max_credit", "mix_overhead", "repay_rate", "learn_smoothing"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValidationError(f"config.{name}", f"must be >= 0, got {getattr(self, name)}")
         if self.iterations_per_slot is not None and self.iterations_per_slot < 1:
@@ -856,16 +872,18 @@ class Controller:
         self._debt[kind] = debt
         paid = self._paid
         self._horizon = float(horizon)
-        lam = budget_multiplier(self._frontiers, self._target(), paid=paid)
+        smooth = self.config.learn_smoothing
+        lam = budget_multiplier(self._frontiers, self._target(), paid=paid, smooth=smooth)
         rho = self.config.repay_rate
         if rho > 0 and debt > 0.0 and lam is not None:
-            base = budget_multiplier(self._frontiers, budget, paid=paid)
+            base = budget_multiplier(self._frontiers, budget, paid=paid, smooth=smooth)
             if base:  # repay no faster than at (1 + rho) times the rate at the budget itself
                 lo_rate, hi_rate = base / (1 + rho), base * (1 + rho)
                 while (lam is None or not lo_rate <= lam <= hi_rate) and \
                         self._horizon < self.config.repay_max_slots:
                     self._horizon = min(2 * self._horizon, float(self.config.repay_max_slots))
-                    lam = budget_multiplier(self._frontiers, self._target(), paid=paid)
+                    lam = budget_multiplier(self._frontiers, self._target(), paid=paid,
+                                            smooth=smooth)
         if lam is None:  # below the cheapest plans: weigh cost as heavily as they ever do
             lam = max((float(np.max(-np.diff(t) / np.diff(c))) for c, t in self._frontiers
                        if len(c) > 1), default=self._learned.get(kind, 0.0))
@@ -982,13 +1000,19 @@ class Controller:
         if not lam:
             return None
         now_c, now_t = self._frontiers[-1]
+        if len(self._frontiers) < self.config.mix_after:
+            return None  # too few slots to call the frontier still: the smoothed rate shares
         if any(len(c) != len(now_c) or not (np.array_equal(c, now_c) and np.array_equal(t, now_t))
                for c, t in self._frontiers):
             return None  # prices moved within the window: the rate banks across them instead
-        lo, hi = _kink(([running] if running is not None else []) + list(pool), kind, lam)
+        # a smoothed rate (learn_smoothing) lies near the kink, not on it: a tie is a rate
+        # at which the softmin still gives both plans over 0.7% (|gap| <= 5 temperatures)
+        tol_s = 5.0 * self.config.learn_smoothing * float(np.min(now_t)) if len(now_t) else 0.0
+        lo, hi = _kink(([running] if running is not None else []) + list(pool), kind, lam, tol_s)
         if lo is None or hi is None:
             return None
-        x = tie_share(self._frontiers, lam, self._target(), paid=self._paid)
+        slope = (lo.iteration_s - hi.iteration_s) / (hi.costs.get(kind, 0.0) - lo.costs.get(kind, 0.0))
+        x = tie_share(self._frontiers, slope, self._target(), paid=self._paid)
         if x >= 1 - 1e-9:
             self._tie_dear = True  # every tie to the dearer plan: no schedule needed
             return None
@@ -1087,12 +1111,13 @@ def _frontier(cands: Sequence[Candidate], kind: str) -> Frontier:
     return frontier([(c.costs.get(kind, 0.0), c.iteration_s) for c in cands])
 
 
-def _kink(cands: Sequence[Candidate], kind: str,
-          lam: float) -> tuple[Candidate | None, Candidate | None]:
+def _kink(cands: Sequence[Candidate], kind: str, lam: float,
+          tol_s: float = 0.0) -> tuple[Candidate | None, Candidate | None]:
     """The two neighbouring plans of the lower convex (cost, time) frontier of
     ``cands`` whose segment has slope ``-lam`` (they tie under ``T + lam * c``),
-    cheaper first; (None, None) when ``lam`` picks one plan. The first of equal
-    points wins, so list the running plan first."""
+    or whose scores under ``lam`` differ by at most ``tol_s`` seconds (the
+    nearest such segment), cheaper first; (None, None) when ``lam`` picks one
+    plan. The first of equal points wins, so list the running plan first."""
     def cost(c: Candidate) -> float:
         return float(f"{c.costs.get(kind, 0.0):.9g}")
 
@@ -1100,11 +1125,13 @@ def _kink(cands: Sequence[Candidate], kind: str,
         return float(f"{c.iteration_s:.9g}")  # plans equal to 9 digits are one point
 
     hull = lower_hull(cands, lambda c: (cost(c), time(c)))
+    best: tuple[float, Candidate | None, Candidate | None] = (math.inf, None, None)
     for a, b in itertools.pairwise(hull):
         slope = (time(a) - time(b)) / (cost(b) - cost(a))
-        if abs(slope - lam) <= 1e-6 * max(slope, lam):
-            return a, b
-    return None, None
+        gap = abs(slope - lam) * (cost(b) - cost(a))  # |score(b) - score(a)| under lam
+        if (abs(slope - lam) <= 1e-6 * max(slope, lam) or gap <= tol_s) and gap < best[0]:
+            best = (gap, a, b)
+    return best[1], best[2]
 
 
 def _mapping(obj: Mapping[str, Any], key: str, path: str = "state") -> Mapping[str, Any]:
