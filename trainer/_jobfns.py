@@ -4,7 +4,9 @@ Each isolates one case (an integer input, a parameter-free first layer, a
 tied parameter, BatchNorm buffers, tuple and dict activations with
 non-tensor leaves, frozen parameters under weight decay, layers that write
 into their input, dropout, sparse gradients, attention with the user's own
-checkpointing) so that a failing test names the mechanism. They live in
+checkpointing, parameters no sample uses, buffers a forward reads after
+updating them, one module at two places, parameter groups) so that a failing test names the
+mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
 """
@@ -16,8 +18,9 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["attention_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "inplace_tiny",
-           "norm_first", "pytree_tiny", "sparse_tiny", "tied_tiny"]
+__all__ = ["attention_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "groups_tiny",
+           "inplace_tiny", "norm_first", "pytree_tiny", "reused_tiny", "sparse_tiny",
+           "specnorm_tiny", "tied_tiny", "unused_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -256,3 +259,86 @@ def attention_tiny() -> dict[str, Any]:
               nn.Linear(8, 8)]
     return _job(layers, x, y, nn.functional.mse_loss,
                 optimizer=lambda params: torch.optim.AdamW(params, lr=0.01))
+
+
+class Routed(nn.Module):
+    """Two experts; each microbatch takes the one its first input feature picks, so the
+    samples of one group may never reach the other expert."""
+
+    def __init__(self, d_in: int, d: int) -> None:
+        super().__init__()
+        self.experts = nn.ModuleList([nn.Linear(d_in, d), nn.Linear(d_in, d)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.experts[0 if float(x[:, 0].mean()) > 0 else 1](x))
+
+
+class Spare(nn.Module):
+    """A Linear beside one its forward never calls (a head left over from pre-training)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.spare = nn.Linear(d, d)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(h))
+
+
+def unused_tiny() -> dict[str, Any]:
+    """Parameters without a gradient: a spare Linear no sample uses, and routed experts
+    some groups' samples never reach, under AdamW with weight decay. In one process
+    their ``.grad`` is None and the step leaves them alone; the gradient sync must not
+    hand them zeros, which the decay (and momentum) would move."""
+    torch.manual_seed(9)
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [Routed(5, 8), Spare(8), nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss,
+                optimizer=lambda params: torch.optim.AdamW(params, lr=0.02, weight_decay=0.1))
+
+
+def specnorm_tiny() -> dict[str, Any]:
+    """``spectral_norm``: each forward updates the power-iteration vectors (buffers) and
+    computes its weight from them, so a recomputation must start from the vectors its
+    forward saw, not from what later forwards left there."""
+    torch.manual_seed(10)
+    gen = torch.Generator().manual_seed(10)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    sn = nn.utils.parametrizations.spectral_norm
+    layers = [sn(nn.Linear(5, 8)), nn.Tanh(), sn(nn.Linear(8, 8)), nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+def reused_tiny() -> dict[str, Any]:
+    """One module at two places of ``layers`` (a weight-shared block applied twice): its
+    parameters are ties between the two layers, wherever the cuts put them."""
+    torch.manual_seed(11)
+    gen = torch.Generator().manual_seed(11)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    shared = nn.Sequential(nn.Linear(8, 8), nn.Tanh())
+    layers = [nn.Linear(5, 8), shared, nn.LayerNorm(8), shared, nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+def groups_tiny() -> dict[str, Any]:
+    """The usual parameter groups: no weight decay on 1-d parameters (a LayerNorm layer of
+    its own leaves the decayed group empty), and a higher learning rate for the head, picked
+    by identity (``p is head.weight``), as one process over ``model.parameters()`` does. The
+    factory closes over the job's own modules: train-check's reference must use them too."""
+    torch.manual_seed(12)
+    gen = torch.Generator().manual_seed(12)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    head = nn.Linear(8, 2)
+    layers = [nn.Linear(5, 8), nn.Tanh(), nn.LayerNorm(8), head]
+
+    def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        mine = {id(p) for p in head.parameters()}
+        groups = [{"params": [p for p in params if id(p) in mine], "lr": 0.05},
+                  {"params": [p for p in params if id(p) not in mine and p.ndim > 1],
+                   "weight_decay": 0.1},
+                  {"params": [p for p in params if id(p) not in mine and p.ndim <= 1],
+                   "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=0.01)
+
+    return _job(layers, x, y, nn.functional.mse_loss, optimizer=optimizer)

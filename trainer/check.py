@@ -14,6 +14,9 @@ buffers) and the mean loss are compared with
 in one process on the same microbatches, accumulating gradients in float64.
 Exit 0 when the largest absolute difference is at most ``--tolerance``
 (1e-9); otherwise the report names the layer and tensor that differ most.
+Before any rank starts, the job runs one microbatch in one process
+(:mod:`hetpilot.trainer.preflight`): what cannot train is refused (exit 2)
+naming the key, and a loss that is not a mean over samples gets a note.
 
 With ``--dtype bfloat16`` or ``float16`` the ranks run mixed precision
 (:mod:`hetpilot.trainer.precision`) and are compared twice, layer by layer
@@ -60,6 +63,7 @@ from torch import nn
 from .jobspec import load_job
 from .launch import spawn
 from .plans import check_plan, random_plan
+from .preflight import preflight
 
 __all__ = ["BUILTIN_JOB", "MIXED_TOLERANCE", "Difference", "make_layers", "run_check",
            "summarize_plan"]
@@ -242,6 +246,10 @@ def run_check(
     spec = load_job(job, "--job")
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
     microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
+    param_dtype, compute_dtype = next(iter(_references(dtype).values()))
+    for note in preflight(spec, f"--job: {job}()", microbatch, seed, param_dtype,
+                          compute_dtype):  # refused here too, before any rank starts
+        log(f"note: {note}")
     rng = random.Random(seed)
     plans = draw_plans(rng, ranks, num_layers, batch, microbatch)
     devices = [f"local:{r}" for r in range(ranks)]
@@ -257,12 +265,12 @@ def run_check(
         took = time.monotonic() - started
         init = torch.load(Path(tmp) / "init.pt", weights_only=True)
         refs = {}
-        for label, (ref_dtype, compute) in _references(dtype).items():
-            # a copy each: module layers are the job's own objects (ties kept by the memo)
-            layers = build_layers(copy.deepcopy(list(spec["layers"])), seed, ref_dtype)
+        for r, (label, (ref_dtype, compute)) in enumerate(_references(dtype).items()):
+            own = _own_job(job, spec, fresh=r > 0)
+            layers = build_layers(list(own["layers"]), seed, ref_dtype)
             for layer, state in init.items():
                 layers[layer].load_state_dict(state)
-            refs[label] = ReferenceRun(layers, spec["loss"], spec["optimizer"], spec["dataset"],
+            refs[label] = ReferenceRun(layers, own["loss"], own["optimizer"], own["dataset"],
                                        batch, seed=seed, dtype=ref_dtype, compute_dtype=compute)
         names = [type(m).__name__ for m in layers]
         for i, plan in enumerate(plans):
@@ -291,6 +299,20 @@ def run_check(
             log(f"  {sum(len(h) for h in held)} layer replicas; switch: {info['switch']}")
     log(f"{ranks} ranks, {len(plans)} plans, microbatch {microbatch}, {dtype}, {took:.1f} s")
     return worst
+
+
+def _own_job(job: str, spec: dict[str, Any], fresh: bool) -> dict[str, Any]:
+    """The job's objects for one reference, as a rank has them: ``spec`` itself, or (``fresh``)
+    the job function called again. Not copies of the layers: the optimizer factory or the loss
+    may close over the job's own modules (parameter groups chosen by identity, ``p is
+    head.weight``), which a copy's parameters are not. A job function returning the same
+    module objects again (a cached model) gets copies (ties kept by the memo)."""
+    if not fresh:
+        return spec
+    own = load_job(job, "--job")
+    if any(a is b for a, b in zip(own["layers"], spec["layers"], strict=True)):
+        own = {**own, "layers": copy.deepcopy(list(own["layers"]))}
+    return own
 
 
 def _references(dtype: str) -> dict[str, tuple[torch.dtype, torch.dtype | None]]:

@@ -55,6 +55,16 @@ pruning is then skipped. A gradient arriving for a parameter whose chunk was
 already launched raises ``RuntimeError`` (as DDP's "marked ready twice"), since
 the all-reduce is already under way on the other ranks.
 
+**Parameters no replica used** (a spare head, a branch the iteration's samples never
+took) have no gradient after the sync, as in one process, where ``.grad`` stays None
+and the optimizer skips them: a zero gradient would still be moved by weight decay and
+momentum. A ``post_accumulate_grad`` hook notes every parameter that got a gradient in
+the iteration (any microbatch), and each all-reduced buffer carries one flag per
+parameter after the gradients (1 where this rank's backward reached it), summed with
+them: a zero sum sets ``.grad`` to None before the step. A parameter some replica used
+gets the sum (zeros from the others), as the one process's gradient over the whole
+batch. Tied parameters are left out of this (they are used by two layers at least).
+
 **Numerics.** The sums are of the same numbers as in the blocking sync; only the
 order of the additions inside one all-reduce is the backend's. ProcessGroupGloo
 all-reduces a dense CPU tensor with ``gloo::allreduce`` and its default ``ring``
@@ -259,6 +269,15 @@ class GradSync:
         self._launch_order: list[int] = []
         if overlap:
             self._plan(int(bucket_cap_mb * 2**20))
+        else:
+            self._slot_param = [p for b in self.buckets for p in b.params]
+        self._touched: set[int] = set()
+        """ids of the bucket parameters that got a gradient this iteration (hook)."""
+        ref = weakref.ref(self)
+        for slot, p in enumerate(self._slot_param):
+            if p.requires_grad:
+                hook = _hook(ref, slot)
+                self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
         # Views: per bucket (blocking) or per chunk (overlapped); None keeps the copying path.
         units = [ch.params for ch in self._chunks] if overlap else [list(b.params)
                                                                       for b in self.buckets]
@@ -293,11 +312,6 @@ class GradSync:
         self._pending = [0] * len(self._chunks)
         self._final = [False] * len(self._slot_param)
         self._flights = [None] * len(self._chunks)
-        ref = weakref.ref(self)
-        for slot, p in enumerate(self._slot_param):
-            if p.requires_grad:
-                hook = _hook(ref, slot)
-                self._handles.append(p.register_post_accumulate_grad_hook(hook))  # type: ignore[no-untyped-call]
 
     def close(self) -> None:
         """Remove the hooks (the parameters may outlive this plan)."""
@@ -347,6 +361,7 @@ class GradSync:
 
     def _on_grad(self, slot: int) -> None:
         """A parameter's gradient was accumulated (hook)."""
+        self._touched.add(id(self._slot_param[slot]))
         if not self._armed:
             return
         with self._lock:
@@ -386,13 +401,17 @@ class GradSync:
         views = self._views[c]
         if views is not None:
             views.bind(copy=True)
+            views.flags.copy_(self._flags(chunk.params, views.flags))
             buf = views.buf
         else:
-            buf = _flatten(chunk.params)
+            buf = _flatten(chunk.params, self._touched)
         started = time.perf_counter()
         work = self._all_reduce(buf, self.buckets[chunk.bucket].group)
         self._flights[c] = _Flight(buf, work, started, in_backward)
         self._launch_order.append(c)
+
+    def _flags(self, params: Sequence[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        return _flag_tensor(params, self._touched, like.dtype, like.device)
 
     def _all_reduce(self, buf: torch.Tensor, group: Any) -> Any:
         """Launch the asynchronous sum (a seam for tests of the launch order)."""
@@ -407,6 +426,7 @@ class GradSync:
             self._finish_overlapped(stats)
         else:
             self._finish_blocking(stats)
+        self._touched.clear()
         for param, group in self.tied:
             if param.grad is None:
                 param.grad = torch.zeros_like(param)
@@ -427,20 +447,22 @@ class GradSync:
             views = self._views[bi]
             if views is not None:
                 views.bind(copy=True)
+                views.flags.copy_(self._flags(params, views.flags))
                 flat = views.buf
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
             else:
                 for p in params:
                     if p.grad is None and p.requires_grad:
                         p.grad = torch.zeros_like(p)
-                flat = _flatten(params)
+                flat = _flatten(params, self._touched)
                 dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=bucket.group)
                 _unflatten(flat, params)
-            nbytes = flat.numel() * flat.element_size()
+            nbytes = (flat.numel() - len(params)) * flat.element_size()
             stats.bytes += nbytes
             stats.bucket_bytes += nbytes
             stats.chunks += 1
             _sync_device(flat)
+            _drop_unused(flat, params)
             if self.min_seconds is not None:
                 left = self._minimum(bi, nbytes) - (time.perf_counter() - started)
                 if left > 0:
@@ -480,6 +502,10 @@ class GradSync:
         stats.launched_in_backward = early / stats.bucket_bytes if stats.bucket_bytes else 0.0
         if last is not None:
             _sync_device(last)
+        for c in order:  # after the wait for the device: reading the flags needs the sums
+            flight = flights[c]
+            assert flight is not None
+            _drop_unused(flight.buf, self._chunks[c].params)
         done = time.perf_counter()
         link_free: dict[int, float] = {}  # per process group: when its emulated link is free
         ends: dict[int, float] = {}
@@ -518,9 +544,14 @@ class _Views:
     """One unit's flat gradient buffer and its parameters' views into it."""
 
     buf: torch.Tensor
+    """The gradients, then one flag per parameter (see "Parameters no replica used")."""
     params: list[torch.Tensor]
     views: list[torch.Tensor | None]
     """Per parameter: its gradient's view, or None for a frozen parameter (zeros)."""
+
+    @property
+    def flags(self) -> torch.Tensor:
+        return self.buf[self.buf.numel() - len(self.params):]
 
     @staticmethod
     def make(params: Sequence[torch.Tensor]) -> _Views | None:
@@ -534,7 +565,8 @@ class _Views:
         if not all(p.is_contiguous() for p in params):
             return None
         p0 = params[0]
-        buf = torch.zeros(sum(p.numel() for p in params), dtype=p0.dtype, device=p0.device)
+        buf = torch.zeros(sum(p.numel() for p in params) + len(params), dtype=p0.dtype,
+                          device=p0.device)
         views: list[torch.Tensor | None] = []
         pos = 0
         for p in params:
@@ -568,11 +600,30 @@ class _Views:
                 p.grad = None
 
 
-def _flatten(params: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The copying path: gradients (zeros where none) concatenated in the given order."""
-    return torch.cat([p.grad.reshape(-1) if p.grad is not None
-                      else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
-                      for p in params])
+def _flatten(params: Sequence[torch.Tensor], touched: set[int]) -> torch.Tensor:
+    """The copying path: gradients (zeros where none) concatenated in the given order, then
+    the parameters' flags."""
+    p0 = params[0]
+    return torch.cat([*(p.grad.reshape(-1) if p.grad is not None
+                        else torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
+                        for p in params),
+                      _flag_tensor(params, touched, p0.dtype, p0.device)])
+
+
+def _flag_tensor(params: Sequence[torch.Tensor], touched: set[int], dtype: torch.dtype,
+                 device: torch.device) -> torch.Tensor:
+    """1 for each parameter that got a gradient here this iteration, else 0."""
+    return torch.tensor([1.0 if id(p) in touched else 0.0 for p in params], dtype=dtype,
+                        device=device)
+
+
+def _drop_unused(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:
+    """After the sum: no replica's backward reached a parameter whose flag sums to zero;
+    it gets no gradient, as in one process (the step skips it)."""
+    flags = flat[flat.numel() - len(params):].tolist()
+    for p, flag in zip(params, flags, strict=True):
+        if flag == 0 and p.grad is not None:
+            p.grad = None
 
 
 def _unflatten(flat: torch.Tensor, params: Sequence[torch.Tensor]) -> None:

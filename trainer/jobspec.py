@@ -15,6 +15,7 @@ This module imports no torch: the CLI loads jobs with it.
 from __future__ import annotations
 
 import importlib
+import inspect
 import os
 import sys
 from collections.abc import Sequence
@@ -71,6 +72,17 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
             if not callable(layer):
                 raise bad("layers", f"item {i} ({type(layer).__name__}) is neither a module "
                                     "nor a factory")
+            if _needs_arguments(layer):
+                raise bad("layers", f"item {i} ({_name(layer)}) takes an argument: a layer is a "
+                                    "module or a zero-argument factory of one (wrap a function "
+                                    "in an nn.Module)")
+            lazy = _lazy_part(layer)
+            if lazy is not None:
+                raise bad("layers", f"item {i} ({type(layer).__name__}) has uninitialized "
+                                    f"parameters{f' (its {lazy})' if lazy else ''}: run one "
+                                    "forward of a sample through the model in the job "
+                                    "function before returning its layers, so that every "
+                                    "rank starts from the same values")
     for key in ("loss", "optimizer", "metric"):
         if key in spec and spec[key] is not None and not callable(spec[key]):
             raise bad(key, f"must be callable, got {type(spec[key]).__name__}")
@@ -82,9 +94,77 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
         if data is not None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
             raise bad(key, f"must be a map-style dataset (len and indexing), got "
                            f"{type(data).__name__}")
+        if data is not None and len(data) > 0:
+            item = data[0]
+            if not isinstance(item, (tuple, list)) or len(item) != 2:
+                what = (f"a dict with keys {sorted(map(str, item))}" if isinstance(item, dict)
+                        else f"a {type(item).__name__}" + (f" of {len(item)}" if isinstance(
+                            item, (tuple, list)) else ""))
+                raise bad(key, f"items must be (input, target) pairs; item 0 is {what} (an "
+                               "input of several tensors goes as one dict or tuple in the pair)")
     data, batch = spec.get("dataset"), spec.get("global_batch")
     if data is not None and _positive_int(batch) and len(data) < batch:
         raise bad("global_batch", f"is {batch}, more than the dataset's {len(data)} samples")
     micro = spec.get("microbatch_size")
     if _positive_int(micro) and _positive_int(batch) and micro > batch:
         raise bad("microbatch_size", f"is {micro}, more than global_batch {batch}")
+    if _positive_int(micro) and _positive_int(batch) and batch % micro:
+        raise bad("microbatch_size", f"is {micro}, which does not divide global_batch {batch}")
+    if spec.get("optimizer") is not None and callable(spec["optimizer"]):
+        problem = _optimizer_problem(spec["optimizer"])
+        if problem is not None:
+            raise bad("optimizer", problem)
+
+
+def _name(value: Any) -> str:
+    return getattr(value, "__qualname__", None) or type(value).__name__
+
+
+def _needs_arguments(layer: Any) -> bool:
+    """A callable that is not a module or a class and cannot be called without arguments
+    (a function such as ``torch.tanh``: not a factory). Unknown signatures pass."""
+    if inspect.isclass(layer) or hasattr(layer, "parameters"):
+        return False
+    try:
+        sig = inspect.signature(layer)
+    except (TypeError, ValueError):
+        return False
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                     p.KEYWORD_ONLY)
+               for p in sig.parameters.values())
+
+
+def _lazy_part(layer: Any) -> str | None:
+    """The name of a submodule with uninitialized (lazy) parameters ("" for the layer
+    itself), if any; without importing torch (``LazyModuleMixin.has_uninitialized_params``)."""
+    modules = getattr(layer, "named_modules", None)
+    if modules is None or inspect.isclass(layer):
+        return None
+    for name, module in modules():
+        check = getattr(module, "has_uninitialized_params", None)
+        if callable(check) and check():
+            return f"{type(module).__name__} {name!r}" if name else ""
+    return None
+
+
+def _optimizer_problem(factory: Any) -> str | None:
+    """What makes ``factory`` unusable, seen on two probe parameters (a matrix and a
+    vector, so that groups split by ``ndim`` are both there): it returns no optimizer, or
+    one whose ``step`` needs a closure (LBFGS re-evaluates the loss inside its step, which
+    a pipeline cannot do). A factory that fails on the probe is left to the ranks."""
+    import torch
+
+    probe = [torch.nn.Parameter(torch.zeros(2, 2)), torch.nn.Parameter(torch.zeros(2))]
+    try:
+        optim = factory(probe)
+    except Exception:  # its own error shows where it is really used
+        return None
+    if not all(hasattr(optim, a) for a in ("step", "zero_grad", "param_groups", "state_dict",
+                                            "load_state_dict")):
+        return (f"must return an optimizer (a torch.optim.Optimizer) for the parameters it "
+                f"is given, got {type(optim).__name__}")
+    if _needs_arguments(optim.step):
+        return (f"{type(optim).__name__}.step needs a closure that re-evaluates the loss, "
+                "which a pipeline cannot provide; use an optimizer that steps from the "
+                "gradients (SGD, Adam, AdamW, ...)")
+    return None

@@ -18,8 +18,10 @@ an input that needs none) runs no backward and sends nothing back.
 A stage with ``recompute`` runs each layer under
 ``torch.utils.checkpoint.checkpoint`` (non-reentrant): it keeps each layer's
 input and runs the forward again in the backward (spec sections 5.1, 5.4).
-The recomputation restores the layer's buffers afterwards, so BatchNorm's
-running statistics are updated once per microbatch, as without recompute.
+The recomputation runs on the layer's buffers as the forward found them and
+restores them afterwards, so BatchNorm's running statistics are updated once
+per microbatch, as without recompute, and a layer whose output depends on a
+buffer its forward updates (spectral norm) recomputes the same output.
 A layer that writes into its input (``nn.ReLU(inplace=True)`` as a layer of
 its own) runs on a copy of it under recompute, and as a stage's first layer
 (whose input is an autograd leaf); each layer's first call tells whether it
@@ -61,7 +63,7 @@ from .activations import (
 )
 from .precision import Precision
 
-__all__ = ["StageRunner", "StageStats", "microbatch_seed", "seeded"]
+__all__ = ["StageRunner", "StageStats", "loss_problem", "microbatch_seed", "seeded"]
 
 @dataclass
 class StageStats:
@@ -128,6 +130,21 @@ def seeded(seed: int | None, device: torch.device) -> Iterator[None]:
             g.set_state(state)
 
 
+def loss_problem(loss: Any) -> str | None:
+    """What is wrong with a value the job's loss returned (None: a scalar floating tensor).
+    The runtime scales it by ``m / B`` and backpropagates it, so it must be the mean over
+    the microbatch: one number."""
+    if not isinstance(loss, torch.Tensor):
+        return (f"returned a {type(loss).__name__}, not a tensor: it must return the mean over "
+                "the microbatch as a scalar tensor")
+    if loss.numel() != 1:
+        return (f"returned a tensor of shape {tuple(loss.shape)}: it must return one number, "
+                "the mean over the microbatch (reduction='mean')")
+    if not loss.is_floating_point():
+        return f"returned a {loss.dtype} tensor: it must be floating to be differentiated"
+    return None
+
+
 def _storages(value: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(value)
             if isinstance(t, torch.Tensor) and t.is_floating_point()}
@@ -139,20 +156,52 @@ def _shares_storage(out: Any, inp: Any) -> bool:
 
 
 def _restore_buffers(layer: nn.Module) -> Callable[[], tuple[Any, Any]]:
-    """``context_fn`` for checkpoint: the recomputation leaves the layer's buffers as it found
-    them (BatchNorm would otherwise update its running statistics a second time)."""
+    """``context_fn`` for checkpoint: the recomputation sees the layer's buffers as the forward
+    saw them and leaves them as it found them.
 
-    @contextlib.contextmanager
-    def restoring() -> Iterator[None]:
-        saved = [b.detach().clone() for b in layer.buffers()]
-        try:
+    BatchNorm would otherwise update its running statistics a second time; a layer whose
+    output depends on a buffer it updates in the forward (spectral norm's power-iteration
+    vectors) would recompute another output, hence other gradients, from the values later
+    forwards left there. Each forward keeps a copy of the buffers until its recomputation,
+    unless the layer's first forward left them unchanged (a constant mask or rotary table
+    is not copied per microbatch; the recomputation still puts back what it changes)."""
+    writes: list[bool] = []  # once known: whether a forward of this layer changes its buffers
+
+    def contexts() -> tuple[Any, Any]:
+        at_forward: list[torch.Tensor] = []
+
+        @contextlib.contextmanager
+        def forward() -> Iterator[None]:
+            if writes and not writes[0]:
+                yield
+                return
+            at_forward.extend(b.detach().clone() for b in layer.buffers())
             yield
-        finally:
-            with torch.no_grad():
-                for buf, value in zip(layer.buffers(), saved, strict=True):
-                    buf.copy_(value)
+            if not writes:  # values compared: kernels may update buffers without a version
+                after = list(layer.buffers())
+                writes.append(len(after) != len(at_forward) or any(
+                    not torch.equal(a, b) for a, b in zip(after, at_forward, strict=True)))
+                if not writes[0]:
+                    at_forward.clear()
 
-    return lambda: (contextlib.nullcontext(), restoring())
+        @contextlib.contextmanager
+        def recompute() -> Iterator[None]:
+            buffers = list(layer.buffers())
+            now = [b.detach().clone() for b in buffers]
+            if at_forward:  # none kept: the forwards leave them unchanged
+                with torch.no_grad():
+                    for buf, value in zip(buffers, at_forward, strict=True):
+                        buf.copy_(value)
+            try:
+                yield
+            finally:
+                with torch.no_grad():
+                    for buf, value in zip(buffers, now, strict=True):
+                        buf.copy_(value)
+
+        return forward(), recompute()
+
+    return contexts
 
 
 class _Clock:
@@ -342,7 +391,10 @@ class StageRunner:
                 if last:
                     target = self._to_device(targets(k))
                     with self.precision.autocast(self.device):  # fp32 losses stay fp32
-                        loss = self.loss_fn(y, target) * self.loss_scale
+                        loss = self.loss_fn(y, target)
+                    if (problem := loss_problem(loss)) is not None:
+                        raise ValueError(f"loss: {problem}")
+                    loss = loss * self.loss_scale
                     losses.append(loss.detach())
                     y = loss * self.grad_scale if self.grad_scale != 1.0 else loss
                 else:

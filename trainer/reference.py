@@ -26,25 +26,20 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from .activations import map_tensors
-from .pipeline import microbatch_seed, seeded
+from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
-from .runtime import layer_seed
+from .runtime import build_layer
 
 __all__ = ["ReferenceRun", "build_layers"]
 
 
 def build_layers(specs: Sequence[Any], seed: int, dtype: torch.dtype | None) -> list[nn.Module]:
-    """The layers as the runtime builds them: modules as given, factories under
-    :func:`~hetpilot.trainer.runtime.layer_seed`; floating state cast to ``dtype``."""
+    """The layers as the runtime builds them (:func:`~hetpilot.trainer.runtime.build_layer`):
+    modules as given, factories under ``layer_seed``; floating state cast to ``dtype``."""
     out = []
     for layer, spec in enumerate(specs):
-        if isinstance(spec, nn.Module):
-            module = spec
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(layer_seed(seed, layer))
-                module = spec()
+        module = build_layer(spec, seed, layer)
         if dtype is not None:
             module.to(dtype=dtype)
         out.append(module)
@@ -141,7 +136,10 @@ class ReferenceRun:
             for k in range(micro):
                 target = self._batch(mine[k * m : (k + 1) * m], 1)
                 with self._precision.autocast(torch.device("cpu")):
-                    loss = self.loss_fn(acts[k], target) * (m / b)
+                    loss = self.loss_fn(acts[k], target)
+                if (problem := loss_problem(loss)) is not None:
+                    raise ValueError(f"loss: {problem}")
+                loss = loss * (m / b)
                 loss_total += float(loss.detach())
                 if loss.requires_grad:
                     (loss * scale if scale != 1.0 else loss).backward()

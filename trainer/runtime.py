@@ -61,7 +61,7 @@ from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, precision_for
 from .replicas import Tie, find_ties, reconcile_buffers, snapshot_buffers, tie_param
 
-__all__ = ["JsonlReporter", "NoPlanError", "Trainer", "layer_seed"]
+__all__ = ["JsonlReporter", "NoPlanError", "Trainer", "build_layer", "layer_seed"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -74,6 +74,34 @@ log = logging.getLogger("hetpilot.trainer")
 def layer_seed(seed: int, layer: int) -> int:
     """Seed under which layer ``layer``'s factory is called (same on every rank)."""
     return seed * 1_000_003 + 7919 * layer + 1
+
+
+def build_layer(spec: LayerSpec, seed: int, layer: int) -> nn.Module:
+    """Layer ``layer``'s module: ``spec`` itself, or its factory called under
+    :func:`layer_seed`. A factory that cannot be called without arguments (a function such
+    as ``torch.tanh``), or that returns no module, or one with uninitialized (lazy)
+    parameters is refused here, by a ``ValueError`` naming the layer, rather than failing
+    later in a rank's forward."""
+    if isinstance(spec, nn.Module):
+        return spec
+    name = getattr(spec, "__qualname__", None) or type(spec).__name__
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(layer_seed(seed, layer))
+        try:
+            module = spec()
+        except TypeError as exc:
+            if exc.__traceback__ is not None and exc.__traceback__.tb_next is not None:
+                raise  # raised inside the factory: the user's own error
+            raise ValueError(f"layers: item {layer} ({name}) is neither a module nor a "
+                             f"zero-argument factory (calling it raised: {exc}); wrap a "
+                             "function in an nn.Module") from exc
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"layers: item {layer}: its factory ({name}) returned a "
+                         f"{type(module).__name__}, not an nn.Module")
+    if any(getattr(m, "has_uninitialized_params", lambda: False)() for m in module.modules()):
+        raise ValueError(f"layers: item {layer}: its factory ({name}) returned a module with "
+                         "uninitialized (lazy) parameters; build it with their shapes")
+    return module
 
 
 class JsonlReporter:
@@ -287,12 +315,8 @@ class Trainer:
     def _install(self, layer: int, state: dict[str, Any] | None = None) -> None:
         """Hold ``layer``: its module, moved here, with an optimizer over its untied parameters."""
         spec = self._specs[layer]
-        if isinstance(spec, nn.Module):
-            module = spec
-        else:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(layer_seed(self.seed, layer))
-                module = spec()
+        module = build_layer(spec, self.seed, layer)
+        if module is not spec:
             self._refuse_hidden_ties(layer, module)
         module.to(device=self.device)
         if self.precision.param_dtype is not None:

@@ -133,18 +133,23 @@ def run_stage(model: nn.ModuleList, layers: range, rank: int, it: int,
 
 def blocking_reference(buckets: list[tuple[list[nn.Parameter], Any]],
                        tied: list[tuple[nn.Parameter, Any]]) -> None:
-    """``Trainer._sync_grads`` as it was before GradSync (emulation left out)."""
+    """``Trainer._sync_grads`` as it was before GradSync (emulation left out), with a flag
+    per parameter after the gradients (summed with them): one that no rank's backward
+    reached gets no gradient (as in one process)."""
     for params, pg in buckets:
         if not params:
             continue
-        flat = torch.cat([p.grad.reshape(-1) if p.grad is not None else
-                          torch.zeros(p.numel(), dtype=p.dtype) for p in params])
+        flat = torch.cat([*(p.grad.reshape(-1) if p.grad is not None else
+                            torch.zeros(p.numel(), dtype=p.dtype) for p in params),
+                          torch.tensor([1.0 if p.grad is not None else 0.0 for p in params],
+                                       dtype=params[0].dtype)])
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=pg)
+        flags = flat[flat.numel() - len(params):].tolist()
         pos = 0
-        for p in params:
+        for p, flag in zip(params, flags, strict=True):
             n = p.numel()
-            if p.requires_grad:  # a frozen parameter gets no gradient (none in one process)
-                p.grad = flat[pos : pos + n].view_as(p).clone()
+            # a frozen parameter gets no gradient (none in one process), nor an unused one
+            p.grad = flat[pos : pos + n].view_as(p).clone() if p.requires_grad and flag else None
             pos += n
     for param, pg in tied:
         if param.grad is None:
@@ -163,6 +168,9 @@ def sgd_step(model: nn.ModuleList, layers: range,
         for p in held:
             if not p.requires_grad:
                 assert p.grad is None, "a frozen parameter was given a gradient"
+                continue
+            if p is model[2].spare:  # no rank used it: no gradient, as in one process
+                assert p.grad is None, "an unused parameter was given a gradient"
                 continue
             assert p.grad is not None, "a bucket parameter was left without a gradient"
             grads.append(p.grad.clone())
@@ -222,7 +230,7 @@ def _compare(rank: int, out: str, layout: dict[int, tuple[range, list[tuple[int,
         for it in range(ITERATIONS):
             run_stage(model, layers, rank, it, sync, cfg.get("roots", False))
             got: SyncStats = sync.finish()
-            bound = bound and _grads_are_views(sync)
+            bound = bound and _grads_are_views(sync, model[2].spare)
             grads = sgd_step(model, layers, sync if cfg.get("zero_grad") else None)
             for g, r in zip(grads, ref_grads[it], strict=True):
                 diffs.append(float((g - r).abs().max()))
@@ -236,13 +244,13 @@ def _compare(rank: int, out: str, layout: dict[int, tuple[range, list[tuple[int,
     Path(out, f"rank{rank}.json").write_text(json.dumps(results))
 
 
-def _grads_are_views(sync: GradSync) -> bool:
-    """Whether every trainable bucket parameter's gradient lies in one shared buffer per
-    unit (its storage is a sync buffer's, not a tensor of its own)."""
-    params = [p for b in sync.buckets for p in b.params if p.requires_grad]
-    storages = {p.grad.untyped_storage().data_ptr() for p in params if p.grad is not None}
-    return all(p.grad is not None for p in params) and len(storages) <= (
-        len(sync.chunk_layout) if sync.overlap else len(sync.buckets))
+def _grads_are_views(sync: GradSync, unused: nn.Parameter) -> bool:
+    """Whether every trainable bucket parameter's gradient (but ``unused``'s, which has
+    none) lies in one of the sync's buffers (its storage is a buffer's, not its own)."""
+    params = [p for b in sync.buckets for p in b.params if p.requires_grad and p is not unused]
+    buffers = {v.buf.untyped_storage().data_ptr() for v in sync._views if v is not None}
+    return all(p.grad is not None and p.grad.untyped_storage().data_ptr() in buffers
+               for p in params)
 
 
 def _replicas(rank: int, world: int, out: str) -> None:
@@ -443,11 +451,11 @@ def test_launch_order_does_not_follow_the_hooks() -> None:
     assert sync.launched == []  # 5 has not come
     params[5].grad = torch.ones(4) * 5
     sync._on_grad(slot[id(params[5])])
-    assert sync.launched == [4, 4, 4]  # 5, 4, 3; 2 is missing
+    assert sync.launched == [5, 5, 5]  # 5, 4, 3 (4 values and a flag each); 2 is missing
     stats = sync.finish()
     assert len(sync.launched) == 6 and stats.chunks == 6
     assert stats.launched_in_backward == pytest.approx(0.5)
-    assert params[2].grad is not None and torch.equal(params[2].grad, torch.zeros(4))
+    assert params[2].grad is None  # no gradient on either "rank": none, as in one process
     for i in (0, 1, 3, 4, 5):
         grad = params[i].grad
         assert grad is not None and torch.equal(grad, torch.full((4,), 2.0 * i))
@@ -506,10 +514,10 @@ def test_a_gradient_after_its_launch_is_refused() -> None:
     sync.close()
 
 
-def test_blocking_mode_registers_nothing_and_arm_is_a_no_op() -> None:
+def test_blocking_mode_only_notes_used_parameters_and_arm_is_a_no_op() -> None:
     net = _net()
     sync = GradSync([(list(net.parameters()), None)], overlap=False)
-    assert sync.chunk_layout == [] and sync._handles == []
+    assert sync.chunk_layout == [] and len(sync._handles) == len(list(net.parameters()))
     sync.arm()
     assert not sync._armed
 
@@ -544,7 +552,9 @@ def test_gradients_accumulate_in_the_sync_buffer_and_zero_grad_keeps_them_there(
             assert p.grad is not None and q.grad is not None
             assert p.grad.untyped_storage().data_ptr() == storage[id(p)]  # in place
             assert torch.equal(p.grad, 2 * q.grad)
-        assert frozen.grad is None and sync.launched[-1] == sum(p.numel() for p in params)
+        # the gradients, then one flag per parameter
+        assert frozen.grad is None
+        assert sync.launched[-1] == sum(p.numel() for p in params) + len(params)
         sync.zero_grad()
         ref.zero_grad(set_to_none=True)
         assert all(p.grad is not None and not p.grad.any() for p in net.parameters())
@@ -560,3 +570,44 @@ def test_gradients_accumulate_in_the_sync_buffer_and_zero_grad_keeps_them_there(
         assert torch.equal(p.grad, 2 * q.grad)
     sync.close()
     assert all(p.grad is None for p in net.parameters())  # the plan's buffers let go
+
+
+class PeerSync(GradSync):
+    """The "sum" adds what one other replica sent: gradients, then one flag per parameter."""
+
+    def __init__(self, peer: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        self.peer = peer
+        super().__init__(*args, **kwargs)
+
+    def _all_reduce(self, buf: torch.Tensor, group: Any) -> Any:
+        buf.add_(self.peer)
+        return _Done()
+
+
+@pytest.mark.parametrize("views", [True, False])
+def test_a_parameter_no_replica_used_gets_no_gradient(views: bool) -> None:
+    """As in one process, where the optimizer skips a parameter whose ``.grad`` is None (a
+    zero gradient would still be moved by weight decay and momentum): ``used`` gets the sum,
+    ``peer_only`` (used by the other replica only) gets the other's gradient, ``spare``
+    (used by neither) none; zero_grad binds it again for the next iteration."""
+    used, peer_only, spare = (nn.Parameter(torch.ones(2, dtype=torch.float64))
+                              for _ in range(3))
+    # one chunk, in reverse order (spare, peer_only, used): the other's gradients and flags
+    peer = torch.tensor([0.0, 0.0, 2.0, 2.0, 1.0, 1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    sync = PeerSync(peer, [([used, peer_only, spare], None)], grad_views=views)
+    for _ in range(2):
+        sync.arm()
+        (3 * used).sum().backward()
+        sync.finish()
+        want = {used: 4.0, peer_only: 2.0}
+        for p, value in want.items():
+            assert p.grad is not None
+            assert torch.equal(p.grad, torch.full((2,), value, dtype=torch.float64))
+        assert spare.grad is None
+        if views:
+            sync.zero_grad()
+            assert spare.grad is not None and not spare.grad.any()  # bound again
+        else:
+            for p in (used, peer_only):
+                p.grad = None
+    sync.close()

@@ -34,6 +34,19 @@ JOBS = textwrap.dedent('''
     def layer_is_int(): return job(layers=[nn.Linear(4, 2), 3])
     def loss_not_callable(): return job(loss="mse")
     def iterable_data(): return job(dataset=iter([1, 2]))
+    def lbfgs(): return job(optimizer=lambda p: torch.optim.LBFGS(p))
+    def opt_and_schedule(): return job(optimizer=lambda p: (torch.optim.SGD(p, lr=0.1), None))
+    def dict_items(): return job(dataset=[{"x": torch.zeros(4), "y": torch.zeros(2)}] * 8)
+    def triples(): return job(dataset=[(torch.zeros(4), torch.zeros(2), 1.0)] * 8)
+    def micro_not_dividing(): return job(microbatch_size=3)
+    def lazy_layer(): return job(layers=[nn.Sequential(nn.LazyLinear(3)), nn.Linear(3, 2)])
+    def function_layer(): return job(layers=[nn.Linear(4, 2), lambda h: h.tanh()])
+    def groups():  # the usual decay split: a layer of 1-d parameters only leaves one empty
+        return job(layers=[nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2)],
+                   optimizer=lambda ps: torch.optim.AdamW(
+                       [{"params": [p for p in ps if p.ndim > 1], "weight_decay": 0.1},
+                        {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0.0}]))
+    def factories(): return job(layers=[nn.Tanh, lambda: nn.Linear(4, 2)])
 ''')
 
 
@@ -53,6 +66,13 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("layer_is_int", "layers", "item 1 (int) is neither a module nor a factory"),
     ("loss_not_callable", "loss", "must be callable, got str"),
     ("iterable_data", "dataset", "map-style dataset"),
+    ("lbfgs", "optimizer", "LBFGS.step needs a closure"),
+    ("opt_and_schedule", "optimizer", "must return an optimizer"),
+    ("dict_items", "dataset", "item 0 is a dict with keys ['x', 'y']"),
+    ("triples", "dataset", "item 0 is a tuple of 3"),
+    ("micro_not_dividing", "microbatch_size", "3, which does not divide global_batch 4"),
+    ("lazy_layer", "layers", "item 0 (Sequential) has uninitialized parameters (its LazyLinear"),
+    ("function_layer", "layers", "takes an argument"),
 ])
 def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
                                                words: str) -> None:
@@ -62,8 +82,9 @@ def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
     assert str(info.value).startswith("--job")
 
 
-def test_a_good_job_loads(jobs: str) -> None:
-    assert load_job(f"{jobs}:good", "--job")["global_batch"] == 4
+@pytest.mark.parametrize("fn", ["good", "groups", "factories"])
+def test_a_good_job_loads(jobs: str, fn: str) -> None:
+    assert load_job(f"{jobs}:{fn}", "--job")["global_batch"] == 4
 
 
 def test_train_check_exits_2_on_a_bad_value(tmp_path: Path) -> None:

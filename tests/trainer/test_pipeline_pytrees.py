@@ -1,5 +1,6 @@
-"""Pipeline mechanics real models need: pytree activations across a cut, and recompute
-that leaves BatchNorm's running statistics as one forward does."""
+"""Pipeline mechanics real models need: pytree activations across a cut, recompute that
+leaves BatchNorm's running statistics as one forward does and recomputes from the buffers
+the forward saw (spectral norm), and a loss that must be one number."""
 
 from __future__ import annotations
 
@@ -64,3 +65,38 @@ def test_a_stage_of_parameter_free_layers_on_raw_input_runs() -> None:
     stats, loss = runner.run([(False, 0), (True, 0)], lambda k: torch.randn(2, 3),
                              lambda k: torch.zeros(2, 3))
     assert stats.microbatches == 1 and loss > 0
+
+
+def test_recompute_sees_the_buffers_the_forward_saw() -> None:
+    """Spectral norm's forward updates its power-iteration vectors (buffers) and depends
+    on them: 1f1b-style, microbatch 1's forward runs before microbatch 0's backward, and the
+    recomputation of microbatch 0 must start from the vectors its forward started from, or
+    it recomputes another weight (other gradients)."""
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(4, 3, generator=gen, dtype=torch.float64) for _ in range(3)]
+    ys = [torch.randn(4, 4, generator=gen, dtype=torch.float64) for _ in range(3)]
+    ops = [(False, 0), (False, 1), (True, 0), (False, 2), (True, 1), (True, 2)]
+    results = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        layer = nn.utils.parametrizations.spectral_norm(nn.Linear(3, 4)).double()
+        runner = StageRunner([layer], prev_rank=None, next_rank=None, recompute=recompute,
+                             loss_fn=nn.functional.mse_loss, loss_scale=1 / 3,
+                             device=torch.device("cpu"))
+        runner.run(ops, lambda k: xs[k], lambda k: ys[k])
+        results.append(layer)
+    plain, recomputed = results
+    for (name, p), q in zip(plain.named_parameters(), recomputed.parameters(), strict=True):
+        assert p.grad is not None and q.grad is not None
+        assert torch.allclose(p.grad, q.grad, rtol=0, atol=1e-15), name
+    for (name, a), b in zip(plain.named_buffers(), recomputed.buffers(), strict=True):
+        assert torch.equal(a, b), name  # the recomputation left them as the forwards did
+
+
+def test_a_loss_that_is_not_one_number_is_refused_naming_the_loss() -> None:
+    runner = StageRunner([nn.Linear(3, 2)], prev_rank=None, next_rank=None, recompute=False,
+                         loss_fn=lambda o, t: nn.functional.mse_loss(o, t, reduction="none"),
+                         loss_scale=1.0, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"loss: returned a tensor of shape \(2, 2\)"):
+        runner.run([(False, 0), (True, 0)], lambda k: torch.randn(2, 3),
+                   lambda k: torch.zeros(2, 2))

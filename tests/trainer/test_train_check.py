@@ -54,12 +54,16 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("dropout_tiny", 5),  # dropout: the same draws as one process, recompute included
         ("sparse_tiny", 5),  # a sparse embedding gradient summed into the dense sync buffer
         ("attention_tiny", 6),  # MultiheadAttention, a layer checkpointing itself, AdamW
+        ("unused_tiny", 3),  # parameters no sample (or only some groups') uses, weight decay
+        ("specnorm_tiny", 4),  # a forward reading buffers it updates, under recompute
+        ("reused_tiny", 5),  # one module at two places in `layers`: its parameters tied
+        ("groups_tiny", 4),  # parameter groups by ndim (one empty) and by identity
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
     lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
-    if job in ("inplace_tiny", "dropout_tiny"):
+    if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny"):
         assert re.search(r"\)R", "\n".join(lines)), "no plan ran with recompute"
 
 

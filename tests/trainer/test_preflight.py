@@ -1,0 +1,170 @@
+"""train-check's one-process pre-flight: what cannot train under the runtime is refused
+before any rank starts, naming the key; a loss that is not a mean over samples gets a note."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hetpilot.planner.errors import ValidationError
+from hetpilot.trainer.preflight import preflight
+from torch import nn
+from torch.nn import functional as F
+
+
+def _spec(layers: list[Any], loss: Any = F.mse_loss, dataset: Any = None) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=gen), torch.randn(12, 2, generator=gen)
+    return {"layers": layers, "loss": loss, "global_batch": 6,
+            "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1),
+            "dataset": dataset if dataset is not None else torch.utils.data.TensorDataset(x, y)}
+
+
+def _run(spec: dict[str, Any], microbatch: int = 2) -> list[str]:
+    return preflight(spec, "--job: m:f()", microbatch, seed=0, dtype=torch.float64)
+
+
+class ToFloat32(nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.float()
+
+
+class Table(nn.Module):
+    """A constant buffer (as a rotary table): sharing it between layers is fine."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 4))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.scale
+
+
+def _shared_bn() -> list[nn.Module]:
+    block = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4))
+    return [block, nn.Tanh(), block, nn.Linear(4, 2)]
+
+
+def _shared_table() -> list[nn.Module]:
+    table = Table()
+    return [table, nn.Linear(4, 4), table, nn.Linear(4, 2)]
+
+
+@pytest.mark.parametrize(("layers", "loss", "key", "words"), [
+    ([nn.Linear(4, 2)], lambda o, t: F.mse_loss(o, t, reduction="none"), "loss",
+     "returned a tensor of shape (2, 2): it must return one number"),
+    ([nn.Linear(4, 2)], lambda o, t: F.mse_loss(o, t).detach().item(), "loss", "returned a float"),
+    (_shared_bn(), F.mse_loss, "layers", "items 0 and 2 share the buffer '1.running_mean'"),
+    ([nn.Linear(4, 4), torch.tanh, nn.Linear(4, 2)], F.mse_loss, "layers",
+     "item 1 (_VariableFunctionsClass.tanh) is neither a module nor a zero-argument factory"),
+    ([nn.Linear(4, 4), lambda: torch.tanh, nn.Linear(4, 2)], F.mse_loss, "layers",
+     "returned a builtin_function_or_method, not an nn.Module"),
+    ([nn.Linear(4, 4), ToFloat32(), nn.Linear(4, 2)], F.mse_loss, "layers",
+     "item 2 (Linear) failed on a microbatch of 2 samples in float64: RuntimeError"),
+])
+def test_what_cannot_train_is_refused_naming_the_key(layers: list[Any], loss: Any, key: str,
+                                                     words: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        _run(_spec(layers, loss))
+    assert str(info.value).startswith(f"--job: m:f()['{key}']"), str(info.value)
+    assert words in str(info.value)
+
+
+def test_a_layer_returning_float32_is_named_when_the_next_one_fails() -> None:
+    with pytest.raises(ValidationError, match=r"item 1 \(ToFloat32\) returned float32 values"):
+        _run(_spec([nn.Linear(4, 4), ToFloat32(), nn.Linear(4, 2)]))
+
+
+def test_items_that_cannot_be_batched_are_refused_naming_the_dataset() -> None:
+    ragged = [(torch.zeros(4 + i % 2), torch.zeros(2)) for i in range(12)]
+    with pytest.raises(ValidationError, match=r"\['dataset'\]: the inputs of items 0-1"):
+        _run(_spec([nn.Linear(4, 2)], dataset=ragged))
+
+
+def test_a_forward_writing_into_a_parameter_is_refused_naming_it() -> None:
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 9, (12, 3), generator=gen), torch.randn(12, 2, generator=gen)
+    layers = [nn.Embedding(9, 4, max_norm=0.5), nn.Flatten(), nn.Linear(12, 2)]
+    with pytest.raises(ValidationError, match=r"item 0 \(Embedding\) writes into its "
+                                              r"parameter 'weight'"):
+        _run(_spec(layers, dataset=torch.utils.data.TensorDataset(ids, y)))
+
+
+def test_an_optimizer_that_cannot_step_on_dense_gradients_is_refused() -> None:
+    """A sparse embedding's gradient is summed into the sync's dense buffer: SparseAdam,
+    which would run in one process, would fail at the first plan with two groups."""
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 9, (12, 3), generator=gen), torch.randn(12, 2, generator=gen)
+    spec = _spec([nn.Embedding(9, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2)],
+                 dataset=torch.utils.data.TensorDataset(ids, y))
+    spec["optimizer"] = lambda ps: (torch.optim.SparseAdam(ps) if ps[0].shape == (9, 4)
+                                    else torch.optim.Adam(ps))
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: its step failed on item 0's "
+                                              r"\(Embedding\) gradients"):
+        _run(spec)
+
+
+def test_a_factory_sharing_a_parameter_is_refused() -> None:
+    shared = nn.Linear(4, 4)
+    with pytest.raises(ValidationError, match=r"items 0 and 2 share a parameter, and one is "
+                                              r"a factory"):
+        _run(_spec([lambda: shared, nn.Tanh(), shared, nn.Linear(4, 2)]))
+
+
+def test_shared_parameters_and_constant_buffers_pass() -> None:
+    shared = nn.Linear(4, 4)
+    assert _run(_spec([shared, nn.Tanh(), shared, nn.Linear(4, 2)])) == []
+    assert _run(_spec(_shared_table())) == []
+
+
+def test_a_loss_that_is_not_a_mean_over_samples_gets_a_note() -> None:
+    """cross_entropy with ignore_index over padded targets averages over the tokens it
+    keeps, a count that differs between microbatches. A model whose outputs depend on the
+    microbatch (BatchNorm, dropout) is no such thing: the loss is compared on the same
+    outputs."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 5, (12, 6), generator=gen)
+    targets = ids.clone()
+    targets[::3, 2:] = -100  # every third sample mostly padding
+
+    def token_mean(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100)
+
+    lm = [nn.Embedding(5, 4), nn.Linear(4, 5)]
+    data = torch.utils.data.TensorDataset(ids, targets)
+    notes = _run(_spec(lm, token_mean, data))
+    assert len(notes) == 1 and "not a mean over samples" in notes[0]
+    assert _run(_spec(lm, token_mean, data), microbatch=6) == []  # one microbatch: the same
+
+    def per_sample(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # as docs/trainer.md
+        return F.cross_entropy(out.flatten(0, 1), t.flatten(), ignore_index=-100,
+                               reduction="sum") / t.numel()
+
+    assert _run(_spec(lm, per_sample, data)) == []
+    bn_dropout = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2)]
+    assert _run(_spec(bn_dropout)) == []
+
+
+def test_train_check_exits_2_before_any_rank_starts(tmp_path: Path) -> None:
+    (tmp_path / "userjobs_preflight.py").write_text(textwrap.dedent('''
+        import torch
+        from torch import nn
+
+        def job():
+            x, y = torch.randn(12, 4), torch.randn(12, 2)
+            return {"layers": [nn.Linear(4, 3), nn.Linear(3, 2)],
+                    "loss": lambda o, t: nn.functional.mse_loss(o, t, reduction="none"),
+                    "optimizer": lambda p: torch.optim.SGD(p, lr=0.1),
+                    "dataset": torch.utils.data.TensorDataset(x, y), "global_batch": 6}
+    '''))
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job", "userjobs_preflight:job",
+         "--ranks", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "['loss']" in res.stderr and "one number" in res.stderr
+    assert "Traceback" not in res.stderr and "plan v1" not in res.stdout

@@ -1,0 +1,280 @@
+"""What train-check tries in one process before any rank starts.
+
+A job that cannot train under the runtime should be refused with one line
+naming the key (exit 2), not fail as a traceback in a spawned rank after
+seconds of start-up. :func:`preflight` builds the layers as the ranks do (on
+copies), runs one microbatch of the dataset through them and the loss, in the
+check's dtype, and refuses:
+
+* a layer whose factory is not one, or returns no module, or a module sharing a
+  parameter with another layer (ties are found on modules only) (``layers``);
+* a layer that raises on that microbatch, e.g. one that casts to float32
+  (``.float()``) in a float64 check (``layers``, naming the item);
+* a loss that is not one floating number (``reduction='none'``) (``loss``);
+* a layer whose forward writes into one of its parameters
+  (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place):
+  data-parallel replicas see other samples, so their copies would drift apart
+  (``layers``, naming the item and the parameter);
+* an optimizer whose step fails on a layer's gradients as the runtime's
+  gradient sync hands them, dense (``SparseAdam``) (``optimizer``);
+* a buffer shared by two layers (the same module at two places in
+  ``layers``) that the forward updates (BatchNorm's running statistics,
+  spectral norm's vectors): each rank holding one of the layers would update
+  its own copy, which no rule can merge into the one process's sequence of
+  updates. Shared parameters are fine (ties); so are shared buffers that no
+  forward changes (a rotary table).
+
+It also says (a note, not a refusal) when the loss is not a mean over samples:
+the loss of the global batch's outputs differs from the ``m/B``-weighted sum of
+its microbatches' losses (on the same outputs, float64), as with
+``cross_entropy(ignore_index=...)`` over padded targets or any masked mean. The
+runtime, like gradient accumulation in one process, trains on that weighted sum,
+so the objective then depends on the microbatch size; the reference takes the
+same microbatches, so train-check cannot see it otherwise.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from hetpilot.planner.errors import ValidationError
+from torch import nn
+from torch.utils import _pytree as pytree
+from torch.utils.data import default_collate
+
+from .activations import map_tensors
+from .pipeline import loss_problem
+from .precision import Precision
+from .reference import build_layers
+from .runtime import build_layer
+
+__all__ = ["MEAN_TOLERANCE", "preflight"]
+
+MEAN_TOLERANCE = 1e-9
+"""Relative difference (float64) above which the loss is not taken for a mean over samples."""
+
+
+def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
+              dtype: torch.dtype | None, compute_dtype: torch.dtype | None = None) -> list[str]:
+    """Check ``spec`` (a loaded job, :func:`~hetpilot.trainer.jobspec.load_job`) on one
+    microbatch; raise :class:`ValidationError` naming ``where['key']`` (module docstring);
+    return notes for the user."""
+
+    def bad(key: str, problem: str) -> ValidationError:
+        return ValidationError(f"{where}['{key}']", problem)
+
+    with torch.random.fork_rng(devices=[]):
+        layers = _build(spec["layers"], seed, dtype, bad)
+        precision = Precision(torch.float32, compute_dtype) if compute_dtype else Precision()
+        x = _batch(spec["dataset"], range(microbatch), 0, dtype, bad)
+        target = _batch(spec["dataset"], range(microbatch), 1, dtype, bad)
+        before = [b.detach().clone() for b in _buffers(layers)]
+        params = [[p.detach().clone() for p in layer.parameters()] for layer in layers]
+        in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        drift: str | None = None  # the first layer returning floating values of another dtype
+        with precision.autocast(torch.device("cpu")):
+            for i, layer in enumerate(layers):
+                try:
+                    x = layer(x)
+                except Exception as exc:
+                    raise bad("layers", f"item {i} ({type(layer).__name__}) failed on a "
+                                        f"microbatch of {microbatch} samples{in_dtype}: "
+                                        f"{type(exc).__name__}: {exc}"
+                                        f"{_dtype_hint(exc, dtype, drift)}") from exc
+                if drift is None and dtype == torch.float64 and not compute_dtype:
+                    other = _other_float(x, dtype)
+                    if other is not None:
+                        drift = f"item {i} ({type(layer).__name__}) returned {other} values"
+            try:
+                loss = spec["loss"](x, target)
+            except Exception as exc:
+                raise bad("loss", f"failed on the last layer's output and a microbatch's "
+                                  f"targets: {type(exc).__name__}: {exc}") from exc
+        problem = loss_problem(loss)
+        if problem is not None:
+            raise bad("loss", problem)
+        _refuse_written_parameters(layers, params, bad)
+        _refuse_shared_updates(layers, before, bad)
+        _step(layers, loss, spec["optimizer"], bad)
+        notes = []
+        if microbatch < spec["global_batch"]:
+            note = _mean_note(spec, microbatch, seed)
+            if note is not None:
+                notes.append(note)
+    return notes
+
+
+def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
+           ) -> list[nn.Module]:
+    """Copies of the layers as the ranks build them (a copy keeps modules shared between
+    layers shared: one deepcopy of the list). Factories are called on the job's own objects
+    first (uncast), as each rank calls them: a factory returning a module another layer
+    shares parameters with (one it closes over) would lose the tie."""
+    try:
+        originals = [build_layer(spec, seed, i) for i, spec in enumerate(specs)]
+        layers = build_layers(copy.deepcopy(list(specs)), seed, dtype)
+    except ValueError as exc:
+        if str(exc).startswith("layers: "):
+            raise bad("layers", str(exc).removeprefix("layers: ")) from exc
+        raise
+    seen: dict[int, int] = {}
+    for i, layer in enumerate(originals):
+        for p in layer.parameters():
+            first = seen.setdefault(id(p), i)
+            if first != i and not (isinstance(specs[i], nn.Module)
+                                   and isinstance(specs[first], nn.Module)):
+                raise bad("layers", f"items {first} and {i} share a parameter, and one is a "
+                                    "factory: the ranks build factories apart, so the tie "
+                                    "would be lost; give tied layers as modules")
+    return layers
+
+
+def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | None,
+           bad: Any) -> Any:
+    """Inputs (0) or targets (1) of ``indices``, collated and cast as the ranks do."""
+    try:
+        value = default_collate([data[i][which] for i in indices])
+    except (TypeError, RuntimeError) as exc:
+        what = "inputs" if which == 0 else "targets"
+        raise bad("dataset", f"the {what} of items {indices[0]}-{indices[-1]} cannot be "
+                             f"batched (torch's default_collate): {exc}") from exc
+    if dtype is None:
+        return value
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
+
+
+def _other_float(value: Any, dtype: torch.dtype) -> str | None:
+    """The dtype of a floating tensor leaf of ``value`` that is not ``dtype``, if any."""
+    found: list[str] = []
+    map_tensors(lambda t: found.append(str(t.dtype).removeprefix("torch."))
+                if t.is_floating_point() and t.dtype != dtype else None, value)
+    return found[0] if found else None
+
+
+def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None) -> str:
+    text = str(exc)
+    if dtype == torch.float64 and "Double" in text and ("Float" in text or "Half" in text):
+        return (f" ({drift + '; ' if drift else ''}train-check runs float64: a layer must "
+                "compute in its input's dtype, not cast to float32 with .float() or make "
+                "float32 tensors of its own)")
+    return ""
+
+
+def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
+    return [b for layer in layers for b in layer.buffers()]
+
+
+def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: Any) -> None:
+    """The backward, then each layer's optimizer (over its parameters not already given to
+    an earlier layer's, as the runtime builds them) steps once, on the copies, with the
+    gradients as the runtime's sync may leave them: dense (a sparse embedding gradient is
+    summed into a dense buffer, which SparseAdam refuses)."""
+    if not loss.requires_grad:
+        return
+    loss.backward()
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        params = [p for p in layer.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if not params:
+            continue
+        for p in params:
+            if p.grad is not None and p.grad.is_sparse:
+                p.grad = p.grad.to_dense()
+        try:
+            factory(params).step()
+        except Exception as exc:
+            raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
+                                   "gradients as the runtime hands them (dense, summed over "
+                                   f"replicas): {type(exc).__name__}: {exc}") from exc
+
+
+def _refuse_written_parameters(layers: Sequence[nn.Module],
+                               before: Sequence[Sequence[torch.Tensor]], bad: Any) -> None:
+    """A parameter the forward wrote into (module docstring)."""
+    for i, (layer, saved) in enumerate(zip(layers, before, strict=True)):
+        for (name, p), was in zip(layer.named_parameters(), saved, strict=True):
+            if not torch.equal(p.detach(), was):
+                raise bad("layers", f"item {i} ({type(layer).__name__}) writes into its "
+                                    f"parameter {name!r} in the forward (nn.Embedding's "
+                                    "max_norm does): replicas seeing other samples would "
+                                    "drift apart, as the optimizer is the only one that "
+                                    "may change a parameter; compute the change in the "
+                                    "forward without writing it back")
+
+
+def _refuse_shared_updates(layers: Sequence[nn.Module], before: Sequence[torch.Tensor],
+                           bad: Any) -> None:
+    """A buffer of two layers that the forward changed (module docstring)."""
+    uses: dict[int, list[tuple[int, str]]] = {}
+    for i, layer in enumerate(layers):
+        for name, buf in layer.named_buffers(remove_duplicate=False):
+            uses.setdefault(id(buf), []).append((i, name))
+    for buf, was in zip(_buffers(layers), before, strict=True):
+        where = uses[id(buf)]
+        if len({i for i, _ in where}) > 1 and not torch.equal(buf, was):
+            (a, name), (b, _) = where[0], next(u for u in where if u[0] != where[0][0])
+            raise bad("layers", f"items {a} and {b} share the buffer {name!r} (the same "
+                                f"{type(layers[a]).__name__} at two places?), which the "
+                                "forward updates; ranks holding either layer would update "
+                                "copies of it apart. Layers may share parameters, not "
+                                "updated buffers: give each place its own module")
+
+
+def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
+    """The loss of the first global batch's outputs and targets against the ``m/B``-weighted
+    sum of its microbatches' losses, on the same outputs (each microbatch's forward, float64,
+    layers in eval mode; the outputs concatenated along the batch dimension), so that only
+    the loss is compared. None when they agree, or when the model does not run in float64
+    or its outputs do not concatenate (leaves other than batched tensors that differ)."""
+    b, data = spec["global_batch"], spec["dataset"]
+    try:
+        layers = build_layers(copy.deepcopy(list(spec["layers"])), seed, torch.float64)
+        for layer in layers:
+            layer.eval()
+        outs = []
+        parts = 0.0
+        # no gradients here: a layer checkpointing itself would warn that none will come
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            for k in range(0, b, m):
+                x = _batch(data, range(k, k + m), 0, torch.float64, None)
+                for layer in layers:
+                    x = layer(x)
+                outs.append(x)
+                parts += (m / b) * float(spec["loss"](x, _batch(data, range(k, k + m), 1,
+                                                                torch.float64, None)))
+            whole = float(spec["loss"](_concat(outs), _batch(data, range(b), 1, torch.float64,
+                                                              None)))
+    except Exception:  # a model that runs only in its own dtype, outputs that do not concat
+        return None
+    if abs(whole - parts) <= MEAN_TOLERANCE * max(1.0, abs(whole)):
+        return None
+    return (f"the loss is not a mean over samples: on the first global batch's outputs it is "
+            f"{whole:.6g}, but the {m}/{b}-weighted sum of its microbatches' losses is "
+            f"{parts:.6g} (a mean over a varying count, such as cross_entropy's ignore_index "
+            "on padded targets?). Every plan trains on the weighted sum, as gradient "
+            "accumulation does, so the objective depends on the microbatch size; "
+            "train-check compares like with like. See docs/trainer.md, 'Loss'.")
+
+
+def _concat(values: Sequence[Any]) -> Any:
+    """Microbatch outputs as one batch: tensor leaves concatenated along dimension 0; other
+    leaves must be equal (ValueError otherwise)."""
+    flat = [pytree.tree_flatten(v) for v in values]
+    spec = flat[0][1]
+    if any(s != spec for _, s in flat):
+        raise ValueError("the microbatches' outputs differ in structure")
+    leaves = []
+    for column in zip(*(leaves for leaves, _ in flat), strict=True):
+        if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in column):
+            leaves.append(torch.cat(column))
+        elif all(not isinstance(v, torch.Tensor) and v == column[0] for v in column):
+            leaves.append(column[0])
+        else:
+            raise ValueError("an output leaf does not concatenate")
+    return pytree.tree_unflatten(leaves, spec)
