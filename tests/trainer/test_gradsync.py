@@ -311,12 +311,6 @@ def _emulated(rank: int, world: int, out: str) -> None:
 # -- multi-rank tests -------------------------------------------------------------------
 
 
-@pytest.fixture
-def importable(monkeypatch: pytest.MonkeyPatch) -> None:
-    root = Path(__file__).resolve().parents[__name__.count(".")]
-    monkeypatch.syspath_prepend(str(root))
-
-
 def _read(out: Path, world: int) -> list[dict[str, Any]]:
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 

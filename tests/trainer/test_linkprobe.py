@@ -42,7 +42,7 @@ def _worker(rank: int, world: int, out: str) -> None:
     dist.barrier()
 
 
-def test_three_gloo_ranks_measure_every_link_and_agree(tmp_path: Path) -> None:
+def test_three_gloo_ranks_measure_every_link_and_agree(tmp_path: Path, importable: None) -> None:
     spawn(_worker, 3, (str(tmp_path),), 120)
     seen = [json.loads(Path(tmp_path, f"{r}.json").read_text()) for r in range(3)]
     assert seen[0] == seen[1] == seen[2]  # every rank gets the whole result
