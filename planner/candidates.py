@@ -186,7 +186,7 @@ def budget_multiplier(frontiers: Sequence[Frontier], budget: float,
     # where the minimisers cost exactly the budget over a range of rates (the
     # budget sits on a plan), take the middle of the range, not its edge (a tie);
     # the smoothed spend has that range too, to rounding (it leaks nothing there)
-    a, b = hi, top
+    a, b = hi, max(top, hi)  # hi may be past top (the doubling above)
     if spend(a, dear=True) < budget * (1 - 1e-9):
         return hi
     for _ in range(60):  # the largest rate whose dearest minimisers still spend it

@@ -258,6 +258,16 @@ def test_smoothed_rate_follows_the_target_where_the_lp_pins_it() -> None:
     assert lam is not None and 2 * 0.00239 < lam < 0.03824 / 2
 
 
+def test_smoothed_rate_beyond_the_steepest_segment() -> None:
+    """One slot, plans (1, 1.0 s) and (2, 0.99 s): the segment's slope is s = 0.01, and
+    the bisection's first upper bound is 2 s. Smoothed (tau = 0.01 * 0.99 s), the dear plan
+    has probability p = 1 / (1 + exp((lam - s) / tau)), so a budget of 1.1 (p = 0.1) needs
+    lam = s + tau ln 9 = 0.0318, beyond that bound: the search must go on past it."""
+    f = frontier([(1.0, 1.0), (2.0, 0.99)])
+    assert budget_multiplier([f], 1.1, smooth=0.01) == pytest.approx(
+        0.01 + 0.0099 * math.log(9), rel=1e-6)
+
+
 def test_budget_multiplier_by_hand() -> None:
     f = frontier([(1, 0.4), (2, 0.2), (3, 0.1), (4, 0.081), (6, 0.05), (9, 0.038)])
     # between plans: the slope of their segment (a tie, to be mixed)
