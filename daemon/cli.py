@@ -47,10 +47,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetpilot daemon: error: {exc}", file=sys.stderr)
         return 2
     from .server import serve
+    from .store import SchemaError
 
     try:
         asyncio.run(serve(config))
-    except (OSError, StorageError) as exc:  # a taken port, a damaged state store
+    except (OSError, StorageError, SchemaError) as exc:
+        # a taken port; a damaged, unopenable or newer (schema) state store
         print(f"hetpilot daemon: error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -6,10 +6,20 @@ not fill the disk with logs).
 
 :class:`DecodeInterceptor` swaps each handler's deserializer for the identity
 and decodes in the handler itself; the servicers see the same messages.
+
+It also writes the responses of streaming calls itself (``context.write``) instead
+of handing grpc an async generator: when a client goes away while a response is
+being sent (a slow consumer that cancels, a killed trainer or ``logs --follow``),
+grpc's send fails before it has noticed the cancellation, and for a generator it
+logs that at ERROR with a traceback, once per such call. Written here, the failed
+send just ends the call (logged at DEBUG) and closes the servicer's generator.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import inspect
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -20,6 +30,39 @@ import grpc
 __all__ = ["DecodeInterceptor", "RateLimitedLog"]
 
 log = logging.getLogger("hetpilot.daemon")
+
+
+def _send_failed_types() -> tuple[type[BaseException], ...]:
+    """What grpc.aio raises from ``context.write`` when the call ended under it (the
+    client cancelled or went away): its core's ExecuteBatchError, not public API."""
+    with contextlib.suppress(ImportError):
+        found = getattr(importlib.import_module("grpc._cython.cygrpc"), "ExecuteBatchError", None)
+        if isinstance(found, type) and issubclass(found, BaseException):
+            return (found,)
+    return ()
+
+
+_SEND_FAILED = _send_failed_types()
+
+
+async def _write_all(responses: Any, context: grpc.aio.ServicerContext, method: str) -> None:
+    """Send each response of ``responses`` (an async iterator; a coroutine, for handlers
+    that write themselves, such as health's Watch, is awaited); when a send fails
+    because the call is over, stop quietly and close ``responses``."""
+    if inspect.isawaitable(responses):
+        await responses
+        return
+    try:
+        async for item in responses:
+            try:
+                await context.write(item)
+            except _SEND_FAILED:
+                log.debug("%s: the client went away while a response was sent", method)
+                return
+    finally:
+        aclose = getattr(responses, "aclose", None)
+        if aclose is not None:
+            await aclose()  # the servicer's finally blocks run now, not at collection
 
 
 class RateLimitedLog:
@@ -91,24 +134,21 @@ class DecodeInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
-            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext
-                                   ) -> AsyncIterator[Any]:
+            async def unary_stream(raw: bytes, context: grpc.aio.ServicerContext) -> None:
                 request = await self._decode(raw, decode, context, method)
-                async for item in inner_us(request, context):
-                    yield item
+                await _write_all(inner_us(request, context), context, method)
 
             return grpc.unary_stream_rpc_method_handler(unary_stream, None, serialize)
         if handler.stream_stream is not None:
             inner_ss = handler.stream_stream
 
-            async def stream_stream(raws: AsyncIterator[bytes], context: grpc.aio.ServicerContext
-                                    ) -> AsyncIterator[Any]:
+            async def stream_stream(raws: AsyncIterator[bytes],
+                                    context: grpc.aio.ServicerContext) -> None:
                 async def requests() -> AsyncIterator[Any]:
                     async for raw in raws:
                         yield await self._decode(raw, decode, context, method)
 
-                async for item in inner_ss(requests(), context):
-                    yield item
+                await _write_all(inner_ss(requests(), context), context, method)
 
             return grpc.stream_stream_rpc_method_handler(stream_stream, None, serialize)
         return handler  # stream-unary: none in this API

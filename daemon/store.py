@@ -366,7 +366,11 @@ class SqliteStore(Store):
         self._lock = threading.Lock()
         self._notify_lock = threading.RLock()  # a callback may write, which notifies again
         self._writable = self._notified = True
-        self._db = self._open(self.path)
+        try:
+            self._db = self._open(self.path)
+        except (StorageFull, StorageUnavailable) as exc:  # DamagedStore names the path
+            raise type(exc)(f"{self.path}: {exc} (can the daemon's user write to "
+                            f"{self.path.parent}?)") from exc
         try:
             self._migrate()
         except BaseException:

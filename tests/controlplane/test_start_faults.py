@@ -1,0 +1,58 @@
+"""A daemon subprocess refusing a state store it cannot use at start: one line on
+stderr naming the file, exit 1, no traceback, the store left as it was."""
+
+from __future__ import annotations
+
+import shutil
+import sqlite3
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hetpilot.daemon.store import SqliteStore
+
+pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
+
+
+def _daemon(state: Path, wrap: list[str] | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "hetpilot", "daemon", "--listen", "127.0.0.1:0",
+           "--state-dir", str(state), "--metrics-listen", "", "--insecure-local"]
+    return subprocess.run([*(wrap or []), *cmd], capture_output=True, text=True, timeout=60)
+
+
+def _one_error(proc: subprocess.CompletedProcess[str]) -> str:
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("hetpilot daemon: error")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+def test_a_store_from_a_newer_daemon_is_refused_with_one_line(tmp_path: Path) -> None:
+    state = tmp_path / "s"
+    state.mkdir()
+    SqliteStore(state / "state.db").close()
+    db = sqlite3.connect(state / "state.db")
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    before = (state / "state.db").read_bytes()
+    error = _one_error(_daemon(state))
+    assert "schema version 99" in error and str(state / "state.db") in error
+    assert (state / "state.db").read_bytes() == before
+
+
+def test_a_read_only_state_dir_is_refused_naming_the_file(tmp_path: Path) -> None:
+    unshare = shutil.which("unshare")
+    probe = subprocess.run([unshare or "unshare", "-m", "true"], capture_output=True) \
+        if unshare else None
+    if probe is None or probe.returncode != 0:
+        pytest.skip("needs unshare -m (a private mount namespace) for a read-only bind mount")
+    state = tmp_path / "s"
+    state.mkdir()
+    SqliteStore(state / "state.db").close()  # a good store, on a file system now read-only
+    (state / "trainer-token.key").write_bytes(b"k" * 32)
+    script = (f'mount --bind -o ro "{state}" "{state}" && exec "$@"')
+    proc = _daemon(state, ["unshare", "-m", "sh", "-c", script, "sh"])
+    error = _one_error(proc)
+    assert str(state / "state.db") in error and "write" in error
