@@ -13,7 +13,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Literal
 
 from hetpilot.planner.errors import ValidationError
-from hetpilot.planner.types import COST_KINDS
+from hetpilot.planner.types import COST_KINDS, MAX_BUDGET, budget_problem
 from hetpilot.v1 import agent_pb2, cluster_pb2, common_pb2, job_pb2, trainer_pb2
 
 from hetpilot.entry import Entry
@@ -165,7 +165,9 @@ def budgets_from_proto(budgets: Mapping[str, float], field: str = "budgets") -> 
         if kind not in COST_KINDS:
             raise ValidationError(f"{field}.{kind[:40]}",
                                   f"unknown cost kind; known: {', '.join(COST_KINDS)}")
-        out[kind] = number(value, f"{field}.{kind}")
+        out[kind] = number(value, f"{field}.{kind}", maximum=MAX_BUDGET)
+        if (problem := budget_problem(out[kind])) is not None:
+            raise ValidationError(f"{field}.{kind}", problem)
     return out
 
 

@@ -84,7 +84,7 @@ from .elastic import surviving_plan
 from .errors import InfeasibleError, ValidationError
 from .refmodel import evaluate
 from .switching import SwitchCost, switch_cost
-from .types import COST_KINDS, DEFAULT_V, Cluster, Job, Model, Plan
+from .types import COST_KINDS, DEFAULT_V, Cluster, Job, Model, Plan, budget_problem
 
 __all__ = ["DEFAULT_V", "POLICIES", "Controller", "ControllerConfig", "Decision", "Gate",
            "PlannerSearch", "PredictFn", "SearchFn", "planner_search"]
@@ -303,7 +303,10 @@ class PlannerSearch:
 planner_search = PlannerSearch()
 
 
-def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
+def _check_budgets(budgets: Mapping[str, Any], path: str, *, rates: bool = False
+                   ) -> dict[str, float]:
+    """Per cost kind, finite numbers >= 0 (queues, debts' bounds); with ``rates``,
+    budgets (:func:`~hetpilot.planner.types.budget_problem`: 0 or in [1e-9, 1e12])."""
     out: dict[str, float] = {}
     for kind, value in budgets.items():
         if kind not in COST_KINDS:
@@ -312,6 +315,8 @@ def _check_budgets(budgets: Mapping[str, Any], path: str) -> dict[str, float]:
             raise ValidationError(f"{path}.{kind}", f"must be a finite number, got {value!r}")
         if value < 0:
             raise ValidationError(f"{path}.{kind}", f"must be >= 0, got {value}")
+        if rates and (problem := budget_problem(float(value))) is not None:
+            raise ValidationError(f"{path}.{kind}", problem)
         out[kind] = float(value)
     return out
 
@@ -372,7 +377,7 @@ class Controller:
         self._search = search or planner_search
         self._predict = predict
         self._gate = gate
-        self._budgets = _check_budgets(job.budgets, "job.budgets")
+        self._budgets = _check_budgets(job.budgets, "job.budgets", rates=True)
         self._V = _check_v(job.V, "job.V")
         self._queues: dict[str, float] = {k: 0.0 for k in self._budgets}
         self._plan: Plan | None = None
@@ -445,7 +450,7 @@ class Controller:
         again on the next slot and each queue is rescaled so that its shadow
         price (what a unit of cost is worth in seconds) carries over.
         """
-        new_budgets = None if budgets is None else _check_budgets(budgets, "budgets")
+        new_budgets = None if budgets is None else _check_budgets(budgets, "budgets", rates=True)
         new_v = None if V is None else _check_v(V, "V")
         if new_budgets == self._budgets:
             new_budgets = None

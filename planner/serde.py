@@ -31,6 +31,7 @@ from .types import (
     Network,
     Plan,
     Stage,
+    budget_problem,
 )
 
 __all__ = [
@@ -313,6 +314,8 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
                 f"{path}.budgets.{kind}", f"unknown cost kind; known: {', '.join(COST_KINDS)}"
             )
         budgets[kind] = _check_num(value, f"{path}.budgets.{kind}")
+        if (problem := budget_problem(budgets[kind])) is not None:
+            raise ValidationError(f"{path}.budgets.{kind}", problem)
     return Job(
         global_batch=batch,
         microbatch_size=micro,

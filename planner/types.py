@@ -14,6 +14,8 @@ from types import MappingProxyType
 __all__ = [
     "COST_KINDS",
     "DEFAULT_V",
+    "MAX_BUDGET",
+    "MIN_BUDGET",
     "SCHEDULES",
     "Cluster",
     "Device",
@@ -25,11 +27,29 @@ __all__ = [
     "Network",
     "Plan",
     "Stage",
+    "budget_problem",
 ]
 
 SCHEDULES = ("gpipe", "1f1b", "custom")
 #: Cost rates a plan has (spec 5.5); budgets are kept on these.
 COST_KINDS = ("price_per_hour", "power_watts")
+#: A positive budget below this is refused: the default V weighs a queue by
+#: ``1 / budget**2`` and rescales queues by it, which leaves floating point for
+#: budgets near 1e-154 (a budget of 0, "spend nothing", is allowed).
+MIN_BUDGET = 1e-9
+#: The largest budget (the daemon's bound on every rate it takes).
+MAX_BUDGET = 1e12
+
+
+def budget_problem(value: float) -> str | None:
+    """What is wrong with a budget's value (a finite number already), or None."""
+    if value < 0:
+        return f"must be >= 0, got {value:g}"
+    if 0 < value < MIN_BUDGET:
+        return f"must be 0 or at least {MIN_BUDGET:g}, got {value:g}"
+    if value > MAX_BUDGET:
+        return f"must be at most {MAX_BUDGET:g}, got {value:g}"
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)

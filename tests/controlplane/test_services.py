@@ -63,6 +63,13 @@ def test_job_lifecycle_with_agents(daemon: RunningDaemon) -> None:
     info = jobs.UpdateBudgets(job_pb2.UpdateBudgetsRequest(
         job_id=info.job_id, budgets={"price_per_hour": 2.0}, v=5.0), metadata=OWNER_MD, timeout=T)
     assert info.budgets["price_per_hour"] == 2.0 and info.v == 5.0
+    with pytest.raises(grpc.RpcError) as err:  # below MIN_BUDGET: refused, nothing changed
+        jobs.UpdateBudgets(job_pb2.UpdateBudgetsRequest(
+            job_id=info.job_id, budgets={"power_watts": 1e-300}), metadata=OWNER_MD, timeout=T)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "budgets.power_watts" in (err.value.details() or "")
+    kept = jobs.GetJob(job_pb2.GetJobRequest(job_id=info.job_id), metadata=OWNER_MD, timeout=T)
+    assert dict(kept.budgets) == {"price_per_hour": 2.0}
     listed = jobs.ListJobs(job_pb2.ListJobsRequest(), metadata=OWNER_MD, timeout=T)
     assert [j.job_id for j in listed.jobs] == [info.job_id]
     assert not jobs.ListJobs(job_pb2.ListJobsRequest(), metadata=OTHER_MD, timeout=T).jobs
@@ -151,6 +158,7 @@ def test_bad_requests(daemon: RunningDaemon) -> None:
         (jobs.SubmitJob, submit_request(global_batch=10, microbatch_size=4), OWNER_MD),
         (jobs.SubmitJob, submit_request(model_json="{"), OWNER_MD),
         (jobs.SubmitJob, submit_request(budgets={"gold": 1.0}), OWNER_MD),
+        (jobs.SubmitJob, submit_request(budgets={"power_watts": 1e-300}), OWNER_MD),
         (jobs.SubmitJob, submit_request(v=float("nan")), OWNER_MD),
         (agents.Register, register_request("a", tflops=float("nan")), CLUSTER_MD),
         (agents.Register, register_request("bad host"), CLUSTER_MD),

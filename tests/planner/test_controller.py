@@ -136,6 +136,10 @@ def test_budget_change_mid_run() -> None:
 @pytest.mark.parametrize(("budgets", "V", "field"), [
     ({"dollars": 1.0}, None, "budgets.dollars"),
     ({"price_per_hour": -1.0}, None, "budgets.price_per_hour"),
+    # 1 / b**2 (the default V's weight) would leave floating point: the queue went to
+    # inf and the stored state could not be loaded again (daemon fuzz, seed 23)
+    ({"power_watts": 1e-300}, None, "budgets.power_watts"),
+    ({"power_watts": 1e300}, None, "budgets.power_watts"),  # b**2 raised OverflowError
     (None, -1.0, "V"),
 ])
 def test_set_budgets_rejects_bad_values_naming_the_field(budgets, V, field) -> None:  # type: ignore[no-untyped-def]
