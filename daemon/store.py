@@ -30,6 +30,7 @@ from __future__ import annotations
 import errno
 import json
 import logging
+import os
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
@@ -344,6 +345,13 @@ def _faults_raised() -> Iterator[None]:
         raise fault from exc
 
 
+_SQLITE_HEADER = b"SQLite format 3\x00"
+
+
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
+
+
 def _one_line(text: str, limit: int = 160) -> str:
     text = " ".join(text.split())
     return text if len(text) <= limit else text[:limit - 3] + "..."
@@ -371,11 +379,17 @@ class SqliteStore(Store):
         except (StorageFull, StorageUnavailable) as exc:  # DamagedStore names the path
             raise type(exc)(f"{self.path}: {exc} (can the daemon's user write to "
                             f"{self.path.parent}?)") from exc
+        self._file: int | None = None
+        """A descriptor of the database file as opened, for :meth:`_check_file`."""
+        self._file_lost: str | None = None
+        """Set once the database file was found deleted, replaced, truncated or overwritten."""
         try:
             self._migrate()
+            self._file = os.open(self.path, os.O_RDONLY)
         except BaseException:
             self._db.close()
             raise
+        self._identity = _identity(os.fstat(self._file))
 
     @staticmethod
     def _open(path: Path) -> sqlite3.Connection:
@@ -431,6 +445,10 @@ class SqliteStore(Store):
         anything else unchanged. A commit sets ``writable``."""
         try:
             with self._lock:
+                lost = self._check_file()
+                if lost is not None:
+                    self._writable = False
+                    raise StorageUnavailable(lost)
                 try:
                     self._db.execute("BEGIN IMMEDIATE")
                     yield self._db
@@ -445,6 +463,33 @@ class SqliteStore(Store):
                 self._writable = True
         finally:
             self._notify()
+
+    def _check_file(self) -> str | None:
+        """Why the database file can no longer take writes, or None: it was deleted or
+        replaced (another file at its path), truncated or overwritten (no SQLite header)
+        while the daemon ran. SQLite would go on answering from its cache and WAL and
+        acknowledge writes that are lost, and its checkpoint would write pages into
+        whatever is there now; so every write checks first (one stat and a 16-byte
+        read), and once it fails the store stays refusing until a restart, which
+        checks the file as at any start."""
+        if self._file_lost is None and self._file is not None:
+            problem = None
+            try:
+                now = os.stat(self.path)
+            except FileNotFoundError:
+                problem = "was deleted"
+            else:
+                if _identity(now) != self._identity:
+                    problem = "was replaced by another file"
+                elif os.pread(self._file, 16, 0) != _SQLITE_HEADER:
+                    problem = ("was truncated" if now.st_size < 16 else
+                               "was overwritten (no SQLite header)")
+            if problem is not None:
+                self._file_lost = (f"{self.path} {problem} while the daemon ran; what it "
+                                   "held is only in memory now and writes are refused. "
+                                   f"Stop the daemon, then {_RESTORE}")
+                log.error("%s", self._file_lost)
+        return self._file_lost
 
     def _rollback(self, error: BaseException) -> None:
         """Roll back if a transaction is still open; a failing rollback becomes a note on
@@ -626,7 +671,12 @@ class SqliteStore(Store):
     def close(self) -> None:
         with self._lock:
             try:
-                with _faults_raised():
-                    self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                # no checkpoint into a file that is not ours any more (see _check_file)
+                if self._check_file() is None:
+                    with _faults_raised():
+                        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
                 self._db.close()
+                if self._file is not None:
+                    os.close(self._file)
+                    self._file = None

@@ -7,7 +7,7 @@ import sqlite3
 from pathlib import Path
 
 import pytest
-from hetpilot.daemon.errors import DamagedStore, StorageFull
+from hetpilot.daemon.errors import DamagedStore, StorageFull, StorageUnavailable
 from hetpilot.daemon.records import AgentRecord, JobRecord, JobStatus, PlanRecord
 from hetpilot.daemon.store import SqliteStore
 
@@ -140,3 +140,53 @@ def test_a_failing_body_rolls_back_and_raises_its_own_error(tmp_path: Path) -> N
     store.record_slot("j1", status=JobStatus(slot=2), controller_state={"q": 2})
     assert store.job_status("j1") == (JobStatus(slot=2), {"q": 2})
     store.close()
+
+
+@pytest.mark.parametrize("fault", ["delete", "replace", "truncate", "overwrite"])
+def test_a_file_lost_while_open_refuses_writes(tmp_path: Path, fault: str) -> None:
+    """SQLite keeps answering from its cache and WAL after the file under it is gone or
+    damaged, so writes would be acknowledged and then lost. The store checks the file
+    before each write: the write is refused (StorageUnavailable naming the file),
+    ``writable`` clears and no probe brings it back. The next start sees what the WAL
+    and the file still hold: the acknowledged job, or a refusal, or (deleted) nothing;
+    never the refused write."""
+    path = tmp_path / "state.db"
+    store = SqliteStore(path)
+    seen: list[bool] = []
+    store.on_writable_change = seen.append
+    store.create_job(_job("j1"))
+    if fault == "delete":
+        path.unlink()
+    elif fault == "replace":
+        (tmp_path / "other").write_bytes(b"not ours" * 100)
+        (tmp_path / "other").replace(path)
+    elif fault == "truncate":
+        with path.open("r+b") as f:
+            f.truncate(0)
+    else:
+        with path.open("r+b") as f:
+            f.write(b"\0" * 4096)
+    with pytest.raises(StorageUnavailable, match=str(path)) as err:
+        store.create_job(_job("j2"))
+    assert "while the daemon ran" in str(err.value)
+    assert not store.writable and seen == [False]
+    assert store.probe() is False and not store.writable
+    assert store.get_job("j1") is not None  # reads: what it holds, from its cache
+    store.close()
+    try:
+        again = SqliteStore(path)
+    except DamagedStore:
+        return
+    assert [j.job_id for j in again.list_jobs()] == ([] if fault == "delete" else ["j1"])
+    again.close()
+
+
+def test_a_healthy_file_is_written_as_before(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path / "state.db")
+    for i in range(5):
+        store.create_job(_job(f"j{i}"))
+    assert store.writable and store.probe()
+    store.close()
+    reopened = SqliteStore(tmp_path / "state.db")
+    assert len(reopened.list_jobs()) == 5
+    reopened.close()
