@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 __all__ = ["attention_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "groups_tiny",
-           "inplace_tiny", "norm_first", "pytree_tiny", "reused_tiny", "sparse_tiny",
-           "specnorm_tiny", "tied_tiny", "unused_tiny"]
+           "inplace_tiny", "nonpersistent_tiny", "norm_first", "pytree_tiny", "reused_tiny",
+           "rrelu_tiny", "sparse_tiny", "specnorm_tiny", "tied_tiny", "unused_tiny",
+           "weighted_tiny"]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -342,3 +343,54 @@ def groups_tiny() -> dict[str, Any]:
         return torch.optim.AdamW(groups, lr=0.01)
 
     return _job(layers, x, y, nn.functional.mse_loss, optimizer=optimizer)
+
+
+def rrelu_tiny() -> dict[str, Any]:
+    """``nn.RReLU`` draws a random slope per negative input and saves the slopes' tensor
+    before filling it: a recomputation stopped early (torch's default) left the backward
+    uninitialized memory; each layer must be recomputed to its end."""
+    torch.manual_seed(13)
+    gen = torch.Generator().manual_seed(13)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [nn.Linear(5, 8), nn.RReLU(), nn.Linear(8, 8), nn.RReLU(0.1, 0.3), nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+class RunningCentre(nn.Module):
+    """Centres its input on a running mean kept in a non-persistent buffer (not in the
+    ``state_dict``), which the forward updates and reads."""
+
+    centre: torch.Tensor
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.register_buffer("centre", torch.zeros(d), persistent=False)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            with torch.no_grad():
+                self.centre.mul_(0.9).add_(0.1 * h.mean(0))
+        return torch.tanh(self.lin(h - self.centre))
+
+
+def nonpersistent_tiny() -> dict[str, Any]:
+    """A buffer ``register_buffer(..., persistent=False)`` that the forward updates: a layer
+    moving to another rank must take it along although ``state_dict`` leaves it out."""
+    torch.manual_seed(14)
+    gen = torch.Generator().manual_seed(14)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    layers = [nn.Linear(5, 8), RunningCentre(8), RunningCentre(8), nn.Linear(8, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss)
+
+
+def weighted_tiny() -> dict[str, Any]:
+    """A loss module holding float32 class weights (``nn.CrossEntropyLoss(weight=w)``) and a
+    ``torch.jit.script``-ed layer: the loss module is cast with the layers (float64 here),
+    and the scripted layer runs (not checkpointed) in recompute stages."""
+    torch.manual_seed(15)
+    gen = torch.Generator().manual_seed(15)
+    x, y = torch.randn(48, 5, generator=gen), torch.randint(0, 3, (48,), generator=gen)
+    layers = [nn.Linear(5, 8), torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())),
+              nn.Linear(8, 3)]
+    return _job(layers, x, y, nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5])))

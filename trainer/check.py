@@ -45,7 +45,6 @@ job's own) must be deterministic.
 
 from __future__ import annotations
 
-import copy
 import random
 import sys
 import tempfile
@@ -64,6 +63,8 @@ from .jobspec import load_job
 from .launch import spawn
 from .plans import check_plan, random_plan
 from .preflight import preflight
+from .replicas import full_state
+from .runtime import copy_layers
 
 __all__ = ["BUILTIN_JOB", "MIXED_TOLERANCE", "Difference", "make_layers", "run_check",
            "summarize_plan"]
@@ -136,7 +137,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             scales.append(scaler.scale if scaler is not None else 1.0)
             losses.append(trainer.train_epoch(max_iterations=1)["loss"])
             applied.append(scaler is None or scaler.skipped == skipped)
-        state = {layer: {k: v.detach().clone() for k, v in mod.state_dict().items()}
+        state = {layer: {k: v.detach().clone() for k, v in full_state(mod).items()}
                  for layer, mod in trainer.held_layers.items()}
         torch.save(state, out / f"plan{i}_rank{rank}.pt")
         if rank == 0:
@@ -311,7 +312,7 @@ def _own_job(job: str, spec: dict[str, Any], fresh: bool) -> dict[str, Any]:
         return spec
     own = load_job(job, "--job")
     if any(a is b for a, b in zip(own["layers"], spec["layers"], strict=True)):
-        own = {**own, "layers": copy.deepcopy(list(own["layers"]))}
+        own = {**own, "layers": copy_layers(own["layers"])}
     return own
 
 

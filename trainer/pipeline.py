@@ -22,6 +22,14 @@ The recomputation runs on the layer's buffers as the forward found them and
 restores them afterwards, so BatchNorm's running statistics are updated once
 per microbatch, as without recompute, and a layer whose output depends on a
 buffer its forward updates (spectral norm) recomputes the same output.
+The recomputation runs each layer's forward to its end: torch's early stop (end the
+recomputation once the last tensor the backward needs is saved again) hands the
+backward a tensor an op saved before filling it in place, as ``nn.RReLU`` does with
+its random slopes (its gradient was then uninitialized memory).
+A layer holding a ``torch.jit.script``-ed module is not checkpointed (it keeps its
+activations, as without recompute): the TorchScript profiling executor runs another
+graph on its first calls than on later ones, so a recomputation does not save the
+tensors the forward saved and torch's checkpoint raises inside the interpreter.
 A layer that writes into its input (``nn.ReLU(inplace=True)`` as a layer of
 its own) runs on a copy of it under recompute, and as a stage's first layer
 (whose input is an autograd leaf); each layer's first call tells whether it
@@ -51,7 +59,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
 from .activations import (
     grad_leaves,
@@ -279,6 +287,10 @@ class StageRunner:
         self._contexts = [_restore_buffers(layer) if any(True for _ in layer.buffers())
                           else None for layer in self.layers]
         self._pin = device.type == "cuda"
+        self._recomputable = [not any(isinstance(m, torch.jit.ScriptModule)
+                                      for m in layer.modules()) for layer in self.layers]
+        """Per layer: whether recompute checkpoints it (not a TorchScript module: see the
+        module docstring)."""
         self._mutates: list[bool | None] = [None] * len(self.layers)
         """Per layer: whether it writes into its input (None: not seen yet); see _guarded."""
 
@@ -291,12 +303,14 @@ class StageRunner:
                 fn: Callable[[Any], Any] = layer
                 if (self.recompute or aliased) and self._mutates[i] is not False:
                     fn = functools.partial(self._guarded, i)
-                if not self.recompute:
+                if not self.recompute or not self._recomputable[i]:
                     y = fn(x)
-                elif context is None:
-                    y = checkpoint(fn, x, use_reentrant=False)
-                else:
-                    y = checkpoint(fn, x, use_reentrant=False, context_fn=context)
+                else:  # the whole layer is recomputed: see the module docstring
+                    with set_checkpoint_early_stop(False):
+                        if context is None:
+                            y = checkpoint(fn, x, use_reentrant=False)
+                        else:
+                            y = checkpoint(fn, x, use_reentrant=False, context_fn=context)
                 aliased = aliased and _shares_storage(y, x)  # Flatten, a view: still the leaf
                 x = y
         return x

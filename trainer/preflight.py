@@ -15,8 +15,10 @@ check's dtype, and refuses:
   (``nn.Embedding(max_norm=...)`` renormalises the rows it looks up, in place):
   data-parallel replicas see other samples, so their copies would drift apart
   (``layers``, naming the item and the parameter);
-* an optimizer whose step fails on a layer's gradients as the runtime's
-  gradient sync hands them, dense (``SparseAdam``) (``optimizer``);
+* an optimizer whose step fails on a layer's gradients as the runtime hands them:
+  a sparse embedding gradient stays sparse under a plan of one data-parallel group
+  (``Adam`` refuses it) and is summed into the sync's dense buffer under several
+  (``SparseAdam`` refuses that) (``optimizer``);
 * a buffer shared by two layers (the same module at two places in
   ``layers``) that the forward updates (BatchNorm's running statistics,
   spectral norm's vectors): each rank holding one of the layers would update
@@ -47,10 +49,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
 from .activations import map_tensors
-from .pipeline import loss_problem
+from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
-from .runtime import build_layer
+from .runtime import build_layer, copy_layers, place_loss
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
 
@@ -78,22 +80,27 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         drift: str | None = None  # the first layer returning floating values of another dtype
         with precision.autocast(torch.device("cpu")):
             for i, layer in enumerate(layers):
+                twin = _twin(layer, x)
                 try:
-                    x = layer(x)
+                    with seeded(_PROBE_SEED, torch.device("cpu")):
+                        x = layer(x)
                 except Exception as exc:
                     raise bad("layers", f"item {i} ({type(layer).__name__}) failed on a "
                                         f"microbatch of {microbatch} samples{in_dtype}: "
                                         f"{type(exc).__name__}: {exc}"
                                         f"{_dtype_hint(exc, dtype, drift)}") from exc
+                if twin is not None:
+                    _refuse_hidden_state(i, *twin, bad)
                 if drift is None and dtype == torch.float64 and not compute_dtype:
                     other = _other_float(x, dtype)
                     if other is not None:
                         drift = f"item {i} ({type(layer).__name__}) returned {other} values"
             try:
-                loss = spec["loss"](x, target)
+                loss = _loss(spec, dtype)(x, target)
             except Exception as exc:
                 raise bad("loss", f"failed on the last layer's output and a microbatch's "
-                                  f"targets: {type(exc).__name__}: {exc}") from exc
+                                  f"targets: {type(exc).__name__}: {exc}"
+                                  f"{_dtype_hint(exc, dtype, None, 'the loss')}") from exc
         problem = loss_problem(loss)
         if problem is not None:
             raise bad("loss", problem)
@@ -108,6 +115,83 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     return notes
 
 
+_PROBE_SEED = 20_240_611
+"""Seed of the generators for both runs of a layer in :func:`_refuse_hidden_state`."""
+
+
+def _clone(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.is_floating_point() or t.is_complex() else t
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Two outputs of a layer are the same pytree with the same values (floating leaves to
+    1e-12 relative, NaN equal to NaN)."""
+    la, sa = pytree.tree_flatten(a)
+    lb, sb = pytree.tree_flatten(b)
+    if sa != sb:
+        return False
+    for u, v in zip(la, lb, strict=True):
+        if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor):
+            if u.shape != v.shape or u.dtype != v.dtype:
+                return False
+            if u.is_floating_point() or u.is_complex():
+                if not torch.allclose(u.detach(), v.detach(), rtol=1e-12, atol=0.0,
+                                      equal_nan=True):
+                    return False
+            elif not torch.equal(u, v):
+                return False
+        elif isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
+            return False
+        else:
+            try:
+                if bool(u != v):
+                    return False
+            except Exception:  # values that do not compare: not this check's business
+                continue
+    return True
+
+
+def _twin(layer: nn.Module, x: Any) -> tuple[nn.Module, Any] | None:
+    """A copy of ``layer`` and its input as they are before the layer runs (None: the layer
+    cannot be copied)."""
+    try:
+        return copy_layers([layer])[0], map_tensors(lambda t: t.detach().clone(), x)
+    except Exception:  # a module that cannot be deep-copied: not checked
+        return None
+
+
+def _refuse_hidden_state(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
+    """Run ``layer`` (a copy, :func:`_twin`) twice on ``x`` from the same parameters and
+    buffers and with the same random draws: outputs that differ come from state outside the
+    parameters and buffers, which the runtime neither moves, reconciles nor replays (a step
+    counter or a tensor kept in a Python attribute, draws from a generator of the layer's
+    own): each rank's copy would advance it by the microbatches it runs, recompute
+    included, so that replicas and the one process would part."""
+    buffers = [b.detach().clone() for b in layer.buffers()]
+    outs = []
+    with torch.no_grad():
+        for _ in range(2):
+            live = list(layer.buffers())
+            if len(live) != len(buffers):
+                return  # the forward registered buffers: nothing to replay from
+            for b, value in zip(live, buffers, strict=True):
+                b.copy_(value)
+            try:
+                with seeded(_PROBE_SEED, torch.device("cpu")):
+                    outs.append(layer(map_tensors(_clone, x)))
+            except Exception:  # it ran once on the job's copy: this is not the place
+                return
+    if not _same(*outs):
+        raise bad("layers", f"item {i} ({type(layer).__name__}) returns another output when run "
+                            "again on the same microbatch, from the same parameters and "
+                            "buffers and with the same random draws: it keeps state of its "
+                            "own (a step counter or a tensor in a Python attribute, or a "
+                            "generator of its own), which each rank would advance by the "
+                            "microbatches it runs, so replicas would part; keep such state "
+                            "in a buffer (register_buffer), which the runtime moves and "
+                            "reconciles, and draw from torch's default generator")
+
+
 def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
            ) -> list[nn.Module]:
     """Copies of the layers as the ranks build them (a copy keeps modules shared between
@@ -116,7 +200,7 @@ def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
     shares parameters with (one it closes over) would lose the tie."""
     try:
         originals = [build_layer(spec, seed, i) for i, spec in enumerate(specs)]
-        layers = build_layers(copy.deepcopy(list(specs)), seed, dtype)
+        layers = build_layers(copy_layers(specs), seed, dtype)
     except ValueError as exc:
         if str(exc).startswith("layers: "):
             raise bad("layers", str(exc).removeprefix("layers: ")) from exc
@@ -155,13 +239,21 @@ def _other_float(value: Any, dtype: torch.dtype) -> str | None:
     return found[0] if found else None
 
 
-def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None) -> str:
+def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
+                what: str = "a layer") -> str:
     text = str(exc)
     if dtype == torch.float64 and "Double" in text and ("Float" in text or "Half" in text):
-        return (f" ({drift + '; ' if drift else ''}train-check runs float64: a layer must "
-                "compute in its input's dtype, not cast to float32 with .float() or make "
-                "float32 tensors of its own)")
+        return (f" ({drift + '; ' if drift else ''}train-check runs float64: {what} must "
+                "compute in its input's dtype, not cast to float32 with .float() or use "
+                "float32 tensors of its own (class weights: pass them in the output's dtype, "
+                "w.to(output.dtype), or give the loss as a module, which is cast)")
     return ""
+
+
+def _loss(spec: dict[str, Any], dtype: torch.dtype | None) -> Any:
+    """The job's loss as the ranks use it: a copy of a loss module cast to ``dtype``."""
+    loss = spec["loss"]
+    return place_loss(copy.deepcopy(loss), None, dtype) if isinstance(loss, nn.Module) else loss
 
 
 def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
@@ -170,9 +262,10 @@ def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
 
 def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: Any) -> None:
     """The backward, then each layer's optimizer (over its parameters not already given to
-    an earlier layer's, as the runtime builds them) steps once, on the copies, with the
-    gradients as the runtime's sync may leave them: dense (a sparse embedding gradient is
-    summed into a dense buffer, which SparseAdam refuses)."""
+    an earlier layer's, as the runtime builds them) steps on the copies with the gradients
+    in each form the runtime may hand them: a sparse embedding gradient as the backward
+    leaves it (one group: Adam refuses it), then dense (several groups: the sync sums it
+    into a dense buffer, which SparseAdam refuses)."""
     if not loss.requires_grad:
         return
     loss.backward()
@@ -182,15 +275,24 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: An
         seen.update(id(p) for p in params)
         if not params:
             continue
-        for p in params:
-            if p.grad is not None and p.grad.is_sparse:
-                p.grad = p.grad.to_dense()
-        try:
-            factory(params).step()
-        except Exception as exc:
-            raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
-                                   "gradients as the runtime hands them (dense, summed over "
-                                   f"replicas): {type(exc).__name__}: {exc}") from exc
+        forms = ["dense"]
+        if any(p.grad is not None and p.grad.is_sparse for p in params):
+            forms.insert(0, "sparse")  # as the backward leaves them: plans of one group
+        for form in forms:
+            if form == "dense":
+                for p in params:
+                    if p.grad is not None and p.grad.is_sparse:
+                        p.grad = p.grad.to_dense()
+            try:
+                factory(params).step()
+            except Exception as exc:
+                how = ("sparse, as the backward leaves them under a plan of one data-parallel "
+                       "group" if form == "sparse" else "dense, summed over replicas")
+                hint = ("; a sparse embedding needs an optimizer taking both sparse and dense "
+                        "gradients (SGD, Adagrad), or sparse=False" if len(forms) > 1 else "")
+                raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
+                                       f"gradients as the runtime hands them ({how}): "
+                                       f"{type(exc).__name__}: {exc}{hint}") from exc
 
 
 def _refuse_written_parameters(layers: Sequence[nn.Module],
@@ -233,7 +335,8 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     or its outputs do not concatenate (leaves other than batched tensors that differ)."""
     b, data = spec["global_batch"], spec["dataset"]
     try:
-        layers = build_layers(copy.deepcopy(list(spec["layers"])), seed, torch.float64)
+        layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
+        loss = _loss(spec, torch.float64)
         for layer in layers:
             layer.eval()
         outs = []
@@ -246,18 +349,17 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
                 for layer in layers:
                     x = layer(x)
                 outs.append(x)
-                parts += (m / b) * float(spec["loss"](x, _batch(data, range(k, k + m), 1,
-                                                                torch.float64, None)))
-            whole = float(spec["loss"](_concat(outs), _batch(data, range(b), 1, torch.float64,
-                                                              None)))
+                parts += (m / b) * float(loss(x, _batch(data, range(k, k + m), 1,
+                                                        torch.float64, None)))
+            whole = float(loss(_concat(outs), _batch(data, range(b), 1, torch.float64, None)))
     except Exception:  # a model that runs only in its own dtype, outputs that do not concat
         return None
     if abs(whole - parts) <= MEAN_TOLERANCE * max(1.0, abs(whole)):
         return None
     return (f"the loss is not a mean over samples: on the first global batch's outputs it is "
             f"{whole:.6g}, but the {m}/{b}-weighted sum of its microbatches' losses is "
-            f"{parts:.6g} (a mean over a varying count, such as cross_entropy's ignore_index "
-            "on padded targets?). Every plan trains on the weighted sum, as gradient "
+            f"{parts:.6g} (a mean over a varying count or weight, such as cross_entropy's "
+            "ignore_index on padded targets or its class weight=?). Every plan trains on the weighted sum, as gradient "
             "accumulation does, so the objective depends on the microbatch size; "
             "train-check compares like with like. See docs/trainer.md, 'Loss'.")
 

@@ -29,7 +29,7 @@ runtime does at a cut. Per layer:
   of those layers stores a copy.
 
 Profiling runs on copies of the layers given as modules (one
-``copy.deepcopy`` over all of them, so tied parameters stay tied within the
+``copy.deepcopy`` over all of them (:func:`~hetpilot.trainer.runtime.copy_layers`), so tied parameters stay tied within the
 copy): the user's modules keep their parameters, gradients and buffers
 (BatchNorm running statistics) as they were. Factories are called.
 
@@ -39,7 +39,6 @@ which the benchmark turns into a reference-model prediction.
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -51,6 +50,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .precision import precision_for
+from .runtime import copy_layers
 
 __all__ = ["flop_counter", "layer_times", "profile_model"]
 
@@ -117,7 +117,7 @@ def _instantiate(layers: Sequence[LayerSpec]) -> list[nn.Module]:
     for spec in layers:
         if isinstance(spec, nn.Module):
             try:
-                built.append(copy.deepcopy(spec, memo))
+                built.append(copy_layers([spec], memo)[0])
             except Exception as exc:
                 raise TypeError(f"layer {len(built)} ({type(spec).__name__}) cannot be copied "
                                 f"for profiling: {exc}") from exc

@@ -29,7 +29,8 @@ from .activations import map_tensors
 from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
-from .runtime import build_layer
+from .replicas import full_state
+from .runtime import build_layer, place_loss
 
 __all__ = ["ReferenceRun", "build_layers"]
 
@@ -78,6 +79,7 @@ class ReferenceRun:
     outputs cast to this dtype at the plan's cuts; None: plain ``dtype``."""
 
     def __post_init__(self) -> None:
+        self.loss_fn = place_loss(self.loss_fn, None, self.dtype)  # as the runtime does
         self._optim = self.optimizer(_unique_params(self.layers))
         self._precision = (Precision(torch.float32, self.compute_dtype)
                            if self.compute_dtype is not None else Precision())
@@ -167,6 +169,7 @@ class ReferenceRun:
         return loss_total
 
     def states(self) -> list[dict[str, torch.Tensor]]:
-        """Each layer's ``state_dict`` (parameters and buffers), detached copies."""
-        return [{k: v.detach().clone() for k, v in layer.state_dict().items()}
+        """Each layer's ``state_dict`` (parameters and buffers) and non-persistent buffers,
+        detached copies."""
+        return [{k: v.detach().clone() for k, v in full_state(layer).items()}
                 for layer in self.layers]

@@ -37,7 +37,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "reconcile_buffers", "snapshot_buffers", "tie_param"]
+__all__ = ["Tie", "find_ties", "full_state", "load_nonpersistent", "nonpersistent_buffers",
+           "reconcile_buffers", "snapshot_buffers", "tie_param"]
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,37 @@ def tie_param(tie: Tie, held: dict[int, nn.Module]) -> nn.Parameter:
             assert isinstance(param, nn.Parameter)
             return param
     raise KeyError(f"no layer of the tie {tie.keys} is held here")
+
+
+def nonpersistent_buffers(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The buffers ``state_dict`` leaves out (``register_buffer(..., persistent=False)``),
+    by their dotted names. A forward may update them (a running mean it reads): a layer
+    moving to another rank takes them along, as it takes its ``state_dict``."""
+    out: dict[str, torch.Tensor] = {}
+    for prefix, sub in module.named_modules():
+        for name in sorted(sub._non_persistent_buffers_set):
+            buf = sub._buffers.get(name)
+            if buf is not None:
+                out[f"{prefix}.{name}" if prefix else name] = buf
+    return out
+
+
+def load_nonpersistent(module: nn.Module, values: dict[str, torch.Tensor]) -> None:
+    """Put :func:`nonpersistent_buffers` values back (in place where the shape fits)."""
+    with torch.no_grad():
+        for key, value in values.items():
+            prefix, _, name = key.rpartition(".")
+            sub = module.get_submodule(prefix) if prefix else module
+            buf = sub._buffers.get(name)
+            if buf is not None and buf.shape == value.shape:
+                buf.copy_(value)
+            else:
+                sub._buffers[name] = value.to(buf.device if buf is not None else value.device)
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """``state_dict`` plus the non-persistent buffers: what train-check compares."""
+    return {**module.state_dict(), **nonpersistent_buffers(module)}
 
 
 def snapshot_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:

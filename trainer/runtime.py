@@ -59,9 +59,18 @@ from .gradsync import Bucket, GradSync
 from .pipeline import StageRunner, StageStats, microbatch_seed
 from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, precision_for
-from .replicas import Tie, find_ties, reconcile_buffers, snapshot_buffers, tie_param
+from .replicas import (
+    Tie,
+    find_ties,
+    load_nonpersistent,
+    nonpersistent_buffers,
+    reconcile_buffers,
+    snapshot_buffers,
+    tie_param,
+)
 
-__all__ = ["JsonlReporter", "NoPlanError", "Trainer", "build_layer", "layer_seed"]
+__all__ = ["JsonlReporter", "NoPlanError", "Trainer", "build_layer", "copy_layers", "layer_seed",
+           "place_loss"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -102,6 +111,41 @@ def build_layer(spec: LayerSpec, seed: int, layer: int) -> nn.Module:
         raise ValueError(f"layers: item {layer}: its factory ({name}) returned a module with "
                          "uninitialized (lazy) parameters; build it with their shapes")
     return module
+
+
+def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> list[Any]:
+    """``copy.deepcopy`` of a list of layers (one memo: modules and parameters shared between
+    layers stay shared), whose parameters are leaves as the originals are.
+
+    Deep-copying a ``torch.jit.script``-ed module clones its parameters inside the autograd
+    graph (non-leaf tensors with a ``CloneBackward`` function), which an optimizer refuses
+    ("can't optimize a non-leaf Tensor") and which never get a ``.grad``: such copies are
+    detached in place here, keeping each parameter's ``requires_grad``."""
+    import copy
+
+    copies = copy.deepcopy(list(specs), memo)
+    for spec, dup in zip(specs, copies, strict=True):
+        if not isinstance(spec, nn.Module):
+            continue
+        for (_, p), (_, q) in zip(spec.named_parameters(remove_duplicate=False),
+                                  dup.named_parameters(remove_duplicate=False), strict=True):
+            if not q.is_leaf:
+                q.detach_()
+                q.requires_grad_(p.requires_grad)
+    return copies
+
+
+def place_loss(loss_fn: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:
+    """A loss (or metric) that is a module (``nn.CrossEntropyLoss(weight=w)``,
+    ``nn.BCEWithLogitsLoss(pos_weight=w)``) moved, in place, to ``device`` and its floating
+    buffers and parameters cast to ``dtype`` (None: kept), as the layers are: the class
+    weights must meet the outputs' device and dtype. Anything else is returned as it is."""
+    if isinstance(loss_fn, nn.Module):
+        if device is not None:
+            loss_fn.to(device=device)
+        if dtype is not None:
+            loss_fn.to(dtype=dtype)
+    return loss_fn
 
 
 class JsonlReporter:
@@ -214,7 +258,9 @@ class Trainer:
         self._specs: list[LayerSpec] = list(layers)
         if not self._specs:
             raise ValueError("the model needs at least one layer")
-        self._loss_fn = loss_fn
+        self.precision = precision_for(dtype)
+        self.device = torch.device(device)
+        self._loss_fn = place_loss(loss_fn, self.device, self.precision.param_dtype)
         self._opt_factory = optimizer
         self.dataset = dataset
         self.global_batch = global_batch
@@ -239,7 +285,7 @@ class Trainer:
         if (eval_dataset is None) != (metric is None):
             raise ValueError("eval_dataset and metric go together: give both or neither")
         self.eval_dataset = eval_dataset
-        self.metric = metric
+        self.metric = place_loss(metric, self.device, self.precision.param_dtype)
         ids: list[Any] = [None] * self.world
         dist.all_gather_object(ids, device_id)
         self.device_ids: list[str] = [str(i) for i in ids]
@@ -331,6 +377,7 @@ class Trainer:
                                  f"(missing {missing}, unexpected {unexpected})")
             if optim is not None and state.get("optim") is not None:
                 optim.load_state_dict(state["optim"])
+            load_nonpersistent(module, state.get("nonpersistent") or {})
         self._held[layer] = module
         self._optims[layer] = optim
 
@@ -347,6 +394,7 @@ class Trainer:
         return {
             "module": {k: v for k, v in self._held[layer].state_dict().items() if k not in tied},
             "optim": optim.state_dict() if optim is not None else None,
+            "nonpersistent": nonpersistent_buffers(self._held[layer]),
         }
 
     def _install_tie(self, t: int, state: dict[str, Any] | None = None) -> None:

@@ -57,6 +57,52 @@ def test_recompute_updates_batchnorm_statistics_once() -> None:
         assert torch.allclose(p.grad, q.grad, atol=1e-7)
 
 
+def test_recompute_gives_rrelu_the_gradient_of_one_forward() -> None:
+    """``nn.RReLU`` saves its random-slope tensor before filling it in place: torch's
+    checkpoint early stop ended the recomputation there, and the backward read uninitialized
+    memory (gradients of order 1e-310, or anything). Each layer now recomputes to its end."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=gen, dtype=torch.float64) for _ in range(2)]
+    ys = [torch.randn(4, 2, generator=gen, dtype=torch.float64) for _ in range(2)]
+    ops = [(False, 0), (False, 1), (True, 0), (True, 1)]
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 4).double(), nn.RReLU(), nn.Linear(4, 2).double()]
+        runner = StageRunner(layers, prev_rank=None, next_rank=None, recompute=recompute,
+                             loss_fn=nn.functional.mse_loss, loss_scale=0.5,
+                             device=torch.device("cpu"))
+        runner.rng_seed = lambda k: 100 + k
+        runner.run(ops, lambda k: xs[k], lambda k: ys[k])
+        grads.append([p.grad for layer in layers for p in layer.parameters()])
+    for plain, recomputed in zip(*grads, strict=True):
+        assert plain is not None and recomputed is not None
+        assert torch.equal(plain, recomputed)
+
+
+def test_a_scripted_layer_runs_in_a_recompute_stage() -> None:
+    """torch's checkpoint failed inside the TorchScript interpreter on a fresh scripted
+    module (its profiling executor saves other tensors on the recomputation): such a layer
+    is not checkpointed, and its gradients are those of one forward."""
+    gen = torch.Generator().manual_seed(1)
+    xs = [torch.randn(4, 3, generator=gen) for _ in range(2)]
+    ys = [torch.randn(4, 2, generator=gen) for _ in range(2)]
+    ops = [(False, 0), (False, 1), (True, 0), (True, 1)]
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        layers = [nn.Linear(3, 4), torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh())),
+                  nn.Linear(4, 2)]
+        runner = StageRunner(layers, prev_rank=None, next_rank=None, recompute=recompute,
+                             loss_fn=nn.functional.mse_loss, loss_scale=0.5,
+                             device=torch.device("cpu"))
+        runner.run(ops, lambda k: xs[k], lambda k: ys[k])
+        grads.append([p.grad for layer in layers for p in layer.parameters()])
+    for plain, recomputed in zip(*grads, strict=True):
+        assert plain is not None and recomputed is not None
+        assert torch.allclose(plain, recomputed, atol=1e-6)  # the executor may fuse
+
+
 def test_a_stage_of_parameter_free_layers_on_raw_input_runs() -> None:
     """Nothing needs a gradient: the stage runs its backward ops without autograd."""
     runner = StageRunner([nn.LayerNorm(3, elementwise_affine=False)], prev_rank=None,

@@ -109,6 +109,23 @@ def test_an_optimizer_that_cannot_step_on_dense_gradients_is_refused() -> None:
         _run(spec)
 
 
+def test_an_optimizer_that_cannot_step_on_sparse_gradients_is_refused() -> None:
+    """Under a plan of one data-parallel group nothing syncs a sparse embedding's gradient:
+    it reaches the optimizer sparse, which Adam refuses (it used to pass the pre-flight, which
+    stepped on dense gradients only, and fail as a traceback in a rank)."""
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 9, (12, 3), generator=gen), torch.randn(12, 2, generator=gen)
+    spec = _spec([nn.Embedding(9, 4, sparse=True), nn.Flatten(), nn.Linear(12, 2)],
+                 dataset=torch.utils.data.TensorDataset(ids, y))
+    spec["optimizer"] = lambda ps: torch.optim.Adam(ps)
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: its step failed on item 0's "
+                                              r"\(Embedding\) gradients as the runtime hands "
+                                              r"them \(sparse"):
+        _run(spec)
+    spec["optimizer"] = lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9)  # takes both
+    assert _run(spec) == []
+
+
 def test_a_factory_sharing_a_parameter_is_refused() -> None:
     shared = nn.Linear(4, 4)
     with pytest.raises(ValidationError, match=r"items 0 and 2 share a parameter, and one is "
@@ -148,6 +165,74 @@ def test_a_loss_that_is_not_a_mean_over_samples_gets_a_note() -> None:
     assert _run(_spec(lm, per_sample, data)) == []
     bn_dropout = [nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5), nn.Linear(4, 2)]
     assert _run(_spec(bn_dropout)) == []
+
+
+def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() -> None:
+    """``nn.CrossEntropyLoss(weight=w)`` holds a float32 buffer: the loss module is cast to
+    the run's dtype as the layers are (it used to be refused in a float64 check, the kernel
+    finding Float weights for Double outputs), and a class-weighted mean, which is not a
+    mean over samples, gets the note."""
+    gen = torch.Generator().manual_seed(0)
+    x, y = torch.randn(12, 4, generator=gen), torch.tensor([0, 0, 1, 2, 1, 1] * 2)
+    data = torch.utils.data.TensorDataset(x, y)
+    weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]))
+    notes = _run(_spec([nn.Linear(4, 3)], weighted, data))
+    assert len(notes) == 1 and "class weight=" in notes[0]
+    assert weighted.weight.dtype == torch.float32  # the job's own module is left alone
+    assert _run(_spec([nn.Linear(4, 3)], nn.CrossEntropyLoss(), data)) == []
+
+    def closure(out: torch.Tensor, t: torch.Tensor) -> torch.Tensor:  # cannot be cast
+        return F.cross_entropy(out, t, weight=torch.tensor([1.0, 2.0, 0.5]))
+
+    with pytest.raises(ValidationError, match=r"\['loss'\]: failed .*\(train-check runs "
+                                              r"float64: the loss must compute"):
+        _run(_spec([nn.Linear(4, 3)], closure, data))
+
+
+def test_a_scripted_layer_passes() -> None:
+    """Deep-copying a ``torch.jit.script``-ed module makes its parameters non-leaf clones,
+    which the pre-flight's optimizer refused ("can't optimize a non-leaf Tensor") though the
+    ranks, which never copy a layer, train it fine."""
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(4, 4), nn.Tanh()))
+    assert _run(_spec([scripted, nn.Linear(4, 2)])) == []
+
+
+class StepCounter(nn.Module):
+    """Warms up over its first calls with a Python counter: state the runtime cannot see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.lin(h) * min(1.0, self.calls / 10)
+
+
+class CachedTable(nn.Module):
+    """A cache built on the first call (as rotary tables often are): the same output again."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.table: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        if self.table is None:
+            self.table = torch.linspace(0.5, 1.5, h.shape[1], dtype=h.dtype)
+        return h * self.table
+
+
+def test_a_layer_with_state_of_its_own_is_refused() -> None:
+    """A step counter in a Python attribute advances by the microbatches each rank runs (and
+    again under recompute): replicas parted from one process (train-check: 4e-2) instead of
+    being refused. Buffers, caches and dropout are not such state."""
+    with pytest.raises(ValidationError, match=r"\['layers'\]: item 1 \(StepCounter\) returns "
+                                              r"another output when run again"):
+        _run(_spec([nn.Linear(4, 4), StepCounter(), nn.Linear(4, 2)]))
+    fine = [nn.Linear(4, 4), CachedTable(), nn.Dropout(0.3), nn.BatchNorm1d(4),
+            nn.utils.parametrizations.spectral_norm(nn.Linear(4, 2))]
+    assert _run(_spec(fine)) == []
 
 
 def test_train_check_exits_2_before_any_rank_starts(tmp_path: Path) -> None:

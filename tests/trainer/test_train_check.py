@@ -58,12 +58,15 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("specnorm_tiny", 4),  # a forward reading buffers it updates, under recompute
         ("reused_tiny", 5),  # one module at two places in `layers`: its parameters tied
         ("groups_tiny", 4),  # parameter groups by ndim (one empty) and by identity
+        ("rrelu_tiny", 5),  # RReLU's random slopes under recompute (no early stop)
+        ("nonpersistent_tiny", 4),  # a non-persistent buffer the forward updates, moved
+        ("weighted_tiny", 3),  # a loss module's float32 class weights; a scripted layer
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
     lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
-    if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny"):
+    if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny", "rrelu_tiny", "weighted_tiny"):
         assert re.search(r"\)R", "\n".join(lines)), "no plan ran with recompute"
 
 
