@@ -431,11 +431,17 @@ def test_a_large_debt_is_repaid_at_a_bounded_rate() -> None:
     assert ctl._debt["price_per_hour"] < 30.0  # repaying
 
 
-@pytest.mark.parametrize("budget", [1e-200, 5e-324])
-def test_a_vanishing_budget_is_held_without_failing_the_slot(budget: float) -> None:
-    """A budget whose square underflows (the daemon fuzz found 1e-200) must not divide by
-    zero: nothing fits it, so the controller keeps to the cheapest plan."""
-    ctl = _default(budget)
-    costs, _, _, _ = _run(ctl, 5)
-    cheapest = min(c.costs["price_per_hour"] for c in _a_or_b(_cluster(), MODEL, ctl.job))
-    assert costs[-1] == pytest.approx(cheapest)
+@pytest.mark.parametrize("budget", [1e-200, 5e-324, 1e-10])
+def test_a_vanishing_budget_is_refused_naming_the_field(budget: float) -> None:
+    """A positive budget below MIN_BUDGET (1e-9) is refused: the default V weighs a queue
+    by 1 / b**2 and rescales queues by it, which left floating point (the daemon fuzz
+    found 1e-200 dividing by zero, and 1e-300 sending a queue to inf, after which the
+    stored state could not be loaded again). 0 ("spend nothing") and 1e-9 are taken."""
+    with pytest.raises(ValidationError) as err:
+        _default(budget)
+    assert err.value.field == "job.budgets.price_per_hour"
+    for ok in (0.0, 1e-9):
+        ctl = _default(ok)
+        costs, _, _, _ = _run(ctl, 3)
+        cheapest = min(c.costs["price_per_hour"] for c in _a_or_b(_cluster(), MODEL, ctl.job))
+        assert costs[-1] == pytest.approx(cheapest)  # nothing fits: the cheapest plan
