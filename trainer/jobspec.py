@@ -86,6 +86,14 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
     for key in ("loss", "optimizer", "metric"):
         if key in spec and spec[key] is not None and not callable(spec[key]):
             raise bad(key, f"must be callable, got {type(spec[key]).__name__}")
+    learned = _learned_parameters(spec.get("loss"))
+    if learned:
+        raise bad("loss", f"{type(spec['loss']).__name__} has parameters that require grad "
+                          f"({', '.join(learned[:4])}{', ...' if len(learned) > 4 else ''}): "
+                          "the trainer trains the layers' parameters only, so these would "
+                          "stay at their initial values on every rank; compute them in the "
+                          "last layer (its output can be a tuple the loss unpacks), or "
+                          "freeze them with requires_grad_(False)")
     for key in ("global_batch", "microbatch_size"):
         if key in spec and spec[key] is not None and not _positive_int(spec[key]):
             raise bad(key, f"must be a positive integer, got {spec[key]!r}")
@@ -114,6 +122,16 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
         problem = _optimizer_problem(spec["optimizer"])
         if problem is not None:
             raise bad("optimizer", problem)
+
+
+def _learned_parameters(loss: Any) -> list[str]:
+    """The names of a loss module's parameters that require grad (a learned temperature,
+    a loss-weighting scheme's log-variances): no optimizer and no gradient sync sees them.
+    Duck-typed (``named_parameters``), so that this module imports no torch."""
+    named = getattr(loss, "named_parameters", None)
+    if not callable(named) or not hasattr(loss, "forward"):
+        return []
+    return [name for name, p in named() if getattr(p, "requires_grad", False)]
 
 
 def _name(value: Any) -> str:

@@ -47,6 +47,17 @@ JOBS = textwrap.dedent('''
                        [{"params": [p for p in ps if p.ndim > 1], "weight_decay": 0.1},
                         {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0.0}]))
     def factories(): return job(layers=[nn.Tanh, lambda: nn.Linear(4, 2)])
+
+    class Tempered(nn.Module):  # a learned temperature, as in contrastive losses
+        def __init__(self, learn=True):
+            super().__init__()
+            self.log_t = nn.Parameter(torch.zeros(()), requires_grad=learn)
+        def forward(self, out, target):
+            return nn.functional.mse_loss(out * self.log_t.exp(), target)
+
+    def learned_loss(): return job(loss=Tempered())
+    def frozen_loss(): return job(loss=Tempered(learn=False))
+    def weighted_loss(): return job(loss=nn.CrossEntropyLoss(weight=torch.ones(2)))
 ''')
 
 
@@ -73,6 +84,7 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("micro_not_dividing", "microbatch_size", "3, which does not divide global_batch 4"),
     ("lazy_layer", "layers", "item 0 (Sequential) has uninitialized parameters (its LazyLinear"),
     ("function_layer", "layers", "takes an argument"),
+    ("learned_loss", "loss", "Tempered has parameters that require grad (log_t)"),
 ])
 def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
                                                words: str) -> None:
@@ -82,7 +94,8 @@ def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
     assert str(info.value).startswith("--job")
 
 
-@pytest.mark.parametrize("fn", ["good", "groups", "factories"])
+@pytest.mark.parametrize("fn", ["good", "groups", "factories", "frozen_loss",
+                                "weighted_loss"])
 def test_a_good_job_loads(jobs: str, fn: str) -> None:
     assert load_job(f"{jobs}:{fn}", "--job")["global_batch"] == 4
 
