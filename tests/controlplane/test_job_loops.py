@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator
@@ -172,7 +173,18 @@ def test_the_event_loop_never_blocks_while_eight_jobs_plan(
         if held >= 0.1:
             slow.append((round(held, 3), repr(handle)[:160]))
 
+    collections: list[tuple[int, float, str]] = []  # for the failure message
+    started: dict[str, float] = {}
+
+    def collected(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started["t"] = time.perf_counter()
+        elif (took := time.perf_counter() - started.get("t", time.perf_counter())) >= 0.05:
+            collections.append((info["generation"], round(took, 3),
+                                threading.current_thread().name))
+
     monkeypatch.setattr(asyncio.events.Handle, "_run", timed)
+    gc.callbacks.append(collected)  # the list the collector reads: appended, not replaced
     d = start_daemon(tmp_path / "state", slot_s=0.3)
     serving.set()
     try:
@@ -186,4 +198,23 @@ def test_the_event_loop_never_blocks_while_eight_jobs_plan(
             found = list(slow)  # before the stop, which may block
     finally:
         d.stop()
-    assert not found, f"{len(found)} callbacks held the event loop for >= 100 ms: {found[:3]}"
+        gc.callbacks.remove(collected)
+    assert not found, (f"{len(found)} callbacks held the event loop for >= 100 ms: {found[:3]}"
+                       f"; garbage collections of >= 50 ms (generation, s, thread): "
+                       f"{collections[:5]}")
+
+
+def test_the_daemon_freezes_its_start_up_heap(tmp_path: Path) -> None:
+    """Objects that exist when the daemon starts serving (and the slowdown estimator's,
+    once its fit is done) go to the collector's permanent generation, so that a full
+    collection, which stops the event loop, does not scan them again."""
+    gc.unfreeze()
+    before = object.__new__(type("BeforeStart", (), {}))  # a gc-tracked instance
+    assert id(before) in {id(o) for o in gc.get_objects()}
+    d = start_daemon(tmp_path / "state")
+    try:
+        assert gc.get_freeze_count() > 0
+        assert gc.is_tracked(before)
+        assert id(before) not in {id(o) for o in gc.get_objects()}  # frozen: in no generation
+    finally:
+        d.stop()
