@@ -97,9 +97,11 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
     damaged, OSError when the address is taken."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP (a closed terminal, a reload hetpilot does not have) stops as SIGTERM does,
+    # rather than ending the process at once, which is its default
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
-            loop.add_signal_handler(sig, stop.set)
+            loop.add_signal_handler(sig, _stop_on, sig, stop)
     state_dir = Path(config.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
     notifier = Notifier()
@@ -198,6 +200,12 @@ async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None
         metrics.close()
         notifier.close()
         log.info("stopped")
+
+
+def _stop_on(sig: signal.Signals, stop: asyncio.Event) -> None:
+    log.info("%s: stopping%s", sig.name, " (there is no reload: restart the daemon to apply "
+             "a changed config)" if sig == signal.SIGHUP else "")
+    stop.set()
 
 
 async def _freeze_when_warm(plane: ControlPlane) -> None:

@@ -122,6 +122,43 @@ def test_sigterm_during_a_long_solve_exits_promptly(tmp_path: Path) -> None:
     assert time.monotonic() - t0 < 0.2 + 1.0 + 5.0
 
 
+def test_sighup_stops_the_daemon_and_its_agent_as_sigterm_does(tmp_path: Path) -> None:
+    """SIGHUP (a closed terminal) used to end both at once, skipping the drain; now it
+    is a graceful stop, said in the daemon's log, and the job is there after a restart."""
+    proc, address = _start(tmp_path, drain_s=0.2, grace_s=1.0)
+    jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
+    job = jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=10).job_id
+    token = tmp_path / "cluster.token"
+    token.write_text("cluster-token-89\n")
+    agent = subprocess.Popen([sys.executable, "-m", "hetpilot", "agent", "--daemon", address,
+                              "--host", "h0", "--token-file", str(token),
+                              "--probe-listen", "127.0.0.1:0", "--emulate",
+                              "tflops=20,memory_gb=16"], stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while not jobs.GetJob(job_pb2.GetJobRequest(job_id=job), metadata=OWNER_MD,
+                              timeout=5).devices:  # the agent is up and planned with
+            assert time.monotonic() < deadline and agent.poll() is None, "no plan on h0"
+            time.sleep(0.2)
+        agent.send_signal(signal.SIGHUP)
+        assert agent.wait(timeout=20) == 0, agent.communicate(timeout=5)[1].decode()[-2000:]
+    finally:
+        agent.kill()
+    proc.send_signal(signal.SIGHUP)
+    assert proc.wait(timeout=20) == 0
+    assert "SIGHUP: stopping (there is no reload" in proc.communicate(timeout=5)[1].decode()
+    (tmp_path / "s" / "endpoints.json").unlink()  # the stopped daemon's
+    proc, address = _start(tmp_path)
+    try:
+        jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
+        assert jobs.GetJob(job_pb2.GetJobRequest(job_id=job), metadata=OWNER_MD,
+                           timeout=10).job_id == job
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def test_a_damaged_state_store_is_refused_with_one_line(tmp_path: Path) -> None:
     state = tmp_path / "s"
     state.mkdir()
