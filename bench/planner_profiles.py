@@ -1,21 +1,27 @@
 """hetpilot's planner on published per-layer profiles, against simple layouts, brute force and
 the published planners' own plans.
 
-    .venv/bin/python bench/planner_profiles.py            # 108 cases, writes bench/RESULTS-planner-profiles.md
+    .venv/bin/python bench/planner_profiles.py            # 135 cases, writes bench/RESULTS-planner-profiles.md
     .venv/bin/python bench/planner_profiles.py --quick    # 20 cases, prints only
+    .venv/bin/python bench/planner_profiles.py --only metis   # cases whose name contains "metis"
     .venv/bin/python bench/planner_profiles.py --hetpilot-commit HEAD   # the committed planner
 
-About 30 s for all cases on the 2-core VM.
+About 2.5 minutes for all cases on the 2-core VM, 100 s of it brute force on the 4-device Metis
+cases (10 layers).
 
 Models (``bench/profiles/``, see SOURCES.md there): PipeDream's profiles of VGG16, AlexNet and
 ResNet-50 (V100, fp32) and AMP's GPT-2 medium profile (V100 and T4, fp16), converted to spec
-v1 so that a 15.7 TFLOP/s device reproduces the profiled V100 times.
+v1 so that a 15.7 TFLOP/s device reproduces the profiled V100 times; Metis' 10-layer GPT
+(hidden 4096; A100, no tensor parallelism), converted so that a 312 TFLOP/s device reproduces
+the profiled A100 times.
 
 For every case it runs ``hetpilot.planner.search.make_plan`` (timed), the exhaustive
 simple-layouts search (``bench/simple_layouts.py``), brute force
 (``hetpilot.planner.bruteforce``) where it is small enough (4 devices and AlexNet with
-parameter-free nodes merged, 8 layers), and the published plans that v1 can express (PipeDream's
-2 x 2-stage VGG16 and straight pipelines, AMP's GPT-2 plans for its 16-GPU V100 + T4 cluster).
+parameter-free nodes merged, 8 layers, or Metis' 10-layer GPT), and the published plans that
+v1 can express (PipeDream's 2 x 2-stage VGG16 and straight pipelines, AMP's GPT-2 plans for its
+16-GPU V100 + T4 cluster, Metis' data-parallel x pipeline plans for its 8-A100 and its 4-T4 +
+12-A100 clusters).
 Everything is scored by the spec v1 reference model; the figure of merit is
 hetpilot's iteration time over the best of the others.
 """
@@ -114,6 +120,20 @@ NVLINK_MEMORY_GB = 32.0
 """The fast devices of NVLink-class hosts (``hier300/25``): V100 32 GB (DGX-1, p3dn)."""
 
 
+A100 = 312.0
+"""TFLOP/s declared for Metis' profiling A100 (convert.py's A100_TFLOPS, the fp16/bf16 dense
+tensor-core datasheet rate): reproduces Metis' profiled times."""
+METIS_T4 = 65.0
+"""The slow device of the Metis cases: a T4 (Metis' own heterogeneous results pair the A100 with
+T4s), at its fp16 tensor-core datasheet rate: 312 / 65 = 4.8x slower than the A100. Metis
+publishes no T4 profile and its README gives no ratio, so this is an assumption (SOURCES.md)."""
+GIB = 1.073741824
+"""GB (10^9 bytes) per GiB: Metis' cluster files give memory in GiB and bandwidth in GiB/s."""
+A100_MEMORY_GB = 80 * GIB
+T4_MEMORY_GB = 15 * GIB
+"""Metis' clusterfile: A100 80, T4 15 (GiB)."""
+
+
 def _t4() -> float:
     return float(json.loads((PROFILES / "amp-gpt2-medium.times.json").read_text())["T4_tflops"])
 
@@ -128,6 +148,9 @@ class ModelCase:
     global_batch: int
     micro: int
     slow_tflops: Callable[[], float]
+    fast_tflops: float = V100
+    fast_memory_gb: float | None = None  # None: the network's (16 GB, 32 GB on hier300/25)
+    slow_memory_gb: float = MEMORY_GB
 
 
 MODELS = [
@@ -141,6 +164,12 @@ MODELS = [
 ]
 COARSE_ALEXNET = ModelCase("alexnet-coarse", "pipedream-alexnet-coarse.json", 256, 0, 64,
                            lambda: V100 / 2)
+# Metis' GPT: global batch 128 (every Metis result and its README), microbatch 2 (SOURCES.md:
+# the profiled batch the work comes from; the largest at which a replica fits an A100-80GB by
+# Metis' memory figures, and Metis' own pick for its best plan without tensor parallelism);
+# A100 80 GiB, slow = T4 15 GiB at the assumed METIS_T4.
+METIS = ModelCase("metis-gpt3", "metis-gpt3.json", None, 128, 2, lambda: METIS_T4,
+                  fast_tflops=A100, fast_memory_gb=A100_MEMORY_GB, slow_memory_gb=T4_MEMORY_GB)
 
 
 def load_model(mc: ModelCase) -> Model:
@@ -172,15 +201,21 @@ NETS = [
 LATENCY_US = 10.0
 
 
-def make_cluster(n: int, net: Net, slow: float | None) -> Cluster:
-    """n devices, host-major; with ``slow``, the second half (by host order) runs at it."""
+def make_cluster(n: int, net: Net, slow: float | None, mc: ModelCase | None = None) -> Cluster:
+    """n devices, host-major; with ``slow``, the second half (by host order) runs at it. The
+    model case sets the fast devices' speed and memory and the slow ones' memory (default:
+    V100 16 GB, 32 GB on NVLink hosts, slow ones 16 GB)."""
+    fast = mc.fast_tflops if mc is not None else V100
+    fast_memory = (mc.fast_memory_gb if mc is not None and mc.fast_memory_gb is not None
+                   else net.fast_memory_gb)
+    slow_memory = mc.slow_memory_gb if mc is not None else MEMORY_GB
     devices = []
     for i in range(n):
         host = i // net.per_host
         is_slow = slow is not None and i >= n // 2
         devices.append(Device(id=f"h{host}:{i % net.per_host}", host=f"h{host}",
-                              tflops=slow if slow is not None and is_slow else V100,
-                              memory_gb=MEMORY_GB if is_slow else net.fast_memory_gb))
+                              tflops=slow if slow is not None and is_slow else fast,
+                              memory_gb=slow_memory if is_slow else fast_memory))
     return Cluster(devices=tuple(devices),
                    network=Network(intra_host_gbps=net.intra, inter_host_gbps=net.inter,
                                    latency_us=LATENCY_US))
@@ -199,6 +234,35 @@ def amp_cluster() -> Cluster:
     return Cluster(devices=tuple(devices),
                    network=Network(intra_host_gbps=170.0, inter_host_gbps=10.0,
                                    latency_us=LATENCY_US, device_links=links))
+
+
+def metis_cluster(hosts: list[tuple[str, int]]) -> Cluster:
+    """A cluster of Metis' clusterfile (results/): hosts in Metis' rank order, each ``(type,
+    devices)``; A100 312 TFLOP/s, 80 GiB, 46 GiB/s inside a host; T4 METIS_T4, 15 GiB, 50 GiB/s
+    inside; 10 GiB/s between hosts (the clusterfile's inter_bandwidth; Metis' own
+    ``get_inter_bandwidth`` returns the intra figure instead, a bug we do not copy)."""
+    spec = {"A100": (A100, A100_MEMORY_GB), "T4": (METIS_T4, T4_MEMORY_GB)}
+    devices, links = [], []
+    for h, (kind, count) in enumerate(hosts):
+        tflops, memory = spec[kind]
+        ids = [f"{kind.lower()}-{h}:{i}" for i in range(count)]
+        devices += [Device(id=d, host=f"{kind.lower()}-{h}", tflops=tflops, memory_gb=memory)
+                    for d in ids]
+        if kind == "T4":
+            links += [Link(a=a, b=b, gbps=50 * GIB * 8) for i, a in enumerate(ids)
+                      for b in ids[i + 1:]]
+    return Cluster(devices=tuple(devices),
+                   network=Network(intra_host_gbps=46 * GIB * 8, inter_host_gbps=10 * GIB * 8,
+                                   latency_us=LATENCY_US, device_links=tuple(links)))
+
+
+METIS_CLUSTERS = [
+    # (name, naming the results/ file the cluster comes from; hosts in Metis' rank order)
+    ("Metis' 8 x A100 (homo_cost_model)", [("A100", 4), ("A100", 4)]),
+    ("Metis' 4 x A100 + 4 x T4 (het_search_space)", [("A100", 4), ("T4", 4)]),
+    ("Metis' 4 x T4 + 12 x A100 (hetero_cost_model)",
+     [("T4", 4), ("A100", 4), ("A100", 4), ("A100", 4)]),
+]
 
 
 def pipedream_a(n: int) -> Cluster:
@@ -223,7 +287,13 @@ def _published() -> list[dict[str, Any]]:
             if p["expressible"]]
 
 
-def cases(quick: bool) -> list[Case]:
+def cases(quick: bool, only: str | None = None) -> list[Case]:
+    """All cases (or the quick subset), keeping those whose name contains ``only``."""
+    out = _all_cases(quick)
+    return [c for c in out if only is None or only.lower() in c.name.lower()]
+
+
+def _all_cases(quick: bool) -> list[Case]:
     pub = _published()
     out = []
     sizes = [4, 16] if quick else [4, 8, 16]
@@ -253,6 +323,22 @@ def cases(quick: bool) -> list[Case]:
                             job_for(mc, n),
                             published=[p for p in pub if p["model"] == f"pipedream-{mc.key}"
                                        and _fits_workers(p, n)]))
+    if not quick:
+        for n in (4, 8, 16):
+            for net in NETS:
+                for hetero in ("homog", "half-slow"):
+                    slow = METIS.slow_tflops() if hetero == "half-slow" else None
+                    out.append(Case(f"{METIS.key} / {n} / {net.key} / {hetero}",
+                                    make_cluster(n, net, slow, METIS), METIS, job_for(METIS, n),
+                                    brute=n == 4,  # 10 layers: 4 to 25 s each
+                                    published=[p for p in pub if p["model"] == METIS.file[:-5]
+                                               and p["workers"] == n]))
+        for name, hosts in METIS_CLUSTERS:
+            cluster = metis_cluster(hosts)
+            n = len(cluster.devices)
+            out.append(Case(f"{METIS.key} / {n} / {name}", cluster, METIS, job_for(METIS, n),
+                            published=[p for p in pub if p["model"] == METIS.file[:-5]
+                                       and p["workers"] == n]))
     brute_nets = nets
     for net in brute_nets:
         for hetero in ("homog", "half-slow"):
@@ -380,6 +466,8 @@ def run_case(case: Case) -> Row:
 
 
 def _pub_name(entry: dict[str, Any]) -> str:
+    if entry["model"] == "metis-gpt3":
+        return f"Metis dp{entry['dp']} pp{entry['pp']}"
     if entry["model"] == "amp-gpt2-medium":
         k = len(entry["groups_ranks"])
         return f"AMP dp{k} pp{len(entry['groups_ranks'][0])}"
@@ -418,7 +506,10 @@ def provenance() -> str:
             + (f", with uncommitted changes to {', '.join(changed)}" if changed else ""))
 
 
-def report(rows: list[Row], wall: float, command: str, quick: bool) -> str:
+def report(rows: list[Row], wall: float, command: str, quick: bool, only: str | None = None) -> str:
+    scope = "quick subset" if quick else "all cases"
+    if only:
+        scope += f" whose name contains {only!r}"
     ratios = [r.ratio for r in rows if math.isfinite(r.ratio)]
     over = [r for r in rows if r.ratio > THRESHOLD]
     worst = max(rows, key=lambda r: r.ratio)
@@ -427,7 +518,7 @@ def report(rows: list[Row], wall: float, command: str, quick: bool) -> str:
     lines = [
         "# hetpilot on published profiles: against simple layouts, brute force and published plans",
         "",
-        f"Date: 2026-11-23. Command: `{command}` ({'quick subset' if quick else 'all cases'}; "
+        f"Date: 2026-11-23. Command: `{command}` ({scope}; "
         f"wall time {wall:.0f} s on the 2-core VM, CPU only). Planner: {provenance()}.",
         "",
         "Models are the published per-layer profiles converted to spec v1 (`bench/profiles/`,",
@@ -441,12 +532,19 @@ def report(rows: list[Row], wall: float, command: str, quick: bool) -> str:
         "second half of the hosts (of the devices, for 4 devices on one host) is slow. Jobs:",
         "PipeDream's per-worker minibatch times the devices (VGG16 64, AlexNet 256, ResNet-50 128)",
         "in microbatches of a quarter of it; GPT-2 AMP's global batch 32 in microbatches of 1.",
+        "Metis' GPT (`metis-gpt3`, 10 layers, hidden 4096; Metis' A100 profile without tensor",
+        f"parallelism): A100 at {A100:.0f} TFLOP/s (reproduces the profiled times) with 80 GiB; "
+        f"*slow* is a T4 at {METIS_T4:.0f}",
+        "TFLOP/s (an assumed 4.8x, the fp16 datasheet ratio) with 15 GiB; Metis' global batch 128",
+        "in microbatches of 2; the same four networks, and Metis' own clusters (hosts of 4, 46",
+        "GiB/s inside an A100 host, 50 inside a T4 host, 10 GiB/s between hosts).",
         "",
         "*others* is the best of: the exhaustive simple-layouts search (`bench/simple_layouts.py`:",
         "K identical pipelines of at most 4 stages, every cut, group-major and stage-major",
         "placement, 1f1b and gpipe, even or speed-proportional samples, recompute only where",
         "memory needs it), brute force (`planner/bruteforce.py`, only on the 4-device AlexNet cases",
-        "with parameter-free nodes merged: 8 layers) and the published plans that v1 can express.",
+        "with parameter-free nodes merged, 8 layers, and the 4-device Metis cases, 10 layers) and",
+        "the published plans that v1 can express.",
         "All times are reference-model iteration times (spec v1 section 5).",
         "",
         "## Summary",
@@ -489,6 +587,16 @@ def report(rows: list[Row], wall: float, command: str, quick: bool) -> str:
                   "measured (`src/results/het_cluster_results.txt`): " + "; ".join(
                       f"{k} {v:.3f} s (measured {measured[k]:.2f} s)"
                       for k, v in amp[0].published.items() if k in measured) + "."]
+    metis = [r for r in rows if r.case.model_case.key == METIS.key and "Metis'" in r.case.name
+             and r.published]
+    own = [(r, p) for r in metis for p in r.case.published
+           if p["source"].rsplit("/", 1)[1] in r.case.name and _pub_name(p) in r.published]
+    if own:
+        lines += ["", "Metis' own plans on the clusters it costed them for, reference model against "
+                  "the cost Metis' cost model predicts (`results/`): " + "; ".join(
+                      f"{_pub_name(p)} {_fmt(r.published[_pub_name(p)])} s (Metis "
+                      f"{p['metis_cost_ms'] / 1000:.3f} s) on {r.case.name.split(' / ')[2]}"
+                      for r, p in own) + "."]
     lines += [
         "",
         "## Per case",
@@ -533,6 +641,9 @@ def published_notes() -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", default=None, metavar="SUBSTRING",
+                        help="run only the cases whose name contains SUBSTRING (ignoring case); "
+                             "writes no markdown unless --out is given")
     parser.add_argument("--out", default=None,
                         help="markdown output (default: bench/RESULTS-planner-profiles.md for the"
                              " full run, none for --quick)")
@@ -549,14 +660,18 @@ def main() -> None:
     make_plan(warm.cluster, load_model(warm.model_case), warm.job)
     t0 = time.perf_counter()
     rows = []
-    for case in cases(args.quick):
+    selected = cases(args.quick, args.only)
+    if not selected:
+        parser.error(f"no case name contains {args.only!r}")
+    for case in selected:
         row = run_case(case)
         rows.append(row)
         print(f"{row.ratio:7.3f}x  hetpilot {_fmt(row.hetpilot_s)} ({row.plan_s:.2f} s)  "
               f"others {_fmt(row.others)}  {case.name}  [{row.winner}]", flush=True)
     wall = time.perf_counter() - t0
-    text = report(rows, wall, command, args.quick)
-    out = args.out or (None if args.quick else str(ROOT / "RESULTS-planner-profiles.md"))
+    text = report(rows, wall, command, args.quick, args.only)
+    out = args.out or (None if args.quick or args.only else
+                       str(ROOT / "RESULTS-planner-profiles.md"))
     if out:
         Path(out).write_text(text + "\n")
     if args.json:

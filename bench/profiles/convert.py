@@ -3,6 +3,7 @@
     .venv/bin/python bench/profiles/convert.py                       # from the raw copies here
     .venv/bin/python bench/profiles/convert.py --pipedream-dir D --amp-dir A   # from checkouts
     .venv/bin/python bench/profiles/convert.py --check               # rebuild, compare, exit 1 on drift
+    .venv/bin/python bench/profiles/convert.py --metis-dir M [--check]   # also metis-gpt3.json
 
 Sources (details, commits and licences in SOURCES.md):
 
@@ -15,6 +16,15 @@ Sources (details, commits and licences in SOURCES.md):
   one sample (microbatch 1, fp16, no tensor parallelism) of each of GPT-2's 30 "layers" on a
   V100 (AWS p3.8xlarge, P3) and a T4 (g4dn.12xlarge, G4). AMP's cost model takes
   forward + backward as 3x the forward (``cost_het_cluster.py``), so backward = 2x forward.
+* Metis (SamsungLabs/Metis) ``profile_data_samples/DeviceType.A100_tp1_bs{1,2,4}.json``: a
+  10-layer GPT (embedding, 8 transformer layers, output; hidden 4096, sequence 1024, vocab
+  51200) on one A100 without tensor parallelism, profiled with microbatch = batch = 1, 2, 4:
+  per layer ``layer_compute_total_ms`` (forward + backward of one microbatch),
+  ``layer_memory_total_mb`` (peak memory of the layer, MiB) and
+  ``parameters_per_layer_bytes``; per iteration ``forward_backward_time_ms`` and others.
+  Metis' licence (CC BY-NC 4.0) does not fit this Apache-2.0 repository, so no copy is kept
+  here: ``--metis-dir`` reads a checkout, and only the converted ``metis-gpt3.json`` is
+  committed. Without ``--metis-dir`` that file is left as it is (and ``--check`` skips it).
 
 Conversion rules
 ----------------
@@ -53,6 +63,27 @@ own copy as Megatron does), kept activations ``s h (34 + 5 a s / h)`` bytes per 
 layer (Korthikanti et al. 2022), ``2 s h + 4 s v`` for embed2v, the output for the rest;
 ``optimizer_factor`` 7.0 (mixed-precision Adam: fp16 gradient, fp32 master weights and two
 moments per fp16 parameter byte).
+
+Metis' GPT (``metis_gpt3``), read the way Metis' own cost model (``model/cost_estimator.py``,
+``data_loader.py``, ``model/activation_parameter.py``) reads the fields:
+
+* Work from the microbatch-2 profile (``METIS_MICRO``; per-sample times at batch 1, 2 and 4
+  agree within 1.3%, see SOURCES.md). The A100 is declared at ``A100_TFLOPS`` = 312 (fp16/bf16
+  dense tensor-core datasheet rate), so ``t`` ms of forward + backward for 2 samples is
+  ``t * 312 / 2`` GFLOP per sample, split 1 : 2 into forward and backward (Metis only measures
+  the sum; v1's default ratio). Metis charges ``forward_backward_time_ms - sum(layer times)``
+  (its ``fb_sync``: what runs between the last layer's forward and the first layer backward,
+  i.e. the logits and the loss and their backward) once per microbatch to the last stage,
+  on that stage's device type; we add it to the last layer's time before the split.
+* ``param_mb`` = ``parameters_per_layer_bytes`` / 10^6: Metis all-reduces exactly these
+  bytes for data parallelism (``_get_dp_cost``).
+* Memory: for each layer a least-squares line through its ``layer_memory_total_mb`` at batch
+  1, 2 and 4 (MiB, converted to MB); the slope is ``act_mb`` (per sample), the intercepts
+  (batch-independent: weights, gradients, optimizer state, workspace) summed over the model
+  and divided by the summed ``param_mb`` give ``optimizer_factor`` - 1.
+* ``out_mb``: Metis' activation size (``activation_parameter.py``: ``b * s * h`` elements,
+  ``b * s * v`` after the last layer) in fp16, i.e. ``2 s h`` bytes per sample (``2 s v``
+  for the output layer, which no cut follows).
 """
 
 from __future__ import annotations
@@ -81,6 +112,18 @@ PIPEDREAM = {
 PIPEDREAM_GRAPH = "profiler/image_classification/profiles/{model}/graph.txt"
 AMP_FILES = {"P3": "src/known_cost/gpt2_P3_1.npy", "G4": "src/known_cost/gpt2_G4_1.npy"}
 GPT2 = {"hidden": 1024, "seq": 1024, "heads": 16, "vocab": 52256, "blocks": 24}
+
+METIS_PROFILE = "profile_data_samples/DeviceType.A100_tp1_bs{bs}.json"
+METIS_BATCHES = (1, 2, 4)
+METIS_MICRO = 2
+"""The profiled batch the work comes from, and the benchmark's microbatch (SOURCES.md)."""
+A100_TFLOPS = 312.0
+"""TFLOP/s declared for Metis' profiling A100 (fp16/bf16 dense tensor-core datasheet)."""
+METIS_GPT = {"hidden": 4096, "seq": 1024, "vocab": 51200}
+"""scripts/cost_het_cluster.sh, MODEL_NAME=GPT MODEL_SIZE=1.5B (NUM_LAYERS=10)."""
+MIB = 1.048576
+"""MB (10^6 bytes) per MiB: Metis' memory figures are torch.cuda.max_memory_reserved() / 2^20
+and it compares them with ``memory * 1024`` for a device of ``memory`` GiB."""
 
 _NODE = re.compile(
     r"^(node\d+) -- (.*) -- forward_compute_time=([\d.eE+-]+), backward_compute_time=([\d.eE+-]+),"
@@ -385,9 +428,115 @@ def published_amp() -> list[dict[str, Any]]:
     return plans
 
 
+# -- Metis --------------------------------------------------------------------
+
+def metis_profiles(metis_dir: Path) -> dict[int, dict[str, Any]]:
+    """Metis' tp1 A100 profiles by batch size."""
+    return {bs: json.loads((metis_dir / METIS_PROFILE.format(bs=bs)).read_text())
+            for bs in METIS_BATCHES}
+
+
+def _line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (intercept, slope)."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    slope = (sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
+             / sum((x - mx) ** 2 for x in xs))
+    return my - slope * mx, slope
+
+
+def metis_gpt3(profiles: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """Metis' GPT (10 layers, hidden 4096) from its tp1 A100 profiles (rules above)."""
+    ref = profiles[METIS_MICRO]
+    params = [float(p) for p in ref["model"]["parameters"]["parameters_per_layer_bytes"]]
+    n = len(params)
+    for bs, prof in profiles.items():
+        if (prof["model"]["parameters"]["parameters_per_layer_bytes"] != params
+                or len(prof["execution_time"]["layer_compute_total_ms"]) != n
+                or len(prof["execution_memory"]["layer_memory_total_mb"]) != n):
+            raise ValueError(f"Metis' bs{bs} profile does not describe the same {n} layers")
+    times = [float(t) for t in ref["execution_time"]["layer_compute_total_ms"]]
+    fb_sync = float(ref["execution_time"]["forward_backward_time_ms"]) - sum(times)
+    per_gflop = A100_TFLOPS / METIS_MICRO  # ms for the microbatch -> GFLOP per sample
+    bs = [float(b) for b in METIS_BATCHES]
+    fits = [_line(bs, [float(profiles[b]["execution_memory"]["layer_memory_total_mb"][i])
+                       for b in METIS_BATCHES]) for i in range(n)]
+    static_mb = sum(c for c, _ in fits) * MIB
+    param_mb = [p / 1e6 for p in params]
+    h, s, v = METIS_GPT["hidden"], METIS_GPT["seq"], METIS_GPT["vocab"]
+    layers = []
+    for i in range(n):
+        last = i == n - 1
+        name = "embedding" if i == 0 else "output+loss" if last else f"block{i - 1}"
+        total_ms = times[i] + (fb_sync if last else 0.0)
+        layers.append({
+            "name": name,
+            "fwd_gflop": total_ms / 3 * per_gflop,
+            "bwd_gflop": 2 * total_ms / 3 * per_gflop,
+            "out_mb": 2 * s * (v if last else h) / 1e6,
+            "act_mb": fits[i][1] * MIB,
+            "param_mb": param_mb[i],
+        })
+    return {"name": "metis-gpt3", "optimizer_factor": static_mb / sum(param_mb) - 1,
+            "layers": layers}
+
+
+METIS_HOMO = "SamsungLabs/Metis results/homo_cost_model"
+METIS_HETERO = "SamsungLabs/Metis results/hetero_cost_model"
+METIS_PLANS = [
+    # (source, dp, pp, tp, mbs, Metis' cost in ms as printed, stage bounds, note)
+    (METIS_HOMO, 8, 1, 1, 2, "5120.061683654785", [0, 10],
+     "Metis' best plan without tensor parallelism on 8 A100 (3rd overall)"),
+    (METIS_HOMO, 4, 2, 1, 2, "5833.390808105469", [0, 5, 10],
+     "dp4 pp2 at microbatch 2 (Metis' best dp4 pp2 has mbs 1: 5806.6 ms)"),
+    (METIS_HOMO, 2, 4, 1, 2, "7665.308219453563", [0, 3, 5, 7, 10],
+     "dp2 pp4 at microbatch 2 (Metis' best dp2 pp4 has mbs 1: 7661.1 ms)"),
+    (METIS_HOMO, 1, 8, 1, 2, "11206.619465351105", [0, 2, 3, 4, 5, 6, 7, 8, 10],
+     "dp1 pp8 at microbatch 2, Metis' best dp1 pp8"),
+    (METIS_HOMO, 4, 1, 2, 8, "5062.0007038116455", [0, 10],
+     "Metis' predicted best on 8 A100"),
+    (METIS_HETERO, 4, 4, 1, 1, "4851.996274740799", [0, 2, 5, 7, 10],
+     "rank 33 of 1124, Metis' best without tensor parallelism: stage 0 on the 4 T4"),
+    (METIS_HETERO, 4, 2, 2, 4, "2396.737190744151", [0, 4, 10],
+     "Metis' predicted best (rank 1): 2 stages of 8 devices (T4 host + 1 A100 host, then "
+     "2 A100 hosts), dp4 x tp2 each"),
+]
+
+
+def published_metis(metis_dir: Path | None = None) -> list[dict[str, Any]]:
+    """Metis' plans for its GPT at global batch 128 with the costs its cost model predicts
+    (ms). ``results/homo_cost_model``: 8 A100 on two hosts of 4, ``UniformPlan(dp, pp, tp,
+    mbs)`` with Metis' rank order (``rank = stage * dp + replica`` for tp 1) and Metis' even
+    partition (``model/utils.py``: the first and last stage take one layer more).
+    ``results/hetero_cost_model``: 4 T4 (ranks 0-3) then 12 A100 on three hosts of 4; a stage
+    of ``dp`` devices with tp 1 holds replica d on its d-th rank. With ``metis_dir``, each cost
+    is checked against those files."""
+    texts = ({src: (metis_dir / src.split(" ", 1)[1]).read_text()
+              for src in (METIS_HOMO, METIS_HETERO)} if metis_dir is not None else {})
+    out = []
+    for src, dp, pp, tp, mbs, cost, bounds, note in METIS_PLANS:
+        if texts and cost not in texts[src]:
+            raise ValueError(f"{src} does not contain the cost {cost}")
+        entry: dict[str, Any] = {
+            "source": src, "model": "metis-gpt3", "workers": dp * pp * tp,
+            "dp": dp, "pp": pp, "tp": tp, "microbatch_size": mbs, "global_batch": 128,
+            "metis_cost_ms": float(cost), "note": f"{note}; Metis' cost {float(cost):.1f} ms",
+        }
+        if tp == 1:
+            entry.update({"expressible": True, "stage_starts": bounds[:-1],
+                          "groups_ranks": [[st * dp + d for st in range(pp)]
+                                           for d in range(dp)]})
+        else:
+            entry.update({"expressible": False, "layer_partition": bounds,
+                          "why": f"tensor parallelism (tp {tp} inside each stage), which v1 "
+                                 "cannot express"})
+        out.append(entry)
+    return out
+
+
 # -- main --------------------------------------------------------------------
 
-def build(pipedream_dir: Path | None, amp_dir: Path | None) -> dict[str, Any]:
+def build(pipedream_dir: Path | None, amp_dir: Path | None,
+          metis_dir: Path | None = None) -> dict[str, Any]:
     files: dict[str, Any] = {}
     texts = {}
     for model in PIPEDREAM:
@@ -412,8 +561,11 @@ def build(pipedream_dir: Path | None, amp_dir: Path | None) -> dict[str, Any]:
         fine = {f"pipedream-{m}": files[f"pipedream-{m}.json"] for m in PIPEDREAM}
         published = published_pipedream(pipedream_dir, fine, texts) + published_amp()
     else:
-        published = json.loads((HERE / "published_plans.json").read_text())
-    files["published_plans.json"] = published
+        published = [p for p in json.loads((HERE / "published_plans.json").read_text())
+                     if not p["source"].startswith("SamsungLabs/Metis")]
+    files["published_plans.json"] = published + published_metis(metis_dir)
+    if metis_dir is not None:
+        files["metis-gpt3.json"] = metis_gpt3(metis_profiles(metis_dir))
     return files
 
 
@@ -425,11 +577,17 @@ def main(argv: Iterable[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--pipedream-dir", type=Path, help="a checkout of msr-fiddle/pipedream")
     parser.add_argument("--amp-dir", type=Path, help="a checkout of DachengLi1/AMP")
+    parser.add_argument("--metis-dir", type=Path,
+                        help="a checkout of SamsungLabs/Metis (rebuilds metis-gpt3.json, which "
+                             "is left as it is without it)")
     parser.add_argument("--out", type=Path, default=HERE)
     parser.add_argument("--check", action="store_true",
                         help="compare with the committed files instead of writing")
     args = parser.parse_args(list(argv) if argv is not None else None)
-    files = build(args.pipedream_dir, args.amp_dir)
+    files = build(args.pipedream_dir, args.amp_dir, args.metis_dir)
+    if args.metis_dir is None:
+        print("metis-gpt3.json: not rebuilt (no --metis-dir; Metis' profiles are not kept here)",
+              file=sys.stderr)
     drift = []
     for name, obj in files.items():
         path = args.out / name
