@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any
 from hetpilot.planner.controller import Controller, ControllerConfig
 from hetpilot.planner.errors import PlanningError
 
+from .errors import StorageError
 from .records import JobRecord, JobStatus, PlanRecord
 
 if TYPE_CHECKING:
@@ -190,9 +191,10 @@ class JobLoop:
             delay = backoff_s(self.failures, slot_s)
             message = (f"control loop failed ({self.failures}x in a row): "
                        f"{type(exc).__name__}: {exc}; retrying in {delay:.3g} s")
-            if self.failures == 1:
+            if self.failures == 1 and not isinstance(exc, StorageError):
                 log.exception("job %s: %s", self.job_id, message)
-            else:  # the traceback was logged on the first failure
+            else:  # the traceback was logged on the first failure; a storage fault is
+                # logged by the store and health (NOT_SERVING), not once more per job
                 log.warning("job %s: %s", self.job_id, message)
             self.plane.loop_failed(self.job_id, message[:500])
             return delay

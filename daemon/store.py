@@ -27,6 +27,7 @@ not a database, or fails ``PRAGMA quick_check`` raises :class:`~.errors.DamagedS
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import json
 import logging
@@ -348,6 +349,19 @@ def _faults_raised() -> Iterator[None]:
 _SQLITE_HEADER = b"SQLite format 3\x00"
 
 
+def _short_of_header(header: bytes, size: int) -> bool:
+    """Whether a file of ``size`` bytes is shorter than the database its 100-byte header
+    describes (page size, bytes 16-17, times the page count, bytes 28-31; the count is
+    valid when the change counter, bytes 24-27, equals bytes 92-95). A checkpoint writes
+    page 1 with the count of the pages it leaves in the file, and SQLite itself takes a
+    file shorter than its count for a damaged one: so this is a truncation that kept
+    the header."""
+    page_size = int.from_bytes(header[16:18], "big")
+    page_size = 65536 if page_size == 1 else page_size
+    pages = int.from_bytes(header[28:32], "big")
+    return header[24:28] == header[92:96] and size < page_size * pages
+
+
 def _identity(st: os.stat_result) -> tuple[int, int]:
     return st.st_dev, st.st_ino
 
@@ -390,6 +404,8 @@ class SqliteStore(Store):
             self._db.close()
             raise
         self._identity = _identity(os.fstat(self._file))
+        self._wal = self.path.with_name(self.path.name + "-wal")
+        self._wal_identity = _identity(os.stat(self._wal)) if self._wal.exists() else None
 
     @staticmethod
     def _open(path: Path) -> sqlite3.Connection:
@@ -466,12 +482,12 @@ class SqliteStore(Store):
 
     def _check_file(self) -> str | None:
         """Why the database file can no longer take writes, or None: it was deleted or
-        replaced (another file at its path), truncated or overwritten (no SQLite header)
-        while the daemon ran. SQLite would go on answering from its cache and WAL and
-        acknowledge writes that are lost, and its checkpoint would write pages into
-        whatever is there now; so every write checks first (one stat and a 16-byte
-        read), and once it fails the store stays refusing until a restart, which
-        checks the file as at any start."""
+        replaced (another file at its path), truncated (shorter than its header says) or
+        overwritten (no SQLite header) while the daemon ran. SQLite would go on answering
+        from its cache and WAL and acknowledge writes that are lost, and its checkpoint
+        would write pages into whatever is there now; so every write checks first (one
+        stat and a 100-byte read), and once it fails the store stays refusing until a
+        restart, which checks the file as at any start."""
         if self._file_lost is None and self._file is not None:
             problem = None
             try:
@@ -481,9 +497,13 @@ class SqliteStore(Store):
             else:
                 if _identity(now) != self._identity:
                     problem = "was replaced by another file"
-                elif os.pread(self._file, 16, 0) != _SQLITE_HEADER:
-                    problem = ("was truncated" if now.st_size < 16 else
-                               "was overwritten (no SQLite header)")
+                else:
+                    header = os.pread(self._file, 100, 0)
+                    if header[:16] != _SQLITE_HEADER:
+                        problem = ("was truncated" if now.st_size < 16 else
+                                   "was overwritten (no SQLite header)")
+                    elif len(header) < 100 or _short_of_header(header, now.st_size):
+                        problem = "was truncated"
             if problem is not None:
                 self._file_lost = (f"{self.path} {problem} while the daemon ran; what it "
                                    "held is only in memory now and writes are refused. "
@@ -670,13 +690,39 @@ class SqliteStore(Store):
 
     def close(self) -> None:
         with self._lock:
+            lost = self._check_file()
             try:
                 # no checkpoint into a file that is not ours any more (see _check_file)
-                if self._check_file() is None:
+                if lost is None:
                     with _faults_raised():
                         self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             finally:
-                self._db.close()
+                if lost is None:
+                    self._db.close()
+                else:
+                    self._abandon()
                 if self._file is not None:
                     os.close(self._file)
                     self._file = None
+
+    def _abandon(self) -> None:
+        """Leave the connection to a lost file open for good and move its WAL aside.
+        Closing it would not do: SQLite's close checkpoints the WAL into the database
+        file through the descriptor it holds, writing pages into a file truncated or
+        overwritten in place (a backup copied there included); the process's exit
+        releases the descriptor without that. The WAL, which holds the last writes,
+        goes to ``state.db-wal.lost``: left next to the path, the next start would read
+        it as the WAL of whatever file is there now."""
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(self._db))  # never deallocated: closed
+        try:
+            if (self._wal_identity is None or not self._wal.exists()
+                    or _identity(os.stat(self._wal)) != self._wal_identity):
+                return  # deleted with the database, or not ours
+            aside = self._wal.with_name(self._wal.name + ".lost")
+            os.replace(self._wal, aside)
+            log.warning("%s moved to %s: the WAL of the lost database file, kept for "
+                        "inspection; the next start does not read it", self._wal, aside)
+        except OSError as exc:
+            log.warning("%s: not moved aside (%s); move or delete it before the next start "
+                        "(it would be read as the WAL of the file at %s)", self._wal, exc,
+                        self.path)

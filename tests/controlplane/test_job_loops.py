@@ -22,6 +22,7 @@ import pytest
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.control import MAX_BACKOFF_S, backoff_s
 from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.errors import StorageUnavailable
 from hetpilot.daemon.records import AgentRecord, DeviceInfo, JobRecord
 from hetpilot.daemon.store import MemoryStore
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
@@ -106,6 +107,46 @@ class FlakyStore(MemoryStore):
             self.fail -= 1
             raise OSError(28, "No space left on device")
         super().record_slot(job_id, **kw)
+
+
+class LostStore(MemoryStore):
+    """The store's file lost: every slot write refused, as SqliteStore refuses them."""
+
+    def record_slot(self, job_id: str, **kw: Any) -> None:
+        raise StorageUnavailable("/x/state.db was deleted while the daemon ran")
+
+
+def test_a_storage_fault_fails_the_loop_without_a_traceback(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The store logs its fault once and health turns NOT_SERVING; each job's loop says
+    why it fails in one WARNING line, with no ERROR traceback per job (23 jobs logged 23
+    tracebacks in the fault campaign when state.db was lost)."""
+
+    async def scenario() -> None:
+        plane = ControlPlane(LostStore(), DaemonConfig(slot_s=0.05, state_dir="/nonexistent"))
+        plane.register(AgentRecord(host="h0", probe_address="", devices=(
+            DeviceInfo(index="0", name="emu", kind="emulated", tflops=50.0, memory_gb=80.0,
+                       emulated=True),)))
+        await plane.start()
+        try:
+            for i in range(2):
+                plane.submit("alice", JobRecord(
+                    job_id="", owner="", state="", name=f"j{i}", global_batch=64,
+                    microbatch_size=4, schedules=(), budgets={}, V=10.0, slot_s=0.05,
+                    model_json=model_json()))
+            for _ in range(400):
+                if sum("control loop failed (2x" in r.getMessage() for r in caplog.records) >= 2:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await plane.stop()
+
+    with caplog.at_level("INFO", logger="hetpilot.daemon.control"):
+        asyncio.run(scenario())
+    loop_records = [r for r in caplog.records if r.name == "hetpilot.daemon.control"
+                    and "control loop failed" in r.getMessage()]
+    assert sum("(1x in a row): StorageUnavailable" in r.getMessage() for r in loop_records) == 2
+    assert all(r.levelname == "WARNING" and r.exc_info is None for r in loop_records)
 
 
 def test_a_failing_loop_retries_with_backoff_and_says_why() -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import random
 import sqlite3
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -190,3 +192,54 @@ def test_a_healthy_file_is_written_as_before(tmp_path: Path) -> None:
     reopened = SqliteStore(tmp_path / "state.db")
     assert len(reopened.list_jobs()) == 5
     reopened.close()
+
+
+def test_a_truncation_that_keeps_the_header_refuses_writes(tmp_path: Path) -> None:
+    """Cut to half its size, the file still starts with the SQLite header but is shorter
+    than the page count in it: the next write is refused, not acknowledged into a WAL
+    whose database is gone (the fault campaign's 'truncated to half' went undetected)."""
+    path = tmp_path / "state.db"
+    _store_with_jobs(path)
+    store = SqliteStore(path)
+    store.create_job(_job("before"))
+    with path.open("r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    with pytest.raises(StorageUnavailable, match="was truncated while the daemon ran"):
+        store.create_job(_job("after"))
+    assert not store.writable
+    store.close()
+
+
+@pytest.mark.parametrize("fault", ["truncate", "overwrite", "replace"])
+def test_no_checkpoint_into_a_lost_file_at_stop_or_next_start(tmp_path: Path, fault: str) -> None:
+    """Stopping with the file lost writes nothing into what is at the path now (SQLite's
+    own close would checkpoint its WAL into a file damaged in place), and the WAL is moved
+    aside, so the next start does not read it as the WAL of that file: it refuses the file
+    and leaves it as it was."""
+    path = tmp_path / "state.db"
+    _store_with_jobs(path)
+    store = SqliteStore(path)
+    for i in range(5):  # pages in the WAL only
+        store.create_job(_job(f"w{i}"))
+    if fault == "truncate":
+        with path.open("r+b") as f:
+            f.truncate(0)
+    elif fault == "overwrite":
+        with path.open("r+b") as f:
+            f.write(random.Random(3).randbytes(path.stat().st_size))
+    else:
+        (tmp_path / "other").write_bytes(random.Random(4).randbytes(path.stat().st_size))
+        (tmp_path / "other").replace(path)
+    damaged = path.read_bytes()
+    with pytest.raises(StorageUnavailable):
+        store.create_job(_job("refused"))
+    store.close()
+    assert path.read_bytes() == damaged
+    assert not (tmp_path / "state.db-wal").exists()
+    assert (tmp_path / "state.db-wal.lost").stat().st_size > 0
+    # the next start, as the daemon's: its own process (this one keeps the lost connection)
+    code = ("import sys\nfrom hetpilot.daemon.errors import DamagedStore\n"
+            "from hetpilot.daemon.store import SqliteStore\n"
+            "try:\n    SqliteStore(sys.argv[1])\nexcept DamagedStore:\n    sys.exit(3)\n")
+    assert subprocess.run([sys.executable, "-c", code, str(path)], timeout=60).returncode == 3
+    assert path.read_bytes() == damaged
