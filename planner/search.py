@@ -17,7 +17,10 @@ groups (:mod:`.assign`) and scores the whole plan with the reference model
   S stages whose copies of stage s sit side by side (on one host, or in one
   speed class): the pipelines cross hosts, and each stage's gradient
   all-reduce runs among neighbours on fast links (PipeDream's and AMP's
-  layouts for hierarchical networks).
+  layouts for hierarchical networks);
+* ``mixed-K-slow-first`` / ``mixed-K-fast-first`` (devices of speeds 1.5x or
+  more apart): K pipelines of about equal total speed, slow devices beside fast
+  ones (Metis' layouts for mixed GPU types).
 
 Where every group of a structure has the same devices, links and memory
 (identical pipelines) and at most four stages, the groups share one cut
@@ -168,6 +171,10 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     for size in _stage_counts(len(chain), max_stages, big):
         add(f"stage-major-{size}", _stage_major(chain, size))
         add(f"stage-major-speed-{size}", _stage_major(by_speed, size))
+    if by_speed[0].tflops >= 1.5 * by_speed[-1].tflops and not big:
+        for k in _mixed_counts(by_speed):
+            add(f"mixed-{k}-slow-first", _balanced(by_speed, k, slow_first=True))
+            add(f"mixed-{k}-fast-first", _balanced(by_speed, k, slow_first=False))
     unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
     for s in out:
         key = tuple(tuple(d.id for d in g) for g in s.groups)
@@ -179,6 +186,30 @@ def _stage_counts(n: int, max_stages: int, big: bool) -> list[int]:
     """Stage counts S of the stage-major structures: S divides n, K = n / S >= 2."""
     sizes = (2, 4) if big else (2, 3, 4, 6, 8) if n <= 32 else (2, 4, 8)
     return [s for s in sizes if s <= max_stages and n % s == 0 and n // s >= 2]
+
+
+def _mixed_counts(by_speed: Sequence[Device]) -> list[int]:
+    """Group counts K of the mixed structures: as many groups as fast devices (each slow
+    device then joins a fast one), and 2 and 4, for K < n."""
+    n = len(by_speed)
+    fast = sum(1 for d in by_speed if d.tflops >= by_speed[0].tflops / 1.5)
+    return sorted({k for k in (fast, 2, 4) if 2 <= k < n})
+
+
+def _balanced(by_speed: Sequence[Device], k: int, slow_first: bool) -> list[tuple[Device, ...]]:
+    """K pipelines of about equal total speed, each mixing fast and slow devices: the
+    devices, fastest first, each to the group with the least speed so far. A slow device
+    then takes a short stage beside a fast one instead of sitting idle or slowing a group of
+    its own (Metis' GPT on A100 and T4: a T4 with the first 2 of 10 layers ahead of an
+    A100). Each group runs slowest first or fastest first: stage 0 holds the most
+    microbatches in flight, and the first layers (an embedding) are often the heavy ones."""
+    groups: list[list[Device]] = [[] for _ in range(k)]
+    speed = [0.0] * k
+    for d in by_speed:
+        i = min(range(k), key=lambda j: (speed[j], j))
+        groups[i].append(d)
+        speed[i] += d.tflops
+    return [tuple(reversed(g)) if slow_first else tuple(g) for g in groups]
 
 
 def _stage_major(devices: Sequence[Device], size: int) -> list[tuple[Device, ...]]:
