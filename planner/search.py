@@ -20,7 +20,9 @@ groups (:mod:`.assign`) and scores the whole plan with the reference model
   layouts for hierarchical networks);
 * ``mixed-K-slow-first`` / ``mixed-K-fast-first`` (devices of speeds 1.5x or
   more apart): K pipelines of about equal total speed, slow devices beside fast
-  ones (Metis' layouts for mixed GPU types).
+  ones (Metis' layouts for mixed GPU types);
+* ``mapping-i``: on clusters of at most 4 devices, every split into groups with
+  every stage order.
 
 Where every group of a structure has the same devices, links and memory
 (identical pipelines) and at most four stages, the groups share one cut
@@ -45,7 +47,7 @@ import math
 import statistics
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -71,6 +73,9 @@ from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 __all__ = ["BIG_CLUSTER", "Structure", "candidate_plans", "clear_memos", "make_plan", "structure_pairs", "structures"]
 
 _EXHAUSTIVE_DEVICES = 6
+_EVERY_MAPPING_DEVICES = 4
+"""On clusters of up to this many devices every device mapping is a structure (on 5-6
+devices, whose every subset is tried, it tripled the planning time)."""
 BIG_CLUSTER = 64
 """Above this many devices the search narrows (see candidate_plans, Planner.cut)."""
 _BUILTIN = ("1f1b", "gpipe")
@@ -129,8 +134,9 @@ def _fits_alone(arr: ModelArrays, dev: Device, micro: int) -> bool:
 
 
 def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
-               micro: int) -> list[Structure]:
-    """Candidate device mappings for ``devices`` (a subset of the cluster)."""
+               micro: int, every_mapping: bool = False) -> list[Structure]:
+    """Candidate device mappings for ``devices`` (a subset of the cluster); with
+    ``every_mapping`` (clusters of at most :data:`_EVERY_MAPPING_DEVICES`), all of them."""
     max_stages = arr.num_layers
     by_host = _by_host(cluster, devices)
     chain = [d for h in by_host for d in by_host[h]]
@@ -175,6 +181,9 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         for k in _mixed_counts(by_speed):
             add(f"mixed-{k}-slow-first", _balanced(by_speed, k, slow_first=True))
             add(f"mixed-{k}-fast-first", _balanced(by_speed, k, slow_first=False))
+    if every_mapping and len(chain) <= _EVERY_MAPPING_DEVICES:
+        for i, groups in enumerate(_ordered_partitions(chain)):
+            add(f"mapping-{i}", groups)
     unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
     for s in out:
         key = tuple(tuple(d.id for d in g) for g in s.groups)
@@ -186,6 +195,23 @@ def _stage_counts(n: int, max_stages: int, big: bool) -> list[int]:
     """Stage counts S of the stage-major structures: S divides n, K = n / S >= 2."""
     sizes = (2, 4) if big else (2, 3, 4, 6, 8) if n <= 32 else (2, 4, 8)
     return [s for s in sizes if s <= max_stages and n % s == 0 and n // s >= 2]
+
+
+def _ordered_partitions(devices: Sequence[Device]) -> Iterator[list[tuple[Device, ...]]]:
+    """Every split of ``devices`` into groups, with every stage order of each group (73
+    for 4 devices): on a handful of devices the order that wins depends on memory, links
+    and which layers are heavy together, which no rule above gets right every time (a
+    randomized comparison with brute force on 3-4 devices found the best order neither
+    fastest- nor slowest-first in half the gaps; bench/RESULTS-planner.md)."""
+    if not devices:
+        yield []
+        return
+    first, rest = devices[0], devices[1:]
+    for part in _ordered_partitions(rest):
+        yield [(first,), *part]
+        for i, g in enumerate(part):
+            for at in range(len(g) + 1):
+                yield [*part[:i], (*g[:at], first, *g[at:]), *part[i + 1:]]
 
 
 def _mixed_counts(by_speed: Sequence[Device]) -> list[int]:
@@ -343,11 +369,16 @@ class Planner:
         )
 
     def _cap(self, devs: Sequence[Device], bounds: tuple[int, ...], schedule: str) -> int:
-        """Most microbatches the cut holds in memory (gpipe keeps all in flight)."""
-        if schedule != "gpipe":
-            return self.total
+        """Most microbatches the cut holds in memory. gpipe keeps all in flight; 1f1b at
+        most S - s on stage s, so a cut that holds S (or all, if fewer) holds any count,
+        and one that does not caps the group below S (it was taken as uncapped, and a
+        group given more than it holds made its whole structure fail)."""
         sig = self._signature(devs)
         lo, hi = 0, self.total
+        if schedule != "gpipe":
+            hi = min(self.total, len(bounds) - 1)
+            if cut_fits(self.arr, devs, sig[1], bounds, self.micro, hi, schedule):  # type: ignore[arg-type]
+                return self.total
         while lo < hi:
             mid = (lo + hi + 1) // 2
             if cut_fits(self.arr, devs, sig[1], bounds, self.micro, mid, schedule):  # type: ignore[arg-type]
@@ -796,8 +827,10 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                     ranked.append((cand.iteration_s, structure.label, schedule))
         keep = {(name, schedule) for _, name, schedule in sorted(ranked)[:focus]}
         subsets = subsets[1:]
+    every_mapping = len(cluster.devices) <= _EVERY_MAPPING_DEVICES
     for label, subset in subsets:
-        for structure in structures(cluster, subset, planner.arr, planner.micro):
+        for structure in structures(cluster, subset, planner.arr, planner.micro,
+                                    every_mapping):
             for schedule in schedules:
                 if keep is not None and (structure.label, schedule) not in keep:
                     continue

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hetpilot.planner import catalog
@@ -24,11 +25,12 @@ from hetpilot.planner.refmodel import (
     evaluate,
     group_makespan,
     pipeline_makespan,
+    stage_memory_mb,
     sync_time,
 )
 from hetpilot.planner.schedules import order
 from hetpilot.planner.search import Planner, candidate_plans, make_plan
-from hetpilot.planner.types import Job
+from hetpilot.planner.types import Cluster, Device, Job, Layer, Link, Model, Network, Stage
 
 from .helpers import flat_cluster, random_model, spec_cluster, spec_model, uniform_model
 
@@ -51,6 +53,52 @@ def test_within_two_percent_of_brute_force(seed: int) -> None:
     assert result.valid, result.error
     assert result.iteration_s is not None
     assert result.iteration_s <= best * 1.02
+
+
+def _uneven_case(seed: int):  # type: ignore[no-untyped-def]
+    """3-4 devices of speeds up to 8x apart, each with memory from a third of the whole
+    model's to 2.5 times it, on one host each or two hosts, sometimes a slow or fast
+    link between two devices; 4-6 layers, sometimes a heavy embedding first or a heavy
+    output layer last."""
+    r = random.Random(seed)
+    n = r.choice([3, 4])
+    layers = [Layer(name=f"l{i}", fwd_gflop=r.uniform(5, 30), bwd_gflop=r.uniform(10, 60),
+                    out_mb=r.uniform(1, 20), act_mb=r.uniform(50, 400),
+                    param_mb=r.uniform(50, 600)) for i in range(r.randint(4, 6))]
+    if r.random() < 0.4:
+        layers[0] = replace(layers[0], fwd_gflop=1.0, bwd_gflop=2.0, param_mb=r.uniform(1500, 4000))
+    if r.random() < 0.4:
+        layers[-1] = replace(layers[-1], param_mb=r.uniform(1500, 4000))
+    model = Model(name="uneven", layers=tuple(layers), optimizer_factor=r.choice([1.0, 3.0]))
+    micro = r.choice([1, 2, 4])
+    whole_gb = stage_memory_mb(model, Stage(device="x", layers=(0, len(layers))), micro, 1) / 1e3
+    hosts = [f"h{i}" for i in range(n)] if r.random() < 0.5 else [f"h{i * 2 // n}" for i in range(n)]
+    devices = tuple(Device(id=f"d{i}", host=hosts[i], tflops=50.0 * r.choice([1, 2, 4, 8]),
+                           memory_gb=whole_gb * r.uniform(0.3, 2.5)) for i in range(n))
+    links = ((Link(a="d0", b=f"d{n - 1}", gbps=r.choice([2.0, 1000.0])),)
+             if r.random() < 0.4 else ())
+    cluster = Cluster(devices=devices, network=Network(
+        intra_host_gbps=600.0, inter_host_gbps=r.choice([10.0, 100.0]), latency_us=5.0,
+        device_links=links))
+    return cluster, model, Job(global_batch=8 * micro, microbatch_size=micro,
+                               schedules=r.choice([("1f1b", "gpipe"), ("1f1b",), ("gpipe",)]))
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_within_two_percent_of_brute_force_on_uneven_devices(seed: int) -> None:
+    """A randomized comparison on cases of this kind found 260 of 947 more than 2% slower
+    than brute force (up to 12.5x): the best stage order was often neither of the few the
+    structures tried. On subsets of up to 4 devices every mapping is a structure now."""
+    cluster, model, job = _uneven_case(seed)
+    best, _ = brute_force(cluster, model, job)
+    if best == float("inf"):
+        with pytest.raises(InfeasibleError):
+            make_plan(cluster, model, job)
+        return
+    plan = make_plan(cluster, model, job)
+    result = evaluate(cluster, model, plan, job.global_batch)
+    assert result.valid, result.error
+    assert result.iteration_s is not None and result.iteration_s <= best * 1.02
 
 
 @pytest.mark.parametrize("seed", range(6))

@@ -150,3 +150,24 @@ def test_a_slow_device_takes_a_short_stage_ahead_of_a_fast_one() -> None:
     assert plan.predicted_iteration_s is not None
     assert plan.predicted_iteration_s <= mixed * (1 + 1e-9), plan
     assert {d[0] for d in plan.devices} == {"f", "s"}  # the slow devices work
+
+
+def test_a_1f1b_group_that_holds_one_microbatch_is_capped_at_one() -> None:
+    """Stage 0 = layers 0-1 (1 MB of activations each; layer 0's output 100 MB), stage 1 =
+    layer 2, on devices of 3 MB: one microbatch in flight fits (2 MB), two do not (4 MB,
+    or 202 MB with recompute, which keeps layer 1's 100 MB input per microbatch). Under
+    1f1b stage 0 holds min(2, M) microbatches, so the cut holds at most 1. It was taken
+    as holding any count, the group was assigned more than it fits, and the structure
+    failed as a whole."""
+    devices = tuple(Device(id=f"d{i}", host="h", tflops=1.0, memory_gb=0.003) for i in range(2))
+    cluster = Cluster(devices=devices, network=Network(
+        intra_host_gbps=1000.0, inter_host_gbps=1000.0, latency_us=0.0))
+    model = Model(name="tight", optimizer_factor=3.0, layers=(
+        Layer(name="l0", fwd_gflop=1.0, bwd_gflop=2.0, out_mb=100.0, act_mb=1.0, param_mb=0.0),
+        Layer(name="l1", fwd_gflop=1.0, bwd_gflop=2.0, out_mb=0.1, act_mb=1.0, param_mb=0.0),
+        Layer(name="l2", fwd_gflop=1.0, bwd_gflop=2.0, out_mb=0.1, act_mb=1.0, param_mb=0.0)))
+    planner = Planner(cluster, model, Job(global_batch=4, microbatch_size=1, schedules=("1f1b",)))
+    assert planner._cap(devices, (0, 2, 3), "1f1b") == 1
+    # layer 0 alone on stage 0 (1 MB per microbatch, 2 in flight) and layers 1-2 on stage
+    # 1 (2 MB, 1 in flight) fit at any count
+    assert planner._cap(devices, (0, 1, 3), "1f1b") == 4
