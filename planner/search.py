@@ -421,10 +421,41 @@ class Planner:
                 break
         assert counts is not None
         found = self._candidate(structure.label, cuts, counts, schedule)
-        shared = self._shared_cut(structure, groups, schedule)
-        if shared is not None and (found is None or shared.iteration_s < found.iteration_s):
-            return shared
+        for other in (self._shared_cut(structure, groups, schedule),
+                      self._aligned(structure.label, cuts, schedule)):
+            if other is not None and (found is None or other.iteration_s < found.iteration_s):
+                found = other
         return found
+
+    def _aligned(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
+                 schedule: str) -> Candidate | None:
+        """Groups of as many stages, different devices, all cut where one of them was
+        (each group's cut in turn), microbatches assigned again. Cut apart, the stages
+        of different groups hold different layers and spec 5.3 syncs one bucket per
+        run of layers that every group keeps together, so one group's cut can split the
+        sync of all (a randomized comparison with brute force found such plans 1.16-1.79x
+        slower; bench/RESULTS-planner.md). Identical groups get :meth:`joint_cut`."""
+        if self._big or len(cuts) < 2:
+            return None
+        n = len(cuts[0][1].bounds)
+        options = sorted({c.bounds for _, c in cuts})
+        if n < 3 or len(options) < 2 or any(len(c.bounds) != n for _, c in cuts):
+            return None
+        best: Candidate | None = None
+        for bounds in options:
+            moved = []
+            for g, _ in cuts:
+                c = self.at(g, bounds, 1, schedule)
+                if c is None:
+                    break
+                moved.append((g, c))
+            else:
+                counts = self._assign(moved, schedule)
+                cand = (None if counts is None else
+                        self._candidate(f"{label}+aligned", moved, counts, schedule))
+                if cand is not None and (best is None or cand.iteration_s < best.iteration_s):
+                    best = cand
+        return best
 
     def _shared_cut(self, structure: Structure, groups: Sequence[tuple[Device, ...]],
                     schedule: str) -> Candidate | None:
