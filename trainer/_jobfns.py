@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["attention_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "groups_tiny",
+__all__ = ["attention_tiny", "augment_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "groups_tiny",
            "inplace_tiny", "nonpersistent_tiny", "norm_first", "pytree_tiny", "reused_tiny",
            "rrelu_tiny", "sparse_tiny", "specnorm_tiny", "tied_tiny", "unused_tiny",
            "weighted_tiny"]
@@ -394,3 +394,35 @@ def weighted_tiny() -> dict[str, Any]:
     layers = [nn.Linear(5, 8), torch.jit.script(nn.Sequential(nn.Linear(8, 8), nn.Tanh())),
               nn.Linear(8, 3)]
     return _job(layers, x, y, nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5])))
+
+
+class JointFlip(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Pairs ``(x, x @ w)`` where ``__getitem__`` negates both halves at random, from
+    torch's and Python's global generators (a joint augmentation of an input and its
+    target, as a segmentation mask is flipped with its image)."""
+
+    def __init__(self) -> None:
+        gen = torch.Generator().manual_seed(16)
+        self.x = torch.randn(48, 5, generator=gen)
+        self.y = self.x @ torch.randn(5, 2, generator=gen)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import random
+
+        sign = -1.0 if torch.rand(()) < 0.5 else 1.0
+        shift = random.random()
+        return sign * self.x[i] + shift, sign * self.y[i]
+
+
+def augment_tiny() -> dict[str, Any]:
+    """A dataset augmenting at random in ``__getitem__``, input and target together: the
+    first stage reads the inputs, the last the targets, on other ranks, and the pair must
+    still belong together (each item is read under generators seeded per item)."""
+    torch.manual_seed(16)
+    layers = [nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)]
+    return {"layers": layers, "loss": nn.functional.mse_loss,
+            "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
+            "dataset": JointFlip(), "global_batch": 12}

@@ -8,6 +8,9 @@ check's dtype, and refuses:
 
 * a layer whose factory is not one, or returns no module, or a module sharing a
   parameter with another layer (ties are found on modules only) (``layers``);
+* a layer whose forward writes in place into a tensor autograd saved for an earlier
+  microbatch's backward (an EMA buffer updated with ``lerp_`` and used in a product):
+  pipelines run several forwards before their backwards (``layers``);
 * a layer that raises on that microbatch, e.g. one that casts to float32
   (``.float()``) in a float64 check (``layers``, naming the item);
 * a loss that is not one floating number (``reduction='none'``) (``loss``);
@@ -19,6 +22,10 @@ check's dtype, and refuses:
   a sparse embedding gradient stays sparse under a plan of one data-parallel group
   (``Adam`` refuses it) and is summed into the sync's dense buffer under several
   (``SparseAdam`` refuses that) (``optimizer``);
+* an optimizer whose step couples the layers' parameters (one optimizer over all of
+  them steps to other values than one per layer, as the runtime builds them: a
+  gradient-norm clip over all its parameters), or that keeps state outside its
+  ``state_dict`` (by which it moves with its layer to another rank) (``optimizer``);
 * a buffer shared by two layers (the same module at two places in
   ``layers``) that the forward updates (BatchNorm's running statistics,
   spectral norm's vectors): each rank holding one of the layers would update
@@ -52,7 +59,7 @@ from .activations import map_tensors
 from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
-from .runtime import build_layer, copy_layers, place_loss
+from .runtime import build_layer, copy_layers, place_loss, read_items
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
 
@@ -72,8 +79,8 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     with torch.random.fork_rng(devices=[]):
         layers = _build(spec["layers"], seed, dtype, bad)
         precision = Precision(torch.float32, compute_dtype) if compute_dtype else Precision()
-        x = _batch(spec["dataset"], range(microbatch), 0, dtype, bad)
-        target = _batch(spec["dataset"], range(microbatch), 1, dtype, bad)
+        x = _batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
+        target = _batch(spec["dataset"], range(microbatch), 1, dtype, bad, seed)
         before = [b.detach().clone() for b in _buffers(layers)]
         params = [[p.detach().clone() for p in layer.parameters()] for layer in layers]
         in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
@@ -88,9 +95,11 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
                     raise bad("layers", f"item {i} ({type(layer).__name__}) failed on a "
                                         f"microbatch of {microbatch} samples{in_dtype}: "
                                         f"{type(exc).__name__}: {exc}"
-                                        f"{_dtype_hint(exc, dtype, drift)}") from exc
+                                        f"{_dtype_hint(exc, dtype, drift)}"
+                                        f"{_size_hint(spec, microbatch)}") from exc
                 if twin is not None:
                     _refuse_hidden_state(i, *twin, bad)
+                    _refuse_overwritten_saved(i, *twin, bad)
                 if drift is None and dtype == torch.float64 and not compute_dtype:
                     other = _other_float(x, dtype)
                     if other is not None:
@@ -192,6 +201,43 @@ def _refuse_hidden_state(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
                             "reconciles, and draw from torch's default generator")
 
 
+def _grad_input(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().clone()
+    return t.requires_grad_() if t.is_floating_point() or t.is_complex() else t
+
+
+def _refuse_overwritten_saved(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
+    """Run ``layer`` (a copy, :func:`_twin`) forward on ``x`` twice, then backward the first
+    output: a forward writing in place into a tensor that autograd saved for an earlier
+    microbatch's backward (an EMA buffer updated with ``lerp_`` and then used in a matmul)
+    fails that backward. One process accumulating gradients runs each microbatch's backward
+    before the next forward; a pipeline runs several forwards first (gpipe, 1f1b), so such a
+    layer failed in a rank. Other failures are not this check's business."""
+    try:
+        with torch.enable_grad(), seeded(_PROBE_SEED, torch.device("cpu")):
+            first = layer(map_tensors(_grad_input, x))
+            layer(map_tensors(_grad_input, x))
+        leaves = [t for t in pytree.tree_leaves(first)
+                  if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not leaves:
+            return
+        total = sum(t.real.sum() if t.is_complex() else t.sum() for t in leaves)
+        assert isinstance(total, torch.Tensor)
+        total.backward()
+    except RuntimeError as exc:
+        if "modified by an inplace operation" not in str(exc):
+            return
+        raise bad("layers", f"item {i} ({type(layer).__name__}) writes in its forward, in "
+                            "place, into a tensor that the backward of an earlier "
+                            "microbatch needs (a buffer updated with lerp_/mul_/copy_ and "
+                            "then used in a product): a pipeline runs several microbatches' "
+                            "forwards before their backwards, so that backward would fail. "
+                            "Use a copy where the tensor enters the computation "
+                            "(F.linear(x, self.ema.clone()))") from exc
+    except Exception:  # it ran once on the job's copy: this is not the place
+        return
+
+
 def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
            ) -> list[nn.Module]:
     """Copies of the layers as the ranks build them (a copy keeps modules shared between
@@ -218,10 +264,11 @@ def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
 
 
 def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | None,
-           bad: Any) -> Any:
-    """Inputs (0) or targets (1) of ``indices``, collated and cast as the ranks do."""
+           bad: Any, seed: int) -> Any:
+    """Inputs (0) or targets (1) of ``indices``, read (seeded per item, as in epoch 0),
+    collated and cast as the ranks do."""
     try:
-        value = default_collate([data[i][which] for i in indices])
+        value = default_collate(read_items(data, indices, which, seed, 0))
     except (TypeError, RuntimeError) as exc:
         what = "inputs" if which == 0 else "targets"
         raise bad("dataset", f"the {what} of items {indices[0]}-{indices[-1]} cannot be "
@@ -237,6 +284,17 @@ def _other_float(value: Any, dtype: torch.dtype) -> str | None:
     map_tensors(lambda t: found.append(str(t.dtype).removeprefix("torch."))
                 if t.is_floating_point() and t.dtype != dtype else None, value)
     return found[0] if found else None
+
+
+def _size_hint(spec: dict[str, Any], microbatch: int) -> str:
+    """Where a microbatch of one sample came from, when the job did not give the size:
+    train-check picks the largest leaving each rank two microbatches, which may be 1
+    (BatchNorm fails on one sample)."""
+    if spec.get("microbatch_size") or microbatch != 1:
+        return ""
+    return (f" (train-check chose microbatches of 1 sample, so that each rank gets two of "
+            f"global_batch {spec['global_batch']}; give the job a 'microbatch_size' to "
+            "choose it)")
 
 
 def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
@@ -269,6 +327,8 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: An
     if not loss.requires_grad:
         return
     loss.backward()
+    _refuse_coupled_steps(layers, factory, bad)
+    _refuse_state_outside_state_dict(layers, factory, bad)
     seen: set[int] = set()
     for i, layer in enumerate(layers):
         params = [p for p in layer.parameters() if id(p) not in seen]
@@ -293,6 +353,120 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: An
                 raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
                                        f"gradients as the runtime hands them ({how}): "
                                        f"{type(exc).__name__}: {exc}{hint}") from exc
+
+
+COUPLED_TOLERANCE = 1e-6
+"""Relative difference (to the largest change) between one optimizer over all the layers'
+parameters and one per layer, above which the optimizer is not taken for per-layer."""
+
+
+def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: Any, bad: Any) -> None:
+    """An optimizer whose step on one layer's parameters depends on other layers' gradients
+    (a wrapper clipping the gradient norm over all its parameters, a norm or trust ratio
+    taken over the whole model): the runtime gives each layer (and each tied parameter) an
+    optimizer of its own, as the layers sit on different ranks, so that such a step would
+    train other values than the one optimizer over the model the job means. Seen on copies
+    of the parameters and gradients (dense), one step over all of them against one step per
+    layer (the parameter lists as in :func:`_step`). A factory failing here is left to
+    :func:`_step`."""
+    lists: list[list[nn.Parameter]] = []
+    items: list[int] = []
+    seen: set[int] = set()
+    for i, layer in enumerate(layers):
+        params = [p for p in layer.parameters() if id(p) not in seen and p.grad is not None]
+        seen.update(id(p) for p in layer.parameters())
+        if params:
+            lists.append(params)
+            items.append(i)
+    if len(lists) < 2:
+        return
+
+    together = [_dense_copies(params) for params in lists]
+    apart = [_dense_copies(params) for params in lists]
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            factory([q for qs in together for q in qs]).step()
+            for qs in apart:
+                factory(qs).step()
+    except Exception:  # _step says what fails
+        return
+    moved = diff = 0.0
+    where = ""
+    for i, params, a, b in zip(items, lists, together, apart, strict=True):
+        for p, u, v in zip(params, a, b, strict=True):
+            if u.numel() == 0 or not (u.is_floating_point() or u.is_complex()):
+                continue
+            moved = max(moved, float((u.detach() - p.detach()).abs().max()))
+            d = float((u.detach() - v.detach()).abs().max())
+            if d > diff:
+                diff, where = d, f"item {i} ({type(layers[i]).__name__})"
+    if diff > COUPLED_TOLERANCE * max(moved, 1e-30) and diff > 0.0:
+        raise bad("optimizer", "one optimizer over all the layers' parameters steps them to "
+                               "other values than one optimizer per layer does (largest "
+                               f"difference {diff:.3g}, {where}, against a largest change of "
+                               f"{moved:.3g}): its step couples parameters of different "
+                               "layers (a gradient-norm clip or a norm taken over all its "
+                               "parameters), and the runtime gives each layer an optimizer "
+                               "of its own, as layers sit on different ranks; clip or "
+                               "normalise per parameter or per layer, or use an element-wise "
+                               "optimizer (SGD, Adam, AdamW, ...)")
+
+
+def _dense_copies(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """Leaf copies of ``params`` with copies of their gradients (dense)."""
+    out = []
+    for p in params:
+        q = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
+        assert p.grad is not None
+        q.grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
+        out.append(q)
+    return out
+
+
+def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: Any,
+                                     bad: Any) -> None:
+    """An optimizer keeping state its ``state_dict`` does not hold (a step count in a
+    Python attribute driving an lr warm-up): a layer's optimizer moves to another rank by
+    its ``state_dict`` when a plan switch moves the layer (and a checkpoint holds that
+    only), so such state would restart there. Seen on copies of the first layer's
+    parameters with gradients: after two steps, one more step of the optimizer against one
+    of a fresh optimizer given its ``state_dict``. A factory failing here is left to
+    :func:`_step`."""
+    params = next(([p for p in layer.parameters() if p.grad is not None]
+                   for layer in layers if any(p.grad is not None for p in layer.parameters())),
+                  [])
+    if not params:
+        return
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ran = _dense_copies(params)
+            optim = factory(ran)
+            optim.step()
+            optim.step()
+            moved = _dense_copies(ran)
+            fresh = factory(moved)
+            fresh.load_state_dict(copy.deepcopy(optim.state_dict()))
+            optim.step()
+            fresh.step()
+    except Exception:  # _step says what fails
+        return
+    diff = max((float((a.detach() - b.detach()).abs().max()) for a, b in
+                zip(ran, moved, strict=True) if a.numel() and a.is_floating_point()),
+               default=0.0)
+    change = max((float((a.detach() - p.detach()).abs().max()) for a, p in
+                  zip(ran, params, strict=True) if a.numel() and a.is_floating_point()),
+                 default=0.0)
+    if diff > COUPLED_TOLERANCE * max(change, 1e-30):
+        raise bad("optimizer", f"{type(optim).__name__} steps otherwise after a fresh one "
+                               "is given its state_dict (largest difference "
+                               f"{diff:.3g}, against a change of {change:.3g}): it keeps state "
+                               "outside its state_dict (a step count in a Python attribute), "
+                               "which is lost when a plan switch moves a layer and its "
+                               "optimizer to another rank, or at a checkpoint; keep it in "
+                               "self.state or param_groups (torch's lr schedulers step "
+                               "param_groups' 'lr'), or return it from state_dict")
 
 
 def _refuse_written_parameters(layers: Sequence[nn.Module],
@@ -345,13 +519,13 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
             for k in range(0, b, m):
-                x = _batch(data, range(k, k + m), 0, torch.float64, None)
+                x = _batch(data, range(k, k + m), 0, torch.float64, None, seed)
                 for layer in layers:
                     x = layer(x)
                 outs.append(x)
                 parts += (m / b) * float(loss(x, _batch(data, range(k, k + m), 1,
-                                                        torch.float64, None)))
-            whole = float(loss(_concat(outs), _batch(data, range(b), 1, torch.float64, None)))
+                                                        torch.float64, None, seed)))
+            whole = float(loss(_concat(outs), _batch(data, range(b), 1, torch.float64, None, seed)))
     except Exception:  # a model that runs only in its own dtype, outputs that do not concat
         return None
     if abs(whole - parts) <= MEAN_TOLERANCE * max(1.0, abs(whole)):

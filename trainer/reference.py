@@ -30,7 +30,7 @@ from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
 from .replicas import full_state
-from .runtime import build_layer, place_loss
+from .runtime import build_layer, place_loss, read_items
 
 __all__ = ["ReferenceRun", "build_layers"]
 
@@ -92,7 +92,8 @@ class ReferenceRun:
         return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
     def _batch(self, indices: Sequence[int], which: int) -> Any:
-        return self._cast(default_collate([self.dataset[i][which] for i in indices]))
+        return self._cast(default_collate(read_items(self.dataset, indices, which, self.seed,
+                                                     self.epoch)))
 
     def indices(self) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)

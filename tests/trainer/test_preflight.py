@@ -126,6 +126,106 @@ def test_an_optimizer_that_cannot_step_on_sparse_gradients_is_refused() -> None:
     assert _run(spec) == []
 
 
+class ClipSGD(torch.optim.SGD):
+    """SGD behind a gradient-norm clip over all the parameters it is given."""
+
+    def step(self, closure: Any = None) -> Any:
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
+        torch.nn.utils.clip_grad_norm_(params, 0.01)
+        return super().step(closure)
+
+
+def test_an_optimizer_coupling_the_layers_parameters_is_refused() -> None:
+    """A gradient-norm clip over all the optimizer's parameters: the runtime builds one
+    optimizer per layer, which clips each layer apart (train-check then failed, exit 1,
+    naming a layer); element-wise optimizers, parameter groups and per-instance lr
+    schedules pass."""
+    spec = _spec([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)])
+    spec["optimizer"] = lambda ps: ClipSGD(ps, lr=0.1)
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: one optimizer over all the "
+                                              r"layers' parameters steps them to other values"):
+        _run(spec)
+    for factory in (lambda ps: torch.optim.Adam(ps, lr=0.01, foreach=True, weight_decay=0.1),
+                    lambda ps: torch.optim.NAdam(
+                        [{"params": [p for p in ps if p.ndim > 1]},
+                         {"params": [p for p in ps if p.ndim <= 1], "lr": 0.003}], lr=0.01),
+                    lambda ps: torch.optim.RMSprop(ps, lr=0.01, centered=True, momentum=0.5)):
+        spec["optimizer"] = factory
+        assert _run(spec) == []
+
+
+class WarmupSGD(torch.optim.SGD):
+    """SGD with a linear lr warm-up counted in a Python attribute (not in its state_dict)."""
+
+    def __init__(self, params: Any, lr: float) -> None:
+        super().__init__(params, lr=lr, momentum=0.9)
+        self.base, self.t = lr, 0
+
+    def step(self, closure: Any = None) -> Any:
+        self.t += 1
+        for group in self.param_groups:
+            group["lr"] = self.base * min(1.0, self.t / 3)
+        return super().step(closure)
+
+
+class EmaTeacher(nn.Module):
+    """A mean teacher: an EMA of the weight in a buffer, updated in place in the forward
+    and used in a product (autograd saves it for the input's gradient)."""
+
+    def __init__(self, clone: bool) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.clone = clone
+        self.register_buffer("ema", self.lin.weight.detach().clone())
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.ema.lerp_(self.lin.weight, 0.1)
+        ema = self.ema.clone() if self.clone else self.ema
+        return torch.tanh(self.lin(h)) + F.linear(h, ema)
+
+
+def test_a_forward_overwriting_what_an_earlier_backward_needs_is_refused() -> None:
+    """Pipelines run several forwards before their backwards: the second forward's in-place
+    update of the buffer the first one's backward needs failed that backward in a rank (a
+    traceback, exit 1); the same layer using a copy of the buffer passes."""
+    with pytest.raises(ValidationError, match=r"\['layers'\]: item 1 \(EmaTeacher\) writes in "
+                                              r"its forward, in place, into a tensor that the "
+                                              r"backward of an earlier microbatch needs"):
+        _run(_spec([nn.Linear(4, 4), EmaTeacher(clone=False), nn.Linear(4, 2)]))
+    assert _run(_spec([nn.Linear(4, 4), EmaTeacher(clone=True), nn.Linear(4, 2)])) == []
+
+
+def test_an_optimizer_with_state_outside_its_state_dict_is_refused() -> None:
+    """A layer's optimizer moves to another rank by its state_dict when a plan switch moves
+    the layer: a step count kept in an attribute restarted there (train-check failed, exit
+    1, at the first plan moving a layer). Torch's optimizers and a wrapper returning its
+    scheduler's state in its state_dict pass."""
+    spec = _spec([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)])
+    spec["optimizer"] = lambda ps: WarmupSGD(ps, lr=0.1)
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: WarmupSGD steps otherwise "
+                                              r"after a fresh one is given its state_dict"):
+        _run(spec)
+    for factory in (lambda ps: torch.optim.ASGD(ps, lr=0.05, t0=1),
+                    lambda ps: torch.optim.Rprop(ps, lr=0.01),
+                    lambda ps: torch.optim.NAdam(ps, lr=0.01, decoupled_weight_decay=True,
+                                                 weight_decay=0.01)):
+        spec["optimizer"] = factory
+        assert _run(spec) == []
+
+
+def test_a_layer_failing_on_the_microbatch_train_check_chose_says_how_to_choose() -> None:
+    """BatchNorm1d fails on one sample; with no microbatch_size in the job, train-check
+    picked 1 itself (global_batch 6 over 3 ranks), which the refusal says."""
+    spec = _spec([nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)])
+    with pytest.raises(ValidationError, match=r"item 1 \(BatchNorm1d\) failed on a microbatch "
+                                              r"of 1 samples.*train-check chose microbatches "
+                                              r"of 1 sample.*'microbatch_size'"):
+        _run(spec, microbatch=1)
+    spec["microbatch_size"] = 2
+    assert _run(spec, microbatch=2) == []
+
+
 def test_a_factory_sharing_a_parameter_is_refused() -> None:
     shared = nn.Linear(4, 4)
     with pytest.raises(ValidationError, match=r"items 0 and 2 share a parameter, and one is "

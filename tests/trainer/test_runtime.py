@@ -93,6 +93,38 @@ def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -
             assert torch.equal(fast, slow)
 
 
+def test_items_augmented_at_random_are_read_alike_by_first_and_last_stage() -> None:
+    """A dataset drawing a joint augmentation in ``__getitem__``: the inputs (first stage)
+    and the targets (last stage) of the same items, read on ranks whose generators are
+    elsewhere in their streams, still belong together, and reads leave the caller's
+    generators where they were; another epoch draws anew."""
+    import random
+
+    from hetpilot.trainer._jobfns import JointFlip
+    from hetpilot.trainer.runtime import Trainer
+
+    data = JointFlip()
+    indices = list(range(16))
+    torch.manual_seed(1)
+    random.seed(1)
+    xs = Trainer._collate(data, indices, 0, 3, 1)
+    after = (torch.rand(3), random.random())
+    torch.manual_seed(1)
+    random.seed(1)
+    assert torch.equal(torch.rand(3), after[0]) and random.random() == after[1]
+    torch.manual_seed(2)
+    random.seed(2)  # the last stage's rank: its generators are in another state
+    ys = Trainer._collate(data, indices, 1, 3, 1)
+    sign = ys[:, :1] / data.y[indices, :1]
+    assert torch.allclose(sign.abs(), torch.ones_like(sign))
+    assert {float(s) for s in sign} == {-1.0, 1.0}
+    shift = xs - sign * data.x[indices]  # the same shift over an item's features
+    assert torch.allclose(ys, sign * data.y[indices])
+    assert torch.allclose(shift, shift[:, :1].expand_as(shift))
+    assert torch.equal(Trainer._collate(data, indices, 0, 3, 1), xs)
+    assert not torch.equal(Trainer._collate(data, indices, 0, 3, 2), xs)
+
+
 def test_seeded_draws_repeat_and_leave_the_generator_where_it_was() -> None:
     """A stage's forward of a microbatch draws the same numbers every time its key is the
     same, different ones for another microbatch, and the caller's stream is untouched."""

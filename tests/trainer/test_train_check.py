@@ -61,6 +61,7 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("rrelu_tiny", 5),  # RReLU's random slopes under recompute (no early stop)
         ("nonpersistent_tiny", 4),  # a non-persistent buffer the forward updates, moved
         ("weighted_tiny", 3),  # a loss module's float32 class weights; a scripted layer
+        ("augment_tiny", 3),  # random augmentation of input and target in __getitem__
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
