@@ -216,8 +216,9 @@ async def _freeze_when_warm(plane: ControlPlane) -> None:
     as long as the daemon: frozen, they are never scanned again, so what a collection
     costs follows what serving allocates. The daemon's own start-up heap (41k objects)
     took 5-10 ms per full collection on a 2-core VM; a daemon embedded in a larger
-    process (a test run that has imported torch and cvxpy, 230k objects) 75-125 ms,
-    which stalled its event loop past the 100 ms its health checks may wait."""
+    process (a test run that has imported torch and cvxpy, 230k objects) 75-90 ms, and
+    125-217 ms on the estimator's thread mid-fit, which stalled the event loop past the
+    100 ms its health checks may wait."""
     while not plane.adapter.wait_ready(0):  # polled: a thread waiting would hold up the stop
         await asyncio.sleep(1.0)
     gc.freeze()

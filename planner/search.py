@@ -181,7 +181,7 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         for k in _mixed_counts(by_speed):
             add(f"mixed-{k}-slow-first", _balanced(by_speed, k, slow_first=True))
             add(f"mixed-{k}-fast-first", _balanced(by_speed, k, slow_first=False))
-    if every_mapping and len(chain) <= _EVERY_MAPPING_DEVICES:
+    if every_mapping:
         for i, groups in enumerate(_ordered_partitions(chain)):
             add(f"mapping-{i}", groups)
     unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
