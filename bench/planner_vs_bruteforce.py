@@ -1,8 +1,9 @@
 """hetpilot's planner against brute force on small random heterogeneous cases.
 
     .venv/bin/python bench/planner_vs_bruteforce.py --cases 300 [--first-seed 0]
+    .venv/bin/python bench/planner_vs_bruteforce.py --cases 90 --devices 5   # ~4 min
 
-Each case: 3-4 devices of speeds up to 8x apart and memory from a third of the whole
+Each case: 3-4 devices (or ``--devices``; 4-5 layers from 5 devices on) of speeds up to 8x apart and memory from a third of the whole
 model's footprint to 4 times it, one host each or two hosts with fast and slow links,
 sometimes a link override; 4-8 layers, sometimes a heavy embedding first or a heavy
 output layer last; optimizer factor 1, 3 or 7; microbatch 1-4, global batch 8-32;
@@ -51,10 +52,14 @@ def full_mem_gb(model: Model, micro: int, flight: int) -> float:
     return stage_memory_mb(model, st, micro, flight) / 1000.0
 
 
-def make_case(seed: int) -> tuple[Cluster, Model, Job, dict[str, Any]]:
+def make_case(seed: int, devices: int | None = None) -> tuple[Cluster, Model, Job, dict[str, Any]]:
+    """One random case; ``devices`` fixes the device count (default: 3 or 4). Five or more
+    devices get 4-5 layers, so that brute force stays within minutes."""
     r = random.Random(seed)
     n = r.choice([3, 4, 4])
-    n_layers = r.randint(4, 8) if n == 3 else r.randint(4, 7)
+    if devices is not None:
+        n = devices
+    n_layers = r.randint(4, 8) if n == 3 else r.randint(4, 7) if n == 4 else r.randint(4, 5)
     model, shape = make_model(r, n_layers)
     micro = r.choice([1, 2, 4])
     gb = r.choice([m for m in range(8, 33) if m % micro == 0])
@@ -87,7 +92,9 @@ def make_case(seed: int) -> tuple[Cluster, Model, Job, dict[str, Any]]:
     if host_mode == "one_each":
         hosts = [f"h{i}" for i in range(n)]
     else:
-        hosts = ["h0", "h0", "h1", "h1"][:n] if n == 4 else r.choice([["h0", "h0", "h1"], ["h0", "h1", "h1"]])
+        hosts = (["h0", "h0", "h1", "h1"] if n == 4
+                 else r.choice([["h0", "h0", "h1"], ["h0", "h1", "h1"]]) if n == 3
+                 else ["h0"] * (n // 2) + ["h1"] * (n - n // 2))
     intra = r.choice([200.0, 600.0, 2400.0])
     inter = r.choice([5.0, 10.0, 25.0, 100.0]) if host_mode == "two_hosts" else r.choice([10.0, 25.0, 100.0, 400.0])
     lat = r.choice([0.0, 5.0, 20.0, 100.0])
@@ -126,12 +133,14 @@ def main() -> None:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", type=int, default=300)
     ap.add_argument("--first-seed", type=int, default=0)
+    ap.add_argument("--devices", type=int, default=None,
+                    help="devices per case (default: 3 or 4 at random; 5+ take minutes a case)")
     args = ap.parse_args()
     ratios: list[float] = []
     plan_s: list[float] = []
     worse: list[str] = []
     for seed in range(args.first_seed, args.first_seed + args.cases):
-        cluster, model, job, meta = make_case(seed)
+        cluster, model, job, meta = make_case(seed, args.devices)
         _, bf_plan = brute_force(cluster, model, job)
         t0 = time.perf_counter()
         try:

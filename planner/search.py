@@ -22,7 +22,9 @@ groups (:mod:`.assign`) and scores the whole plan with the reference model
   more apart): K pipelines of about equal total speed, slow devices beside fast
   ones (Metis' layouts for mixed GPU types);
 * ``mapping-i``: on clusters of at most 4 devices, every split into groups with
-  every stage order.
+  every stage order;
+* ``local/...``: on clusters of 5 to 16 devices, the best mappings improved one
+  move at a time (:mod:`.localsearch`).
 
 Where every group of a structure has the same devices, links and memory
 (identical pipelines) and at most four stages, the groups share one cut
@@ -48,13 +50,14 @@ import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
 from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError, InvalidPlanError
+from .localsearch import DeviceMapping, descend
 from .partition import (
     EXHAUSTIVE_STAGES,
     GroupCut,
@@ -76,6 +79,14 @@ _EXHAUSTIVE_DEVICES = 6
 _EVERY_MAPPING_DEVICES = 4
 """On clusters of up to this many devices every device mapping is a structure (on 5-6
 devices, whose every subset is tried, it tripled the planning time)."""
+_LOCAL_SEARCH_DEVICES = 16
+"""On clusters of more than :data:`_EVERY_MAPPING_DEVICES` and up to this many devices the
+best candidates are improved by local search over mappings (:mod:`.localsearch`)."""
+_LOCAL_SEARCH_STARTS = 3
+"""Candidates per schedule the local search starts from (the fastest distinct mappings)."""
+_LOCAL_SEARCH_BUDGET = 300
+"""Mappings planned per schedule, at most, over all starts (a 5-device neighbourhood is
+about 70 mappings, a 16-device one about 500; a planning takes 1-5 ms)."""
 BIG_CLUSTER = 64
 """Above this many devices the search narrows (see candidate_plans, Planner.cut)."""
 _BUILTIN = ("1f1b", "gpipe")
@@ -870,6 +881,9 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 )
                 if cand is not None:
                     found.append(cand)
+    if (pairs is None and found
+            and _EVERY_MAPPING_DEVICES < len(cluster.devices) <= _LOCAL_SEARCH_DEVICES):
+        found.extend(_local_search(planner, found, schedules))
     from .baselines import BASELINES
 
     for name, baseline in BASELINES.items() if pairs is None else ():
@@ -886,6 +900,36 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
     return found
 
 
+def _local_search(planner: Planner, found: Sequence[Candidate],
+                  schedules: Sequence[str]) -> list[Candidate]:
+    """Improvements on the :data:`_LOCAL_SEARCH_STARTS` fastest distinct mappings of each
+    schedule (:func:`.localsearch.descend`), fastest first, while the schedule's budget
+    of :data:`_LOCAL_SEARCH_BUDGET` plannings lasts; labelled ``local/<start>+<n>``."""
+    out: list[Candidate] = []
+    devices = list(planner.cluster.devices)
+    for schedule in schedules:
+        starts: dict[tuple[tuple[str, ...], ...], Candidate] = {}
+        for cand in sorted((c for c in found if c.plan.schedule == schedule),
+                           key=lambda c: c.iteration_s):
+            starts.setdefault(tuple(g.devices for g in cand.plan.groups), cand)
+            if len(starts) == _LOCAL_SEARCH_STARTS:
+                break
+        spent = [0]
+        for start in starts.values():
+            label = start.label.partition("/")[2] or start.label
+
+            def plan(groups: DeviceMapping, label: str = label, schedule: str = schedule,
+                     spent: list[int] = spent) -> Candidate | None:
+                spent[0] += 1
+                return planner.plan_structure(Structure(f"local/{label}", groups), schedule)
+
+            if spent[0] >= _LOCAL_SEARCH_BUDGET:
+                break
+            steps = descend(start, devices, plan, _LOCAL_SEARCH_BUDGET - spent[0])
+            out.extend(replace(c, label=f"{c.label}+{i + 1}") for i, c in enumerate(steps))
+    return out
+
+
 def structure_pairs(found: Sequence[Candidate], k: int) -> list[tuple[str, str]]:
     """The (structure, schedule) pairs of the k fastest planner candidates (labels
     ``subset/structure[+eagerN]``; baselines are skipped; an eager variant counts as
@@ -893,7 +937,7 @@ def structure_pairs(found: Sequence[Candidate], k: int) -> list[tuple[str, str]]
     out: list[tuple[str, str]] = []
     for cand in sorted(found, key=lambda c: c.iteration_s):
         subset, _, rest = cand.label.partition("/")
-        if not rest or subset == "baseline":
+        if not rest or subset in ("baseline", "local"):
             continue
         structure, eager, _ = rest.partition("+eager")
         pair = (structure, "1f1b" if eager else cand.plan.schedule)

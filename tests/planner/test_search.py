@@ -55,16 +55,19 @@ def test_within_two_percent_of_brute_force(seed: int) -> None:
     assert result.iteration_s <= best * 1.02
 
 
-def _uneven_case(seed: int):  # type: ignore[no-untyped-def]
-    """3-4 devices of speeds up to 8x apart, each with memory from a third of the whole
-    model's to 2.5 times it, on one host each or two hosts, sometimes a slow or fast
-    link between two devices; 4-6 layers, sometimes a heavy embedding first or a heavy
-    output layer last."""
+def _uneven_case(seed: int, devices: int | None = None):  # type: ignore[no-untyped-def]
+    """3-4 devices (or ``devices``) of speeds up to 8x apart, each with memory from a third
+    of the whole model's to 2.5 times it, on one host each or two hosts, sometimes a slow
+    or fast link between two devices; 4-6 layers (4-5 on more than 4 devices, for brute
+    force's sake), sometimes a heavy embedding first or a heavy output layer last."""
     r = random.Random(seed)
     n = r.choice([3, 4])
+    if devices is not None:
+        n = devices
     layers = [Layer(name=f"l{i}", fwd_gflop=r.uniform(5, 30), bwd_gflop=r.uniform(10, 60),
                     out_mb=r.uniform(1, 20), act_mb=r.uniform(50, 400),
-                    param_mb=r.uniform(50, 600)) for i in range(r.randint(4, 6))]
+                    param_mb=r.uniform(50, 600))
+              for i in range(r.randint(4, 6 if n <= 4 else 5))]
     if r.random() < 0.4:
         layers[0] = replace(layers[0], fwd_gflop=1.0, bwd_gflop=2.0, param_mb=r.uniform(1500, 4000))
     if r.random() < 0.4:
@@ -90,6 +93,23 @@ def test_within_two_percent_of_brute_force_on_uneven_devices(seed: int) -> None:
     than brute force (up to 12.5x): the best stage order was often neither of the few the
     structures tried. On subsets of up to 4 devices every mapping is a structure now."""
     cluster, model, job = _uneven_case(seed)
+    best, _ = brute_force(cluster, model, job)
+    if best == float("inf"):
+        with pytest.raises(InfeasibleError):
+            make_plan(cluster, model, job)
+        return
+    plan = make_plan(cluster, model, job)
+    result = evaluate(cluster, model, plan, job.global_batch)
+    assert result.valid, result.error
+    assert result.iteration_s is not None and result.iteration_s <= best * 1.02
+
+
+@pytest.mark.parametrize("seed", range(18, 28))
+def test_within_two_percent_of_brute_force_on_five_uneven_devices(seed: int) -> None:
+    """On 5 devices no structure is every mapping; local search from the best ones
+    (planner/localsearch.py) finds what the rules miss. Without it, 4 of these 10 seeds
+    were more than 2% slower than brute force (1.03-1.21x; 5 of seeds 0-29)."""
+    cluster, model, job = _uneven_case(seed, devices=5)
     best, _ = brute_force(cluster, model, job)
     if best == float("inf"):
         with pytest.raises(InfeasibleError):
