@@ -24,7 +24,8 @@ groups (:mod:`.assign`) and scores the whole plan with the reference model
 * ``mapping-i``: on clusters of at most 4 devices, every split into groups with
   every stage order;
 * ``local/...``: on clusters of 5 to 16 devices, the best mappings improved one
-  move at a time (:mod:`.localsearch`).
+  move at a time (:mod:`.localsearch`; :func:`make_plan` only, see
+  :func:`candidate_plans`).
 
 Where every group of a structure has the same devices, links and memory
 (identical pipelines) and at most four stages, the groups share one cut
@@ -809,7 +810,8 @@ _FOUND_SIZE = 64
 
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     focus: int | None = None,
-                    pairs: Collection[tuple[str, str]] | None = None) -> list[Candidate]:
+                    pairs: Collection[tuple[str, str]] | None = None,
+                    local_search: bool = False) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Memoised on everything the search reads (the cluster, the model, the batch,
@@ -831,15 +833,22 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     these (structure, schedule) pairs, on all devices of ``cluster``; no
     device subsets and no baselines. :func:`structure_pairs` reads them off
     candidates.
+
+    ``local_search`` (:func:`make_plan`, so ``hetpilot plan``): on clusters of 5 to
+    16 devices, also the best mappings improved by :mod:`.localsearch`. It costs
+    up to 300 plannings per schedule (1-3 s on 16 devices), so the controller,
+    which plans every job every slot in one process, leaves it off: with it, 8 jobs
+    on 16 devices fell behind 5 s slots (``bench/daemon_jobs.py``).
     """
     key = (cluster, _model_token(model), job.global_batch, job.microbatch_size,
-           tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)))
+           tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
+           local_search)
     with _FOUND_LOCK:
         hit = _FOUND.get(key)
         if hit is not None:
             _FOUND.move_to_end(key)
             return list(hit)
-    found = _search(cluster, model, job, focus=focus, pairs=pairs)
+    found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search)
     with _FOUND_LOCK:
         _FOUND[key] = tuple(found)
         while len(_FOUND) > _FOUND_SIZE:
@@ -848,7 +857,7 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
 
 
 def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
-            pairs: Collection[tuple[str, str]] | None) -> list[Candidate]:
+            pairs: Collection[tuple[str, str]] | None, local_search: bool) -> list[Candidate]:
     planner = Planner(cluster, model, job)
     schedules = [s for s in _BUILTIN if s in job.schedules] or ["1f1b"]
     found: list[Candidate] = []
@@ -881,7 +890,7 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 )
                 if cand is not None:
                     found.append(cand)
-    if (pairs is None and found
+    if (local_search and pairs is None and found
             and _EVERY_MAPPING_DEVICES < len(cluster.devices) <= _LOCAL_SEARCH_DEVICES):
         found.extend(_local_search(planner, found, schedules))
     from .baselines import BASELINES
@@ -962,7 +971,7 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
         if scored is None:
             raise InfeasibleError(f"{policy}: its plan does not fit in memory")
         return scored.plan
-    found = candidate_plans(cluster, model, job, focus=3)
+    found = candidate_plans(cluster, model, job, focus=3, local_search=True)
     if not found:
         raise InfeasibleError(
             "no plan fits in memory: no device or pipeline of devices can hold the model "
