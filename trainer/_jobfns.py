@@ -92,13 +92,26 @@ def bn_tiny() -> dict[str, Any]:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(48, 4, generator=gen) * 3 + 1
     y = torch.randint(0, 3, (48,), generator=gen)
-    # no bias before BatchNorm (as in ResNets): its gradient is zero in exact arithmetic, and
-    # Adam would turn the rounding noise in it into steps of lr * 1e-8 (train-check names it)
+    # no bias before BatchNorm (as in ResNets); bnbias_tiny has one
     layers = [nn.Sequential(nn.Linear(4, 8, bias=False), nn.BatchNorm1d(8), nn.ReLU()),
               nn.Sequential(nn.Linear(8, 8, bias=False), nn.BatchNorm1d(8, momentum=None),
                             nn.ReLU()),
               nn.Linear(8, 3)]
     return _job(layers, x, y, nn.functional.cross_entropy, batch=24)  # BatchNorm: m >= 2
+
+
+def bnbias_tiny() -> dict[str, Any]:
+    """A bias right before BatchNorm under Adam, as users write it: that bias's gradient is
+    zero in exact arithmetic, so it is rounding noise that Adam scales up; train-check must
+    tell that from a wrong gradient (its noise floor) instead of failing the run."""
+    torch.manual_seed(4)
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(96, 4, generator=gen)
+    y = torch.randn(96, 2, generator=gen)
+    layers = [nn.Sequential(nn.Linear(4 if i == 0 else 16, 16), nn.BatchNorm1d(16), nn.ReLU())
+              for i in range(3)] + [nn.Linear(16, 2)]
+    return _job(layers, x, y, nn.functional.mse_loss, batch=24,
+                optimizer=lambda params: torch.optim.Adam(params, lr=0.01))
 
 
 class Split(nn.Module):

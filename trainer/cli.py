@@ -39,7 +39,8 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--tolerance", type=float, default=None,
                             help="largest difference allowed: absolute, default 1e-9 "
-                                 "(float64); under --dtype bfloat16/float16 the relative "
+                                 "(float64, beyond each tensor's rounding-noise floor: "
+                                 "docs/trainer.md); under --dtype bfloat16/float16 the relative "
                                  "difference from plain float32 (default 0.1 / 0.05; the "
                                  "check against the same precision in one process keeps 0.5)")
         parser.add_argument("--dtype", choices=("float64", "bfloat16", "float16"),
