@@ -439,3 +439,45 @@ def augment_tiny() -> dict[str, Any]:
     return {"layers": layers, "loss": nn.functional.mse_loss,
             "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
             "dataset": JointFlip(), "global_batch": 12}
+
+
+class _RandomSign:
+    """A transform holding its own ``torch.Generator``, as augmentation objects do."""
+
+    def __init__(self) -> None:
+        self.gen = torch.Generator().manual_seed(17)
+
+    def __call__(self) -> float:
+        return -1.0 if float(torch.rand((), generator=self.gen)) < 0.5 else 1.0
+
+
+class OwnGenerators(torch.utils.data.Dataset[tuple[torch.Tensor, torch.Tensor]]):
+    """Like :class:`JointFlip`, but drawing from generators the dataset holds: a numpy
+    ``Generator`` attribute (``np.random.default_rng``) and a transform's
+    ``torch.Generator``, not the global ones."""
+
+    def __init__(self) -> None:
+        import numpy as np
+
+        gen = torch.Generator().manual_seed(17)
+        self.x = torch.randn(48, 5, generator=gen)
+        self.y = self.x @ torch.randn(5, 2, generator=gen)
+        self.rng = np.random.default_rng(17)
+        self.transforms = [_RandomSign()]
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        sign = self.transforms[0]()
+        shift = float(self.rng.random())
+        return sign * self.x[i] + shift, sign * self.y[i]
+
+
+def owngen_tiny() -> dict[str, Any]:
+    """:func:`augment_tiny` with the dataset's own generators, reached through a ``Subset``."""
+    torch.manual_seed(17)
+    layers = [nn.Linear(5, 8), nn.Tanh(), nn.Linear(8, 2)]
+    return {"layers": layers, "loss": nn.functional.mse_loss,
+            "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
+            "dataset": torch.utils.data.Subset(OwnGenerators(), range(48)), "global_batch": 12}

@@ -53,8 +53,9 @@ Dropout and other random draws in a layer's forward are compared exactly:
 each stage's forward of each microbatch draws from generators seeded by the
 data position, the group, the stage's first layer and the microbatch
 (:func:`hetpilot.trainer.pipeline.microbatch_seed`), and the reference seeds
-the same way. Randomness elsewhere (in the loss, or from a generator of the
-job's own) must be deterministic.
+the same way; dataset items are read under per-item seeds
+(:mod:`hetpilot.trainer.itemseed`), the dataset's own generators included.
+Randomness elsewhere (in the loss) must be deterministic.
 """
 
 from __future__ import annotations

@@ -56,10 +56,11 @@ from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
 from .activations import map_tensors
+from .itemseed import read_items
 from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
-from .runtime import build_layer, copy_layers, place_loss, read_items
+from .runtime import build_layer, copy_layers, place_loss
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
 

@@ -26,11 +26,12 @@ from torch import nn
 from torch.utils.data import default_collate
 
 from .activations import map_tensors
+from .itemseed import read_items
 from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
 from .replicas import full_state
-from .runtime import build_layer, place_loss, read_items
+from .runtime import build_layer, place_loss
 
 __all__ = ["ReferenceRun", "build_layers"]
 

@@ -37,11 +37,9 @@ step counter and the data order carry on unchanged.
 from __future__ import annotations
 
 import functools
-import hashlib
 import io
 import json
 import logging
-import random
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -58,6 +56,7 @@ from torch.utils.data import TensorDataset, default_collate
 from hetpilot.emulation import EmulationFile, allreduce_s
 
 from .gradsync import Bucket, GradSync
+from .itemseed import read_items
 from .pipeline import StageRunner, StageStats, microbatch_seed
 from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, precision_for
@@ -72,7 +71,7 @@ from .replicas import (
 )
 
 __all__ = ["EVAL_EPOCH", "JsonlReporter", "NoPlanError", "Trainer", "build_layer", "copy_layers",
-           "item_seed", "layer_seed", "place_loss", "read_items"]
+           "layer_seed", "place_loss"]
 
 LayerSpec = nn.Module | Callable[[], nn.Module]
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -152,55 +151,6 @@ def place_loss(loss_fn: Any, device: torch.device | None, dtype: torch.dtype | N
 
 EVAL_EPOCH = -1
 """The epoch under which the held-out set's items are read (:func:`read_items`)."""
-
-
-def item_seed(seed: int, epoch: int, index: int) -> int:
-    """Seed of the random draws made while reading dataset item ``index`` in ``epoch``."""
-    key = f"item/{seed}/{epoch}/{index}".encode()
-    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") >> 1
-
-
-def read_items(dataset: Any, indices: Sequence[int], which: int, seed: int, epoch: int
-               ) -> list[Any]:
-    """``dataset[i][which]`` for each of ``indices``, each read with torch's, Python's and
-    numpy's global generators seeded by :func:`item_seed` (their states restored after).
-
-    A stage reads only the inputs (the first) or the targets (the last) of its
-    microbatches, on its own rank, and every rank's generators are in another state, so
-    a dataset augmenting at random in ``__getitem__`` (a random crop, a joint flip of an
-    image and its mask) would otherwise give a target that does not belong to the input
-    the first stage read. Seeded per item, every read of an item in an epoch gives the
-    same item, on every rank and in train-check's one-process reference, and the draws
-    still change from epoch to epoch. About 30 us per item."""
-    if not len(indices):
-        return []
-    state = torch.default_generator.get_state()
-    py_state = random.getstate()
-    np_random = _numpy_random()
-    np_state = np_random.get_state() if np_random is not None else None
-    try:
-        items = []
-        for i in indices:
-            s = item_seed(seed, epoch, int(i))
-            torch.default_generator.manual_seed(s)
-            random.seed(s)
-            if np_random is not None:
-                np_random.seed(s % 2**32)
-            items.append(dataset[i][which])
-        return items
-    finally:
-        torch.default_generator.set_state(state)
-        random.setstate(py_state)
-        if np_random is not None:
-            np_random.set_state(np_state)
-
-
-def _numpy_random() -> Any:
-    try:
-        import numpy
-    except ImportError:  # numpy is optional for torch
-        return None
-    return numpy.random
 
 
 class JsonlReporter:
