@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/sim_compare.py examples/scenarios/spot-price.json \\
         [--policies lyapunov,static,budget-greedy,fastest] [--slots N] [--noise F --seed S]
+        [--local-search-budget N]
 
 Per policy: average iteration time (reference model on each slot's truth,
 and with switching time charged), average cost rates, the same after the
@@ -28,6 +29,9 @@ def main() -> None:
     ap.add_argument("--noise", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--V", type=float, dest="V")
+    ap.add_argument("--local-search-budget", type=int,
+                    help="the controllers' plannings per schedule per slot (default: "
+                         "ControllerConfig's; 0: no carried local search)")
     args = ap.parse_args()
     sc = load_scenario(args.scenario)
     tl = Timeline(sc, args.slots)
@@ -36,7 +40,8 @@ def main() -> None:
     for name in args.policies.split(","):
         t0 = time.perf_counter()
         recs = list(simulate(sc, name, slots=args.slots, noise=args.noise, seed=args.seed,
-                             V=args.V, timeline=tl, search=search))
+                             V=args.V, timeline=tl, search=search,
+                             local_search_budget=args.local_search_budget))
         s = summarize(recs)
         s["wall_s"] = time.perf_counter() - t0
         rows.append(s)

@@ -141,6 +141,9 @@ class ControllerConfig:
     """Iterations in one slot (epoch size / global batch), if known."""
     cost_subsets: bool = True
     """Also search without the least cost-efficient devices when budgets are set."""
+    local_search_budget: int = 24
+    """On 5-16 devices: mappings the local search (:class:`~.search.CarriedDescent`)
+    plans per schedule per slot, resuming from the last slot's best; 0 turns it off."""
     policy: str = "lyapunov"
     """One of :data:`POLICIES`: ``lyapunov`` minimises ``V*T + sum Q*c``;
     ``fastest`` ignores budgets; ``budget-greedy`` takes the fastest candidate
@@ -222,10 +225,11 @@ class ControllerConfig:
             raise ValidationError("config.slot_s", f"must be > 0, got {self.slot_s}")
         if not (math.isfinite(self.hysteresis) and self.hysteresis >= 0):
             raise ValidationError("config.hysteresis", f"must be >= 0, got {self.hysteresis}")
-        for name in ("learn_window", "repay_slots", "mix_max_cycle", "repay_max_slots", "mix_after"):
-            if getattr(self, name) < (0 if name == "learn_window" else 1):
-                raise ValidationError(f"config.{name}", f"must be >= {0 if name == 'learn_window' else 1}, "
-                                      f"got {getattr(self, name)}")
+        for name in ("learn_window", "repay_slots", "mix_max_cycle", "repay_max_slots", "mix_after",
+                     "local_search_budget"):
+            low = 0 if name in ("learn_window", "local_search_budget") else 1
+            if getattr(self, name) < low:
+                raise ValidationError(f"config.{name}", f"must be >= {low}, got {getattr(self, name)}")
         for name in ("max_credit", "mix_overhead", "repay_rate", "learn_smoothing"):
             if not (math.isfinite(getattr(self, name)) and getattr(self, name) >= 0):
                 raise ValidationError(f"config.{name}", f"must be >= 0, got {getattr(self, name)}")
@@ -403,6 +407,9 @@ class Controller:
         self._mix_err = 0.0  # its running total of cost over the target (cost rate x slots)
         self._tie_dear = False  # this slot's ties go to the dearer plan (tie_share 1)
         self._horizon = float(self.config.repay_slots)  # slots this slot's debt is spread over
+        from .search import CarriedDescent
+
+        self._descent = CarriedDescent(self.config.local_search_budget)
 
     # -- public surface ------------------------------------------------------
 
@@ -743,6 +750,7 @@ class Controller:
                     found.append(cand)
             except InfeasibleError:
                 continue
+        found.extend(self._descent(observed, self.model, job, found))
         return found
 
     def _running_candidate(self, observed: Cluster) -> tuple[Candidate | None, str | None]:

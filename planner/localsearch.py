@@ -31,25 +31,26 @@ from collections.abc import Callable, Iterator, Sequence
 from .candidates import Candidate
 from .types import Device
 
-__all__ = ["DeviceMapping", "descend", "neighbours"]
+__all__ = ["DeviceMapping", "descend", "mapping_key", "neighbours"]
 
 DeviceMapping = tuple[tuple[Device, ...], ...]
 """Groups of devices, each in stage order."""
 
 
-def _key(groups: DeviceMapping) -> tuple[tuple[str, ...], ...]:
+def mapping_key(groups: DeviceMapping) -> tuple[tuple[str, ...], ...]:
+    """The device ids of ``groups``, group by group in stage order."""
     return tuple(tuple(d.id for d in g) for g in groups)
 
 
 def neighbours(groups: DeviceMapping, unused: Sequence[Device]) -> Iterator[DeviceMapping]:
     """Every mapping one move away from ``groups`` (module docstring), each once; none
     empty. ``unused``: devices of the cluster that ``groups`` leaves out."""
-    seen = {_key(groups)}
+    seen = {mapping_key(groups)}
     pos = [(gi, si) for gi, g in enumerate(groups) for si in range(len(g))]
 
     def emit(new: list[list[Device]]) -> Iterator[DeviceMapping]:
         out = tuple(tuple(g) for g in new if g)
-        k = _key(out)
+        k = mapping_key(out)
         if out and k not in seen:
             seen.add(k)
             yield out
@@ -92,7 +93,8 @@ def neighbours(groups: DeviceMapping, unused: Sequence[Device]) -> Iterator[Devi
 
 
 def descend(start: Candidate, devices: Sequence[Device],
-            plan: Callable[[DeviceMapping], Candidate | None], budget: int) -> list[Candidate]:
+            plan: Callable[[DeviceMapping], Candidate | None], budget: int,
+            tried: set[tuple[tuple[str, ...], ...]] | None = None) -> list[Candidate]:
     """Descent from ``start`` over :func:`neighbours`, taking the first faster neighbour
     each time, planning at most ``budget`` mappings; returns each improvement found, in
     order (the last is the best), or nothing when ``start`` is a local optimum.
@@ -100,18 +102,23 @@ def descend(start: Candidate, devices: Sequence[Device],
     First improvement rather than steepest descent: on 16 devices a neighbourhood is
     about 500 mappings, and under the same budget steepest descent stopped after one
     or two steps where first improvement went on to plans up to 18% faster (PipeDream's
-    VGG16 on its 16-GPU cluster: 0.82 against 0.67 s)."""
+    VGG16 on its 16-GPU cluster: 0.82 against 0.67 s).
+
+    ``tried``: mappings planned before on the same cluster, skipped, and updated with
+    those planned now (:class:`.search.CarriedDescent` resumes a descent over slots: a
+    mapping that was not faster than the best then cannot be faster than the best now)."""
     by_id = {d.id: d for d in devices}
     current = tuple(tuple(by_id[s.device] for s in g.stages) for g in start.plan.groups)
     best_s = start.iteration_s
-    tried = {_key(current)}
+    tried = set() if tried is None else tried
+    tried.add(mapping_key(current))
     out: list[Candidate] = []
     while budget > 0:
         used = {d.id for g in current for d in g}
         unused = [d for d in devices if d.id not in used]
         step: tuple[Candidate, DeviceMapping] | None = None
         for groups in neighbours(current, unused):
-            k = _key(groups)
+            k = mapping_key(groups)
             if k in tried:
                 continue
             tried.add(k)

@@ -141,19 +141,23 @@ def simulate(
     slots: int | None = None,
     V: float | None = None,
     hysteresis: float | None = None,
+    local_search_budget: int | None = None,
     timeline: Timeline | None = None,
     search: SearchFn | None = None,
     make_plan: MakePlanFn | None = None,
 ) -> Iterator[SlotRecord]:
     """Run one policy through the scenario, yielding one record per slot.
 
-    ``V`` overrides the job's V (V events still apply later). Deterministic:
+    ``V`` overrides the job's V (V events still apply later); ``hysteresis`` and
+    ``local_search_budget`` the controller's defaults (:class:`ControllerConfig`). Deterministic:
     the same arguments give the same records.
     """
     tl = timeline or Timeline(scenario, slots)
     n = min(len(tl), scenario.slots if slots is None else slots)
     job = scenario.job if V is None else replace(scenario.job, V=V)
     kwargs: dict[str, Any] = {} if hysteresis is None else {"hysteresis": hysteresis}
+    if local_search_budget is not None:
+        kwargs["local_search_budget"] = local_search_budget
     pol = make_policy(policy, scenario.model, job, iterations_per_slot=scenario.iterations_per_slot,
                       search=search, make_plan=make_plan, **kwargs)
     observer = Observer(tl, noise, seed)

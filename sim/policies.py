@@ -173,12 +173,13 @@ def make_policy(
     *,
     iterations_per_slot: int,
     hysteresis: float = ControllerConfig.hysteresis,
+    local_search_budget: int = ControllerConfig.local_search_budget,
     search: SearchFn | None = None,
     make_plan: MakePlanFn | None = None,
 ) -> Policy:
     if name in CONTROLLED:
         config = ControllerConfig(policy=name, iterations_per_slot=iterations_per_slot,
-                                  hysteresis=hysteresis)
+                                  hysteresis=hysteresis, local_search_budget=local_search_budget)
         return _Controlled(name, model, job, config, search)
     if name in BASELINES:
         if make_plan is None:

@@ -350,6 +350,8 @@ def test_config_is_validated() -> None:
         ControllerConfig(policy="yolo")
     with pytest.raises(ValidationError, match=r"config\.hysteresis"):
         ControllerConfig(hysteresis=-1)
+    with pytest.raises(ValidationError, match=r"config\.local_search_budget: must be >= 0"):
+        ControllerConfig(local_search_budget=-1)
 
 
 # -- switching cost -----------------------------------------------------------------
