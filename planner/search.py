@@ -837,8 +837,9 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     ``local_search`` (:func:`make_plan`, so ``hetpilot plan``): on clusters of 5 to
     16 devices, also the best mappings improved by :mod:`.localsearch`. It costs
     up to 300 plannings per schedule (1-3 s on 16 devices), so the controller,
-    which plans every job every slot in one process, leaves it off: with it, 8 jobs
-    on 16 devices fell behind 5 s slots (``bench/daemon_jobs.py``).
+    which plans every job every slot in one process, leaves it off (with it, 8 jobs
+    on 16 devices fell behind 5 s slots, ``bench/daemon_jobs.py``) and carries a
+    budgeted one from slot to slot instead (:class:`CarriedDescent`).
     """
     key = (cluster, _model_token(model), job.global_batch, job.microbatch_size,
            tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
