@@ -422,6 +422,11 @@ class Controller:
         return self._version
 
     @property
+    def local_search_planned(self) -> int:
+        """Mappings the carried local search (:class:`~.search.CarriedDescent`) has planned."""
+        return self._descent.planned
+
+    @property
     def queues(self) -> Mapping[str, float]:
         return MappingProxyType(dict(self._queues))
 

@@ -359,12 +359,13 @@ def _controller_after(cluster: Cluster, model: Model, job: Job, slots: int, budg
     from hetpilot.planner.controller import Controller, ControllerConfig
 
     ctl = Controller(model, job, ControllerConfig(policy="fastest", hysteresis=0.0,
+                                                  iterations_per_slot=10**9,  # any gain pays
                                                   local_search_budget=budget))
     spent, before, t = [], 0, float("inf")
     for _ in range(slots):
         t = ctl.step(cluster).iteration_s
-        spent.append(ctl._descent.planned - before)
-        before = ctl._descent.planned
+        spent.append(ctl.local_search_planned - before)
+        before = ctl.local_search_planned
     return t, spent
 
 
