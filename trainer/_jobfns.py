@@ -13,15 +13,35 @@ models are in :mod:`hetpilot.trainer.examples`.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["attention_tiny", "augment_tiny", "bn_tiny", "dropout_tiny", "frozen_tiny", "groups_tiny",
-           "inplace_tiny", "nonpersistent_tiny", "norm_first", "pytree_tiny", "reused_tiny",
-           "rrelu_tiny", "sparse_tiny", "specnorm_tiny", "tied_tiny", "unused_tiny",
-           "weighted_tiny"]
+__all__ = [
+    "attention_tiny",
+    "augment_tiny",
+    "bn_tiny",
+    "bnbias_tiny",
+    "dataclass_tiny",
+    "dropout_tiny",
+    "frozen_tiny",
+    "groups_tiny",
+    "inplace_tiny",
+    "nonpersistent_tiny",
+    "norm_first",
+    "owngen_tiny",
+    "pytree_tiny",
+    "reused_tiny",
+    "rrelu_tiny",
+    "sparse_tiny",
+    "specnorm_tiny",
+    "spectral_tiny",
+    "tied_tiny",
+    "unused_tiny",
+    "weighted_tiny",
+]
 
 
 def _job(layers: list[Any], x: torch.Tensor, y: torch.Tensor, loss: Any,
@@ -481,3 +501,91 @@ def owngen_tiny() -> dict[str, Any]:
     return {"layers": layers, "loss": nn.functional.mse_loss,
             "optimizer": lambda params: torch.optim.Adam(params, lr=0.02),
             "dataset": torch.utils.data.Subset(OwnGenerators(), range(48)), "global_batch": 12}
+
+
+@dataclass
+class Hidden:
+    """A layer output as HuggingFace-style models return them: a dataclass, not registered
+    with torch's pytree."""
+
+    h: torch.Tensor
+    gate: torch.Tensor
+
+
+class ProduceHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> Hidden:
+        return Hidden(torch.tanh(self.a(x)), torch.sigmoid(x.sum(dim=1, keepdim=True)))
+
+
+class RelayHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b = nn.Linear(8, 8)
+
+    def forward(self, v: Hidden) -> Hidden:
+        return Hidden(torch.tanh(self.b(v.h)) * v.gate, v.gate)
+
+
+class ConsumeHidden(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, v: Hidden) -> torch.Tensor:
+        return self.fc(v.h)
+
+
+def dataclass_tiny() -> dict[str, Any]:
+    """Layers passing a dataclass across cuts: its tensors must carry their gradients back
+    (unregistered, it crossed as one pickled leaf and the layers before the cut stopped
+    learning)."""
+    torch.manual_seed(18)
+    gen = torch.Generator().manual_seed(18)
+    x, y = torch.randn(48, 5, generator=gen), torch.randn(48, 2, generator=gen)
+    return _job([ProduceHidden(), RelayHidden(), ConsumeHidden()], x, y,
+                nn.functional.mse_loss)
+
+
+class ToSpectrum(nn.Module):
+    """FNO-style: the layer's output is complex (``torch.fft.rfft``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.fft.rfft(self.lin(x), dim=1)
+
+
+class SpectralMix(nn.Module):
+    def __init__(self, modes: int, channels: int) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(modes, channels, 2) * 0.3)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return z * torch.view_as_complex(self.w)
+
+
+class FromSpectrum(nn.Module):
+    def __init__(self, n: int) -> None:
+        super().__init__()
+        self.n = n
+        self.out = nn.Linear(4, 1)
+
+    def forward(self, z: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.fft.irfft(z, n=self.n, dim=1)).squeeze(-1)
+
+
+def spectral_tiny() -> dict[str, Any]:
+    """Complex activations crossing cuts (their gradients go back; a receiver that took
+    only floating leaves as needing one hung the sender until gloo's timeout)."""
+    torch.manual_seed(19)
+    gen = torch.Generator().manual_seed(19)
+    x = torch.randn(48, 8, 2, generator=gen)
+    y = torch.roll(x[..., 0], 1, 1) + 0.5 * x[..., 1]
+    return _job([ToSpectrum(), SpectralMix(5, 4), FromSpectrum(8)], x, y,
+                nn.functional.mse_loss)

@@ -1,7 +1,8 @@
 """Activations as pytrees across a pipeline cut: flatten, describe, send, rebuild.
 
-A layer may return any nesting of tuples, lists and dicts (``nn.LSTM`` returns
-``(out, (h, c))``, HuggingFace-style blocks return dicts); the next stage's
+A layer may return any nesting of tuples, lists, dicts, namedtuples and dataclasses
+(``nn.LSTM`` returns ``(out, (h, c))``, HuggingFace-style blocks return dicts or
+dataclasses, registered as pytree nodes on first sight); the next stage's
 first layer gets exactly that structure back. Following
 ``torch.distributed.pipelining``, the value is flattened with
 ``torch.utils._pytree`` into tensor leaves and everything else; a small
@@ -9,7 +10,7 @@ header carries the tree spec, each tensor's shape, dtype and whether it needs
 a gradient, and the non-tensor leaves (metadata), then each tensor leaf goes
 as its own message in its own dtype (integer token ids stay integers).
 
-The backward message is one gradient per floating leaf that required a
+The backward message is one gradient per floating or complex leaf that required a
 gradient, in leaf order; the sender of the forward knows which from its own
 output, so no header is needed. A leaf whose gradient autograd left ``None``
 (an output the next stage never used) is sent as zeros.
@@ -22,6 +23,8 @@ microbatches per iteration within a 31-bit tag.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import pickle
 import warnings
 from collections.abc import Callable
@@ -35,12 +38,14 @@ import torch.utils._pytree as pytree
 __all__ = [
     "LEAF_BITS",
     "Received",
+    "describe",
     "flatten",
     "grad_leaves",
     "map_tensors",
     "nbytes",
     "recv_activation",
     "recv_grads",
+    "register_dataclasses",
     "send_activation",
     "send_grads",
     "tag",
@@ -55,13 +60,63 @@ def tag(k: int, backward: bool, slot: int) -> int:
     return ((2 * k + (1 if backward else 0)) << LEAF_BITS) | slot
 
 
+def register_dataclasses(value: Any) -> None:
+    """Register the dataclass types in ``value`` that torch's pytree does not know as pytree
+    nodes (``torch.utils._pytree.register_dataclass``), so that their tensors are leaves.
+
+    Unregistered, a dataclass a layer returns is one opaque leaf: across a cut it went
+    pickled in the header, its tensors without gradients, and the layers before the cut
+    silently stopped learning. Registering is process-wide, as the user's own call would
+    be; the receiving rank registers the types named in the tree spec
+    (:func:`_register_spec_types`)."""
+    stack, seen = [value], set()
+    while stack:
+        v = stack.pop()
+        if id(v) in seen or isinstance(v, (torch.Tensor, str, bytes, int, float, type)):
+            continue
+        seen.add(id(v))
+        if dataclasses.is_dataclass(v):
+            if type(v) not in pytree.SUPPORTED_NODES:
+                with contextlib.suppress(ValueError, TypeError):
+                    pytree.register_dataclass(type(v))
+            stack.extend(getattr(v, f.name, None) for f in dataclasses.fields(v))
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+        elif isinstance(v, dict):
+            stack.extend(v.values())
+
+
+def _register_spec_types(spec: Any) -> None:
+    node_type = getattr(spec, "type", None)
+    if (isinstance(node_type, type) and dataclasses.is_dataclass(node_type)
+            and node_type not in pytree.SUPPORTED_NODES):
+        with contextlib.suppress(ValueError, TypeError):
+            pytree.register_dataclass(node_type)
+    for child in getattr(spec, "children_specs", ()):
+        _register_spec_types(child)
+
+
 def flatten(value: Any) -> tuple[list[Any], Any]:
+    register_dataclasses(value)
     return pytree.tree_flatten(value)
 
 
 def map_tensors(fn: Callable[[torch.Tensor], Any], value: Any) -> Any:
     """``fn`` on every tensor leaf of ``value``, other leaves unchanged."""
+    register_dataclasses(value)
     return pytree.tree_map(lambda v: fn(v) if isinstance(v, torch.Tensor) else v, value)
+
+
+def _hidden_tensor(leaf: Any) -> str | None:
+    """The attribute of an opaque (non-pytree) leaf that holds a tensor, if any."""
+    attrs = getattr(leaf, "__dict__", None)
+    if not isinstance(attrs, dict):
+        return None
+    for name, v in attrs.items():
+        if isinstance(v, torch.Tensor) or (isinstance(v, (list, tuple)) and any(
+                isinstance(x, torch.Tensor) for x in v)):
+            return name
+    return None
 
 
 def nbytes(value: Any) -> int:
@@ -84,13 +139,23 @@ class Received:
     """Those leaves, in leaf order (their ``.grad`` goes back after the backward)."""
 
 
-def _describe(leaves: list[Any]) -> list[Any]:
+def describe(leaves: list[Any]) -> list[Any]:
+    """The header's description of flattened leaves; raises ValueError for an opaque leaf
+    holding a tensor (which would cross without its gradient)."""
     out: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
             out.append(("t", tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
                         bool(leaf.requires_grad)))
         else:
+            hidden = _hidden_tensor(leaf)
+            if hidden is not None:
+                raise ValueError(
+                    f"an activation crossing a pipeline cut holds a tensor in "
+                    f"{type(leaf).__qualname__}.{hidden}, an object torch's pytree cannot see "
+                    "into: its tensors would cross without gradients. Return tuples, lists, "
+                    "dicts, namedtuples or dataclasses, or register the class "
+                    "(torch.utils._pytree.register_pytree_node)")
             out.append(("v", leaf))
     return out
 
@@ -110,13 +175,15 @@ def _load_spec(dumped: tuple[str, Any]) -> Any:
         return pytree.treespec_loads(data)
     with warnings.catch_warnings():  # unpickling a spec warns about torch-internal names
         warnings.simplefilter("ignore", FutureWarning)
-        return pickle.loads(data)
+        spec = pickle.loads(data)
+    _register_spec_types(spec)  # a dataclass the sender registered (register_dataclasses)
+    return spec
 
 
 def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
     """Start sending ``value`` (non-blocking); returns (work, buffer) pairs to wait on."""
     leaves, spec = flatten(value)
-    blob = pickle.dumps((_dump_spec(spec), _describe(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
+    blob = pickle.dumps((_dump_spec(spec), describe(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
     head = torch.zeros(_HEADER_BYTES, dtype=torch.uint8)
     n = len(blob)
@@ -166,7 +233,7 @@ def recv_activation(src: int, k: int, device: torch.device) -> Received:
         buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
         dist.recv(buf, src=src, tag=tag(k, False, slot))
         slot += 1
-        if requires_grad and buf.is_floating_point():
+        if requires_grad and (buf.is_floating_point() or buf.is_complex()):
             buf.requires_grad_(True)
             needs_grad.append(buf)
         leaves.append(buf)

@@ -155,7 +155,7 @@ def loss_problem(loss: Any) -> str | None:
 
 def _storages(value: Any) -> set[int]:
     return {t.untyped_storage().data_ptr() for t in pytree.tree_leaves(value)
-            if isinstance(t, torch.Tensor) and t.is_floating_point()}
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex())}
 
 
 def _shares_storage(out: Any, inp: Any) -> bool:
@@ -326,7 +326,7 @@ class StageRunner:
         Each layer runs on a copy until its first call shows whether it writes into its
         input; the layers that do keep the copy, the others run on the input itself from
         then on."""
-        copy = map_tensors(lambda t: t.clone() if t.is_floating_point() else t, x)
+        copy = map_tensors(lambda t: t.clone() if t.is_floating_point() or t.is_complex() else t, x)
         leaves = [t for t in pytree.tree_leaves(copy) if isinstance(t, torch.Tensor)]
         before = [t._version for t in leaves]
         out = self.layers[i](copy)

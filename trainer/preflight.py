@@ -55,7 +55,7 @@ from torch import nn
 from torch.utils import _pytree as pytree
 from torch.utils.data import default_collate
 
-from .activations import map_tensors
+from .activations import describe, flatten, map_tensors
 from .itemseed import read_items
 from .pipeline import loss_problem, seeded
 from .precision import Precision
@@ -98,6 +98,11 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
                                         f"{type(exc).__name__}: {exc}"
                                         f"{_dtype_hint(exc, dtype, drift)}"
                                         f"{_size_hint(spec, microbatch)}") from exc
+                if i + 1 < len(layers):  # a cut may follow: its activation must cross
+                    try:
+                        describe(flatten(x)[0])
+                    except ValueError as exc:
+                        raise bad("layers", f"item {i} ({type(layer).__name__}): {exc}") from exc
                 if twin is not None:
                     _refuse_hidden_state(i, *twin, bad)
                     _refuse_overwritten_saved(i, *twin, bad)
@@ -300,8 +305,8 @@ def _size_hint(spec: dict[str, Any], microbatch: int) -> str:
 
 def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
                 what: str = "a layer") -> str:
-    text = str(exc)
-    if dtype == torch.float64 and "Double" in text and ("Float" in text or "Half" in text):
+    text = str(exc).lower()  # "Double"/"Float" in most messages, "double"/"float" in conv's
+    if dtype == torch.float64 and "double" in text and ("float" in text or "half" in text):
         return (f" ({drift + '; ' if drift else ''}train-check runs float64: {what} must "
                 "compute in its input's dtype, not cast to float32 with .float() or use "
                 "float32 tensors of its own (class weights: pass them in the output's dtype, "
@@ -534,8 +539,8 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     return (f"the loss is not a mean over samples: on the first global batch's outputs it is "
             f"{whole:.6g}, but the {m}/{b}-weighted sum of its microbatches' losses is "
             f"{parts:.6g} (a mean over a varying count or weight, such as cross_entropy's "
-            "ignore_index on padded targets or its class weight=?). Every plan trains on the weighted sum, as gradient "
-            "accumulation does, so the objective depends on the microbatch size; "
+            "ignore_index on padded targets or its class weights (weight=w)). Every plan "
+            "trains on the weighted sum, as gradient accumulation does, so the objective depends on the microbatch size; "
             "train-check compares like with like. See docs/trainer.md, 'Loss'.")
 
 

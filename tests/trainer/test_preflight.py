@@ -75,6 +75,46 @@ def test_what_cannot_train_is_refused_naming_the_key(layers: list[Any], loss: An
     assert words in str(info.value)
 
 
+class Opaque:
+    """Not a pytree node, not a dataclass: torch's pytree sees one leaf."""
+
+    def __init__(self, h: torch.Tensor) -> None:
+        self.h = h
+
+
+class ToOpaque(nn.Module):
+    def forward(self, h: torch.Tensor) -> Opaque:
+        return Opaque(h)
+
+
+class FromOpaque(nn.Module):
+    def forward(self, v: Opaque) -> torch.Tensor:
+        return v.h
+
+
+def test_an_activation_hiding_a_tensor_from_pytree_is_refused_naming_the_layer() -> None:
+    """Across a cut its tensor would go pickled, without a gradient."""
+    with pytest.raises(ValidationError, match=r"item 1 \(ToOpaque\): an activation crossing a "
+                                              r"pipeline cut holds a tensor in Opaque\.h"):
+        _run(_spec([nn.Linear(4, 4), ToOpaque(), FromOpaque(), nn.Linear(4, 2)]))
+
+
+class ConvOfFloat32(nn.Module):
+    """uint8 images made float32 with ``.float()``: conv's dtype error is in lower case."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(1, 2, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.conv(x.float().unsqueeze(1)).flatten(1)[:, :2]
+
+
+def test_the_float64_hint_comes_with_convs_lower_case_dtype_error() -> None:
+    with pytest.raises(ValidationError, match=r"train-check runs float64"):
+        _run(_spec([ConvOfFloat32(), nn.Linear(2, 2)]))
+
+
 def test_a_layer_returning_float32_is_named_when_the_next_one_fails() -> None:
     with pytest.raises(ValidationError, match=r"item 1 \(ToFloat32\) returned float32 values"):
         _run(_spec([nn.Linear(4, 4), ToFloat32(), nn.Linear(4, 2)]))
@@ -277,7 +317,7 @@ def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() ->
     data = torch.utils.data.TensorDataset(x, y)
     weighted = nn.CrossEntropyLoss(weight=torch.tensor([1.0, 2.0, 0.5]))
     notes = _run(_spec([nn.Linear(4, 3)], weighted, data))
-    assert len(notes) == 1 and "class weight=" in notes[0]
+    assert len(notes) == 1 and "class weights (weight=w)" in notes[0]
     assert weighted.weight.dtype == torch.float32  # the job's own module is left alone
     assert _run(_spec([nn.Linear(4, 3)], nn.CrossEntropyLoss(), data)) == []
 

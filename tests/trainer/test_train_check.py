@@ -65,6 +65,8 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("weighted_tiny", 3),  # a loss module's float32 class weights; a scripted layer
         ("augment_tiny", 3),  # random augmentation of input and target in __getitem__
         ("owngen_tiny", 3),  # the same from generators the dataset (or its transform) holds
+        ("dataclass_tiny", 3),  # a dataclass (not registered with pytree) across cuts
+        ("spectral_tiny", 3),  # complex activations (rfft) across cuts
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
