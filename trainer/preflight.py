@@ -78,7 +78,7 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         return ValidationError(f"{where}['{key}']", problem)
 
     with torch.random.fork_rng(devices=[]):
-        layers = _build(spec["layers"], seed, dtype, bad)
+        layers, originals = _build(spec["layers"], seed, dtype, bad)
         precision = Precision(torch.float32, compute_dtype) if compute_dtype else Precision()
         x = _batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
         target = _batch(spec["dataset"], range(microbatch), 1, dtype, bad, seed)
@@ -121,7 +121,7 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
             raise bad("loss", problem)
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
-        _step(layers, loss, spec["optimizer"], bad)
+        _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)
         notes = []
         if microbatch < spec["global_batch"]:
             note = _mean_note(spec, microbatch, seed)
@@ -245,11 +245,12 @@ def _refuse_overwritten_saved(i: int, layer: nn.Module, x: Any, bad: Any) -> Non
 
 
 def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
-           ) -> list[nn.Module]:
+           ) -> tuple[list[nn.Module], dict[int, tuple[nn.Parameter, nn.Parameter]]]:
     """Copies of the layers as the ranks build them (a copy keeps modules shared between
-    layers shared: one deepcopy of the list). Factories are called on the job's own objects
-    first (uncast), as each rank calls them: a factory returning a module another layer
-    shares parameters with (one it closes over) would lose the tie."""
+    layers shared: one deepcopy of the list), and each copy's parameter's original (by the
+    copy's id: (copy, original)). Factories are called on the job's own objects first
+    (uncast), as each rank calls them: a factory returning a module another layer shares
+    parameters with (one it closes over) would lose the tie."""
     try:
         originals = [build_layer(spec, seed, i) for i, spec in enumerate(specs)]
         layers = build_layers(copy_layers(specs), seed, dtype)
@@ -266,7 +267,38 @@ def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
                 raise bad("layers", f"items {first} and {i} share a parameter, and one is a "
                                     "factory: the ranks build factories apart, so the tie "
                                     "would be lost; give tied layers as modules")
-    return layers
+    origin = {id(c): (c, o) for layer, twin in zip(layers, originals, strict=True)
+              for c, o in zip(layer.parameters(), twin.parameters(), strict=True)}
+    return layers, origin
+
+
+class _OnJobParameters:
+    """The job's optimizer factory as preflight calls it: on the job's own parameters, then
+    pointed at the copies preflight steps. The ranks and train-check's reference hand the
+    factory the job's own parameters, so a factory choosing parameter groups by identity
+    (``p is emb.weight``) works there; called on copies, it put every parameter in the
+    other group, and preflight refused valid jobs (an SGD group without weight decay for a
+    sparse embedding: 'add(sparse, dense) is not supported')."""
+
+    def __init__(self, factory: Any, origin: dict[int, tuple[nn.Parameter, nn.Parameter]]
+                 ) -> None:
+        self.factory = factory
+        self.origin = origin
+
+    def __call__(self, params: Sequence[nn.Parameter]) -> Any:
+        originals = [self.origin[id(p)][1] if id(p) in self.origin else p for p in params]
+        optim = self.factory(originals)
+        back = {id(o): p for o, p in zip(originals, params, strict=True)}
+        for group in optim.param_groups:
+            group["params"] = [back.get(id(q), q) for q in group["params"]]
+        return optim
+
+    def dense_copies(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+        """:func:`_dense_copies`, each copy mapped to its parameter's original."""
+        out = _dense_copies(params)
+        for p, q in zip(params, out, strict=True):
+            self.origin[id(q)] = (q, self.origin[id(p)][1] if id(p) in self.origin else p)
+        return out
 
 
 def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | None,
@@ -324,7 +356,8 @@ def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [b for layer in layers for b in layer.buffers()]
 
 
-def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: Any, bad: Any) -> None:
+def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParameters,
+          bad: Any) -> None:
     """The backward, then each layer's optimizer (over its parameters not already given to
     an earlier layer's, as the runtime builds them) steps on the copies with the gradients
     in each form the runtime may hand them: a sparse embedding gradient as the backward
@@ -366,7 +399,8 @@ COUPLED_TOLERANCE = 1e-6
 parameters and one per layer, above which the optimizer is not taken for per-layer."""
 
 
-def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: Any, bad: Any) -> None:
+def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: _OnJobParameters,
+                          bad: Any) -> None:
     """An optimizer whose step on one layer's parameters depends on other layers' gradients
     (a wrapper clipping the gradient norm over all its parameters, a norm or trust ratio
     taken over the whole model): the runtime gives each layer (and each tied parameter) an
@@ -387,8 +421,8 @@ def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: Any, bad: Any) -
     if len(lists) < 2:
         return
 
-    together = [_dense_copies(params) for params in lists]
-    apart = [_dense_copies(params) for params in lists]
+    together = [factory.dense_copies(params) for params in lists]
+    apart = [factory.dense_copies(params) for params in lists]
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -430,7 +464,7 @@ def _dense_copies(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
     return out
 
 
-def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: Any,
+def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: _OnJobParameters,
                                      bad: Any) -> None:
     """An optimizer keeping state its ``state_dict`` does not hold (a step count in a
     Python attribute driving an lr warm-up): a layer's optimizer moves to another rank by
@@ -447,11 +481,11 @@ def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: Any,
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ran = _dense_copies(params)
+            ran = factory.dense_copies(params)
             optim = factory(ran)
             optim.step()
             optim.step()
-            moved = _dense_copies(ran)
+            moved = factory.dense_copies(ran)
             fresh = factory(moved)
             fresh.load_state_dict(copy.deepcopy(optim.state_dict()))
             optim.step()

@@ -393,3 +393,23 @@ def test_train_check_exits_2_before_any_rank_starts(tmp_path: Path) -> None:
     assert res.returncode == 2, res.stderr[-2000:]
     assert "['loss']" in res.stderr and "one number" in res.stderr
     assert "Traceback" not in res.stderr and "plan v1" not in res.stdout
+
+
+def test_an_optimizer_choosing_groups_by_identity_sees_the_jobs_own_parameters() -> None:
+    """SGD with no weight decay for a sparse embedding, chosen with ``p is emb.weight``: the
+    ranks and the reference hand the factory the job's parameters, so preflight must too
+    (on copies, the embedding fell into the weight-decay group and the job was refused:
+    'add(sparse, dense) is not supported')."""
+    gen = torch.Generator().manual_seed(0)
+    ids, y = torch.randint(0, 20, (12, 4), generator=gen), torch.randn(12, 2, generator=gen)
+    emb = nn.Embedding(20, 8, sparse=True)
+
+    def optimizer(ps: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD([{"params": [p for p in ps if p is emb.weight], "weight_decay": 0.0},
+                                {"params": [p for p in ps if p is not emb.weight],
+                                 "weight_decay": 1e-3}], lr=0.1)
+
+    spec = _spec([emb, nn.Flatten(), nn.Linear(32, 2)],
+                 dataset=torch.utils.data.TensorDataset(ids, y))
+    spec["optimizer"] = optimizer
+    assert _run(spec) == []
