@@ -168,11 +168,12 @@ def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("ranks", [2, 3, 4])
+@pytest.mark.parametrize("ranks", [2, 4])
 @pytest.mark.parametrize("example", ["gpt", "resnet", "lstm"])
 def test_shipped_examples_match_one_process(example: str, ranks: int) -> None:
     """A GPT-style LM with tied embeddings on integer ids, a ResNet with BatchNorm, an LSTM
-    whose tuple output crosses a cut: every boundary cut on 2, 3 and 4 ranks."""
+    whose tuple output crosses a cut: every boundary cut on 2 and 4 ranks (3 ranks: the
+    mechanism jobs and the built-in MLP; CI's 15 minutes)."""
     from hetpilot.trainer import examples
 
     layers = len(getattr(examples, example)()["layers"])
