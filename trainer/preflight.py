@@ -447,7 +447,9 @@ def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: _OnJobParameters
                                f"difference {diff:.3g}, {where}, against a largest change of "
                                f"{moved:.3g}): its step couples parameters of different "
                                "layers (a gradient-norm clip or a norm taken over all its "
-                               "parameters), and the runtime gives each layer an optimizer "
+                               "parameters), or the factory builds another optimizer (or "
+                               "settings) depending on which parameters it is given, and "
+                               "the runtime gives each layer an optimizer "
                                "of its own, as layers sit on different ranks; clip or "
                                "normalise per parameter or per layer, or use an element-wise "
                                "optimizer (SGD, Adam, AdamW, ...)")
