@@ -974,6 +974,11 @@ def _drifted(old: dict[object, tuple[float, float]], new: dict[object, tuple[flo
                for k, pair in new.items() for x, y in zip(old[k], pair, strict=True))
 
 
+def _mapping_of(plan: Plan, cluster: Cluster) -> DeviceMapping:
+    """``plan``'s groups as ``cluster``'s devices, in stage order."""
+    return tuple(tuple(cluster.by_id[s.device] for s in g.stages) for g in plan.groups)
+
+
 class CarriedDescent:
     """The controller's local search (:mod:`.localsearch`), carried from slot to slot.
 
@@ -1049,7 +1054,7 @@ class CarriedDescent:
                         key=lambda c: c.iteration_s)
         starts: dict[tuple[tuple[str, ...], ...], DeviceMapping] = {}
         for cand in ranked:
-            groups = tuple(tuple(cluster.by_id[s.device] for s in g.stages) for g in cand.plan.groups)
+            groups = _mapping_of(cand.plan, cluster)
             starts.setdefault(mapping_key(groups), groups)
         best = ranked[0] if ranked else None
         walks = self._walks.setdefault(schedule, [])
@@ -1063,8 +1068,7 @@ class CarriedDescent:
                 best = first
             if best is None:
                 return None
-            groups = tuple(tuple(cluster.by_id[s.device] for s in g.stages)
-                           for g in best.plan.groups)
+            groups = _mapping_of(best.plan, cluster)
             walks.append(_Walk(groups, origin=mapping_key(groups)))
         for standing in walks:  # where each walk stands on this cluster
             here = plan(standing.current)
@@ -1095,16 +1099,14 @@ class CarriedDescent:
 
             steps = descend(start, list(cluster.devices), counted, allowed, walk.tried)
             if steps:
-                walk.current = tuple(tuple(cluster.by_id[s.device] for s in g.stages)
-                                     for g in steps[-1].plan.groups)
+                walk.current = _mapping_of(steps[-1].plan, cluster)
                 if best is None or steps[-1].iteration_s < best.iteration_s:
                     best = steps[-1]
             if calls[0] < allowed:
                 walk.done = True  # a local optimum with budget to spare
         self.planned += spent[0]
         if best is not None:
-            self._best[schedule] = tuple(tuple(cluster.by_id[s.device] for s in g.stages)
-                                         for g in best.plan.groups)
+            self._best[schedule] = _mapping_of(best.plan, cluster)
         return best
 
 

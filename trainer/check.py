@@ -341,13 +341,14 @@ def _compare_plans(tmp: Path, plans: list[Plan], ranks: int, refs: dict[str, Any
             losses = [ref.step(plan, apply=taken, scale=scale if scaled else 1.0)
                       for taken, scale in zip(info["applied"], info["scales"], strict=True)]
             same = ref.compute_dtype is not None or not mixed
+            after = ref.states()
             floors = None
             if copies:
                 for copy in copies:
                     for taken in info["applied"]:
                         copy.step(plan, apply=taken)
-                floors = _noise_floors(ref.states(), [c.states() for c in copies])
-            here = _compare(held, ref.states(), before if same else None, names, mixed, floors)
+                floors = _noise_floors(after, [c.states() for c in copies])
+            here = _compare(held, after, before if same else None, names, mixed, floors)
             ref_loss = sum(losses) / len(losses)
             loss_diff = abs(info["loss"] - ref_loss)
             here.update(loss_diff / max(abs(ref_loss), 1e-30) if mixed else loss_diff,
@@ -358,7 +359,7 @@ def _compare_plans(tmp: Path, plans: list[Plan], ranks: int, refs: dict[str, Any
                     f"{here.where}")
             else:
                 log(f"  vs {label}: beyond rounding noise {here.value:.3e} at {here.where}")
-                log(f"  rounding noise: {_noisiest(held, ref.states(), floors, names)}")
+                log(f"  rounding noise: {_noisiest(held, after, floors, names)}")
             worst[label].update(here.value, f"plan v{i + 1}, {here.where}")
         log(f"  {sum(len(h) for h in held)} layer replicas; switch: {info['switch']}")
     return worst

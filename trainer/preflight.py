@@ -285,8 +285,12 @@ class _OnJobParameters:
         self.factory = factory
         self.origin = origin
 
+    def _original(self, p: nn.Parameter) -> nn.Parameter:
+        held = self.origin.get(id(p))
+        return held[1] if held is not None else p
+
     def __call__(self, params: Sequence[nn.Parameter]) -> Any:
-        originals = [self.origin[id(p)][1] if id(p) in self.origin else p for p in params]
+        originals = [self._original(p) for p in params]
         optim = self.factory(originals)
         back = {id(o): p for o, p in zip(originals, params, strict=True)}
         for group in optim.param_groups:
@@ -297,7 +301,7 @@ class _OnJobParameters:
         """:func:`_dense_copies`, each copy mapped to its parameter's original."""
         out = _dense_copies(params)
         for p, q in zip(params, out, strict=True):
-            self.origin[id(q)] = (q, self.origin[id(p)][1] if id(p) in self.origin else p)
+            self.origin[id(q)] = (q, self._original(p))
         return out
 
 
