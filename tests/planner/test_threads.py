@@ -71,7 +71,7 @@ def test_one_compiled_lp_solved_from_eight_threads(switch_often: None) -> None:
 def _cluster() -> Cluster:
     devices = tuple(Device(id=f"h{h}:{d}", host=f"h{h}", tflops=(20.0, 35.0, 50.0, 80.0)[h],
                            memory_gb=40.0, price_per_hour=0.5 + h)
-                    for h in range(4) for d in range(4))
+                    for h in range(4) for d in range(2))
     return Cluster(devices=devices, network=Network(intra_host_gbps=800.0, inter_host_gbps=25.0,
                                                     latency_us=5.0))
 
@@ -84,7 +84,7 @@ def _decisions(i: int) -> list[dict]:
 
 
 def test_controllers_stepping_in_threads_match_alone(switch_often: None) -> None:
-    together = _in_threads(6, _decisions)
+    together = _in_threads(4, _decisions)
     sys.setswitchinterval(0.005)
     clear_memos()
-    assert together == [_decisions(i) for i in range(6)]
+    assert together == [_decisions(i) for i in range(4)]
