@@ -25,10 +25,12 @@ __all__ = [
     "bn_tiny",
     "bnbias_tiny",
     "dataclass_tiny",
+    "decoder_tiny",
     "dropout_tiny",
     "frozen_tiny",
     "groups_tiny",
     "inplace_tiny",
+    "misweighted_decoder_tiny",
     "nonpersistent_tiny",
     "norm_first",
     "owngen_tiny",
@@ -589,3 +591,67 @@ def spectral_tiny() -> dict[str, Any]:
     y = torch.roll(x[..., 0], 1, 1) + 0.5 * x[..., 1]
     return _job([ToSpectrum(), SpectralMix(5, 4), FromSpectrum(8)], x, y,
                 nn.functional.mse_loss)
+
+
+class DecoderIn(nn.Module):
+    """Target and memory sequences, as a tuple."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.tgt, self.mem = nn.Linear(4, d), nn.Linear(4, d)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.tgt(x), self.mem(x.flip(1))
+
+
+class CausalDecoder(nn.Module):
+    """``nn.TransformerDecoderLayer`` with a causal mask built in the forward; the memory
+    rides along."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.dec = nn.TransformerDecoderLayer(d, 2, dim_feedforward=16, dropout=0.1,
+                                              batch_first=True)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        h, mem = x
+        mask = nn.Transformer.generate_square_subsequent_mask(h.shape[1], dtype=h.dtype)
+        return self.dec(h, mem, tgt_mask=mask, tgt_is_causal=True), mem
+
+
+class DecoderOut(nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.out = nn.Linear(d, 2)
+
+    def forward(self, x: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.out(x[0])
+
+
+def _decoder_job(loss: Any) -> dict[str, Any]:
+    torch.manual_seed(9)
+    gen = torch.Generator().manual_seed(9)
+    x, y = torch.randn(48, 5, 4, generator=gen), torch.randn(48, 5, 2, generator=gen)
+    return _job([DecoderIn(8), CausalDecoder(8), CausalDecoder(8), DecoderOut(8)], x, y, loss)
+
+
+def decoder_tiny() -> dict[str, Any]:
+    """Causal decoder layers under Adam: the attention's key biases have zero exact
+    gradients, and under bfloat16 their rounding noise moves a layer as far from one
+    process in bfloat16 as the process's own start a few ulps away does (0.75 of the
+    layer's change, above the 0.5 tolerance before train-check learned noise floors)."""
+    return _decoder_job(nn.functional.mse_loss)
+
+
+def _misweighted_mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    import torch.distributed as dist
+
+    wrong = 3.0 if dist.is_initialized() and dist.get_rank() == 1 else 1.0
+    return wrong * nn.functional.mse_loss(out, target)
+
+
+def misweighted_decoder_tiny() -> dict[str, Any]:
+    """:func:`decoder_tiny` whose loss is 3x too heavy on rank 1 (the one-process
+    reference is not distributed, so it is right): what a runtime weighting one rank's
+    gradients wrong does. train-check must fail it, noise floors or not."""
+    return _decoder_job(_misweighted_mse)

@@ -8,13 +8,21 @@ integer and non-tensor leaves. Every layer boundary is cut in some plan.
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
 
 import pytest
 import torch
-from hetpilot.trainer.check import NOISE_FACTOR, Difference, _compare, _perturb, run_check
+from hetpilot.trainer.check import (
+    MIXED_NOISE_FACTOR,
+    NOISE_FACTOR,
+    Difference,
+    _compare,
+    _perturb,
+    run_check,
+)
 from torch import nn
 
 
@@ -104,6 +112,32 @@ def test_noise_floor_discounts_only_what_the_perturbed_copies_drift() -> None:
     assert diff(0.0, 4e-9).value == 0.0  # within 10x the bias's floor: rounding noise
     beyond = diff(0.0, 1e-7)  # far beyond it: still a difference
     assert beyond.value == pytest.approx(1e-7 - NOISE_FACTOR * 5e-10) and "'b'" in beyond.where
+
+
+def test_mixed_precision_discounts_noise_tensor_by_tensor() -> None:
+    """Under mixed precision a floor discounts its own tensor only: a noisy bias does not
+    hide an error in the weight beside it (the layer-wide error would)."""
+    start = [{"w": torch.zeros(4, dtype=torch.float64), "b": torch.zeros(1, dtype=torch.float64)}]
+    want = [{"w": torch.ones(4, dtype=torch.float64), "b": torch.ones(1, dtype=torch.float64)}]
+    floors = [{"w": 0.01, "b": 1.0}]  # the bias's copies drifted as far as it moved
+
+    def diff(dw: float, db: float) -> float:
+        held = [{0: {"w": want[0]["w"] + dw, "b": want[0]["b"] + db}}]
+        return _compare(held, want, start, ["L"], True, floors, MIXED_NOISE_FACTOR).value
+
+    assert diff(0.0, 1.5) == 0.0  # the bias's noise, within twice its floor
+    assert diff(0.5, 1.5) == pytest.approx((1.0 - 2 * 0.01) / 5 ** 0.5)  # the weight's error
+    assert _compare([{0: {"w": want[0]["w"], "b": want[0]["b"] + 1.5}}], want, start, ["L"],
+                    True).value == pytest.approx(1.5 / 5 ** 0.5)  # without floors
+
+
+def test_a_nan_difference_is_the_worst_wherever_it_comes() -> None:
+    for order in ([1e-12, float("nan"), 1e-13], [float("nan"), 1e-3], [1e-3, float("nan")]):
+        worst = Difference()
+        for i, value in enumerate(order):
+            worst.update(value, f"#{i}")
+        assert math.isnan(worst.value), order
+        assert worst.where == f"#{[str(v) for v in order].index('nan')}"
 
 
 def test_perturbed_copy_starts_a_few_ulps_away_with_ties_kept() -> None:
