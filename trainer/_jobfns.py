@@ -5,7 +5,8 @@ tied parameter, BatchNorm buffers, tuple and dict activations with
 non-tensor leaves, frozen parameters under weight decay, layers that write
 into their input, dropout, sparse gradients, attention with the user's own
 checkpointing, parameters no sample uses, buffers a forward reads after
-updating them, one module at two places, parameter groups) so that a failing test names the
+updating them, one module at two places, parameter groups, a causal mask and a
+quantizer's buffers) so that a failing test names the
 mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
@@ -24,6 +25,7 @@ __all__ = [
     "augment_tiny",
     "bn_tiny",
     "bnbias_tiny",
+    "buffers_tiny",
     "dataclass_tiny",
     "decoder_tiny",
     "dropout_tiny",
@@ -655,3 +657,44 @@ def misweighted_decoder_tiny() -> dict[str, Any]:
     reference is not distributed, so it is right): what a runtime weighting one rank's
     gradients wrong does. train-check must fail it, noise floors or not."""
     return _decoder_job(_misweighted_mse)
+
+
+class CausalMix(nn.Module):
+    """A causal mask kept as a buffer, ``-inf`` above the diagonal (``inf - inf`` made
+    it NaN when replicas' buffers were reconciled)."""
+
+    def __init__(self, t: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(t, t)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(t))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = self.fc(x)[:, None, :] + self.mask
+        return (scores.softmax(-1) * x[:, None, :]).sum(-1)
+
+
+class FakeQuantized(nn.Module):
+    """Quantization-aware training: an observer whose ``min_val``/``max_val`` start at
+    ``+-inf`` and an integer ``zero_point`` that falls, which is no counter."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        from torch.ao.quantization import FakeQuantize, MovingAverageMinMaxObserver
+
+        self.fc = nn.Linear(d, d)
+        self.fq = FakeQuantize(observer=MovingAverageMinMaxObserver, quant_min=0,
+                               quant_max=255, dtype=torch.quint8,
+                               qscheme=torch.per_tensor_affine, averaging_constant=0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fq(torch.relu(self.fc(x)))
+
+
+def buffers_tiny() -> dict[str, Any]:
+    """Buffers that are not running statistics, across replicas (the replica rule)."""
+    torch.manual_seed(21)
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(48, 5, generator=gen) * 2 + 1
+    y = torch.randn(48, 5, generator=gen)
+    return _job([CausalMix(5), FakeQuantized(5), nn.Linear(5, 5)], x, y,
+                nn.functional.mse_loss)

@@ -192,3 +192,28 @@ def _scaler_run(rank: int, world: int, out_dir: str) -> None:
         unscaled.append(grad.tolist())
     (Path(out_dir) / f"scaler{rank}.json").write_text(json.dumps(
         {"seen": seen, "unscaled": unscaled, "skipped": scaler.skipped}))
+
+
+REPLICA_CASES = {
+    # name: (before, rank 0's after, rank 1's after); weights 0.25 / 0.75
+    "mask": ([0.0, float("-inf")], [0.5, float("-inf")], [1.5, float("-inf")]),
+    "observer_min": ([float("inf")], [2.0], [4.0]),
+    "count": ([10], [12], [13]),
+    "zero_point": ([144], [62], [70]),
+}
+
+
+def _replica_run(rank: int, world: int, out: str) -> None:
+    """Each rank a replica with :data:`REPLICA_CASES`' buffers; the reconciled values."""
+    import torch.distributed as dist
+
+    from .replicas import reconcile_buffers
+
+    module = nn.Module()
+    before = []
+    for name, (b0, *after) in REPLICA_CASES.items():
+        module.register_buffer(name, torch.tensor(after[rank]))
+        before.append(torch.tensor(b0))
+    reconcile_buffers([module], before, (0.25, 0.75)[rank], dist.group.WORLD)
+    Path(out, f"replica{rank}.json").write_text(json.dumps(
+        {name: buf.tolist() for name, buf in module.named_buffers()}))

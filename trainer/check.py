@@ -239,7 +239,14 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
         return float("inf")
     if a.numel() == 0:
         return 0.0
-    return float((a.double() - b.double()).abs().max())
+    return float(_minus(a, b).abs().max())
+
+
+def _minus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a - b`` in float64, 0 where they are equal: a causal mask's ``-inf`` in both is
+    no difference (``inf - inf`` would be NaN); NaN in either stays NaN."""
+    a, b = a.double(), b.double()
+    return torch.where(a == b, torch.zeros((), dtype=torch.float64), a - b)
 
 
 def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
@@ -264,7 +271,7 @@ def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
             if not torch.equal(a, b):
                 return float("inf"), key
             continue
-        e2 = float((a.double() - b.double()).pow(2).sum())
+        e2 = float(_minus(a, b).pow(2).sum())
         if floors is not None:
             e2 = max(e2 ** 0.5 - factor * floors.get(key, 0.0), 0.0) ** 2
         err2 += e2
@@ -278,13 +285,15 @@ def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
 
 def _moved(want: torch.Tensor, start: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
     """What a relative difference is relative to: the reference's change, or its value."""
-    return want.double() if start is None else want.double() - start[key].double()
+    if start is None:
+        return torch.where(torch.isfinite(want), want, 0).double()
+    return _minus(want, start[key])
 
 
 def _l2(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
-    return float((a.double() - b.double()).pow(2).sum()) ** 0.5
+    return float(_minus(a, b).pow(2).sum()) ** 0.5
 
 
 def run_check(

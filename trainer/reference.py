@@ -30,7 +30,7 @@ from .itemseed import read_items
 from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision
-from .replicas import full_state
+from .replicas import full_state, merge_buffer
 from .runtime import build_layer, place_loss
 
 __all__ = ["ReferenceRun", "build_layers"]
@@ -152,11 +152,9 @@ class ReferenceRun:
             for i, t in enumerate(buffers):
                 if len(plan.groups) == 1:
                     continue  # one group: nothing to merge (the runtime merges nothing either)
-                if t.is_floating_point():
-                    t.copy_(start[i] + sum((g.samples / b) * (end[i] - start[i])
-                                           for g, end in zip(plan.groups, ends, strict=True)))
-                elif not t.is_complex() and t.dtype != torch.bool:
-                    t.copy_(start[i] + sum(end[i] - start[i] for end in ends))
+                if t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool):
+                    t.copy_(merge_buffer(start[i], [end[i] for end in ends],
+                                         [g.samples / b for g in plan.groups]))
         if apply:
             if scale != 1.0:
                 for p in _unique_params(self.layers):

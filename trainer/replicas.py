@@ -19,12 +19,23 @@ a factory whose module shares a parameter with another layer.
 **Buffers of replicas.** Layers held by several data-parallel groups are
 replicas; their buffers (BatchNorm's running statistics) drift apart as each
 group sees other samples. After every iteration they are reconciled by one
-rule, the same on every rank: with ``b0`` the value before the iteration and
-``b_g`` group g's value after it, floating buffers become
-``b0 + sum_g (samples_g / B) * (b_g - b0)`` (the sample-weighted mean of the
-groups' values, exact for buffers no group changed), integer buffers
-``b0 + sum_g (b_g - b0)`` (``num_batches_tracked`` counts every microbatch
-seen). ``SyncBatchNorm`` is not used.
+rule, the same on every rank (:func:`merge_buffer` states it on plain
+tensors; the reference applies it so). With ``b0`` the value before the
+iteration, ``b_g`` group g's value after it and ``w_g`` its share of the
+batch:
+
+* floating elements become ``b0 + sum_g w_g * (b_g - b0)``, the sample-weighted
+  mean of the groups' values, exact for elements no group changed; where
+  ``b0`` is not finite (a causal mask's ``-inf``, an observer's ``min_val``
+  before its first input) ``sum_g w_g * b_g``, since ``inf - inf`` would make
+  the element NaN;
+* an integer buffer that no group made smaller is a counter
+  (``num_batches_tracked``, a step count): ``b0 + sum_g (b_g - b0)`` counts
+  every microbatch seen; one that some group made smaller is a value (a
+  quantizer's ``zero_point``): the sample-weighted mean of the groups' values,
+  rounded (a sum of its moves left the quantizer's range).
+
+``SyncBatchNorm`` is not used.
 """
 
 from __future__ import annotations
@@ -37,8 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "full_state", "load_nonpersistent", "nonpersistent_buffers",
-           "reconcile_buffers", "snapshot_buffers", "tie_param"]
+__all__ = ["Tie", "find_ties", "full_state", "load_nonpersistent", "merge_buffer",
+           "nonpersistent_buffers", "reconcile_buffers", "snapshot_buffers", "tie_param"]
 
 
 @dataclass(frozen=True)
@@ -116,11 +127,29 @@ def snapshot_buffers(modules: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [b.detach().clone() for m in modules for b in m.buffers()]
 
 
+def merge_buffer(b0: torch.Tensor, values: Sequence[torch.Tensor],
+                 weights: Sequence[float]) -> torch.Tensor:
+    """The replica rule (module docstring) for one floating or integer buffer: its value
+    before the iteration, each group's after it, and each group's share of the batch."""
+    if b0.is_floating_point():
+        finite = torch.isfinite(b0)
+        moved = sum(w * torch.where(finite, v - b0, v) for v, w in zip(values, weights,
+                                                                        strict=True))
+        return torch.where(finite, b0 + moved, moved).to(b0.dtype)
+    if all(bool((v >= b0).all()) for v in values):
+        return b0 + sum(v - b0 for v in values)
+    mean = sum((w * v.double() for v, w in zip(values, weights, strict=True)),
+               torch.zeros(b0.shape, dtype=torch.float64))
+    return torch.round(mean).to(b0.dtype)
+
+
 def reconcile_buffers(
     modules: Sequence[nn.Module], before: Sequence[torch.Tensor], weight: float, group: Any
 ) -> None:
     """Apply the replica rule (module docstring) to ``modules``' buffers over ``group``;
-    ``weight`` is this rank's group's share of the batch."""
+    ``weight`` is this rank's group's share of the batch. Three all-reduces at most, one
+    per kind: floating moves (or values, where ``b0`` is not finite), integer moves with
+    whether any fell (MAX), and the weighted values of integer buffers where one did."""
     buffers = [b for m in modules for b in m.buffers()]
     if not buffers:
         return
@@ -128,19 +157,44 @@ def reconcile_buffers(
     ints = [(b, b0) for b, b0 in zip(buffers, before, strict=True)
             if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
     with torch.no_grad():
-        for pairs, scale in ((floats, weight), (ints, None)):
-            if not pairs:
-                continue
-            by_dtype: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-            for b, b0 in pairs:
-                by_dtype.setdefault(b.dtype, []).append((b, b0))
-            for same in by_dtype.values():
-                flat = torch.cat([(b - b0).reshape(-1) for b, b0 in same])
-                if scale is not None:
-                    flat.mul_(scale)
-                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-                pos = 0
-                for b, b0 in same:
-                    n = b.numel()
-                    b.copy_(b0 + flat[pos : pos + n].view_as(b))
-                    pos += n
+        for same in _by_dtype(floats):
+            finite = [torch.isfinite(b0) for _, b0 in same]
+            flat = torch.cat([torch.where(f, b - b0, b).reshape(-1)
+                              for (b, b0), f in zip(same, finite, strict=True)]).mul_(weight)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            for (b, b0), f, moved in zip(same, finite, _split(flat, same), strict=True):
+                b.copy_(torch.where(f, b0 + moved, moved))
+        if not ints:
+            return
+        fell = torch.tensor([float((b < b0).any()) for b, b0 in ints], dtype=torch.float64)
+        dist.all_reduce(fell, op=dist.ReduceOp.MAX, group=group)
+        counters = [(b, b0) for (b, b0), f in zip(ints, fell.tolist(), strict=True) if not f]
+        values = [(b, b0) for (b, b0), f in zip(ints, fell.tolist(), strict=True) if f]
+        for same in _by_dtype(counters):
+            flat = torch.cat([(b - b0).reshape(-1) for b, b0 in same])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            for (b, b0), moved in zip(same, _split(flat, same), strict=True):
+                b.copy_(b0 + moved)
+        if values:
+            flat = torch.cat([b.double().reshape(-1) for b, _ in values]).mul_(weight)
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+            for (b, _), mean in zip(values, _split(flat, values), strict=True):
+                b.copy_(torch.round(mean))
+
+
+def _by_dtype(pairs: list[tuple[torch.Tensor, torch.Tensor]]
+              ) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
+    out: dict[torch.dtype, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+    for b, b0 in pairs:
+        out.setdefault(b.dtype, []).append((b, b0))
+    return list(out.values())
+
+
+def _split(flat: torch.Tensor, pairs: list[tuple[torch.Tensor, torch.Tensor]]
+           ) -> list[torch.Tensor]:
+    """``flat`` cut back into the shapes of ``pairs``' buffers."""
+    out, pos = [], 0
+    for b, _ in pairs:
+        out.append(flat[pos : pos + b.numel()].view_as(b))
+        pos += b.numel()
+    return out

@@ -75,6 +75,7 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("owngen_tiny", 3),  # the same from generators the dataset (or its transform) holds
         ("dataclass_tiny", 3),  # a dataclass (not registered with pytree) across cuts
         ("spectral_tiny", 3),  # complex activations (rfft) across cuts
+        ("buffers_tiny", 3),  # a -inf causal mask, a quantizer's +-inf observer and zero point
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
