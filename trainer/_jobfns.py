@@ -6,7 +6,7 @@ non-tensor leaves, frozen parameters under weight decay, layers that write
 into their input, dropout, sparse gradients, attention with the user's own
 checkpointing, parameters no sample uses, buffers a forward reads after
 updating them, one module at two places, parameter groups, a causal mask and a
-quantizer's buffers) so that a failing test names the
+quantizer's buffers, layers filling the dict they were given) so that a failing test names the
 mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
@@ -28,6 +28,7 @@ __all__ = [
     "buffers_tiny",
     "dataclass_tiny",
     "decoder_tiny",
+    "dictskip_tiny",
     "dropout_tiny",
     "frozen_tiny",
     "groups_tiny",
@@ -697,4 +698,37 @@ def buffers_tiny() -> dict[str, Any]:
     x = torch.randn(48, 5, generator=gen) * 2 + 1
     y = torch.randn(48, 5, generator=gen)
     return _job([CausalMix(5), FakeQuantized(5), nn.Linear(5, 5)], x, y,
+                nn.functional.mse_loss)
+
+
+class StoreSkip(nn.Module):
+    """Writes its skip into the dict it was given and returns that dict (diffusers-style
+    UNet blocks): recompute had rerun it on the dict its forward had filled."""
+
+    def __init__(self, i: int) -> None:
+        super().__init__()
+        self.i, self.fc = i, nn.Linear(4, 4)
+
+    def forward(self, d: Any) -> dict[str, torch.Tensor]:
+        if not isinstance(d, dict):
+            d = {"x": d}
+        d[f"skip{self.i}"] = d["x"]
+        d["x"] = torch.tanh(self.fc(d["x"]))
+        return d
+
+
+class JoinSkips(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 2)
+
+    def forward(self, d: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.fc(d["x"] + d["skip0"] + d["skip1"])
+
+
+def dictskip_tiny() -> dict[str, Any]:
+    torch.manual_seed(23)
+    gen = torch.Generator().manual_seed(23)
+    x, y = torch.randn(48, 4, generator=gen), torch.randn(48, 2, generator=gen)
+    return _job([StoreSkip(0), StoreSkip(1), StoreSkip(2), JoinSkips()], x, y,
                 nn.functional.mse_loss)

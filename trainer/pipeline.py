@@ -325,13 +325,22 @@ class StageRunner:
         layers after it while each returns a view of its input, as ``nn.Flatten`` does).
         Each layer runs on a copy until its first call shows whether it writes into its
         input; the layers that do keep the copy, the others run on the input itself from
-        then on."""
+        then on.
+
+        Writing into the input's containers counts too (a UNet block storing its skip in
+        the dict it was given, as diffusers' blocks do): the checkpoint would recompute the
+        layer on the dict the forward had already filled (wrong gradients, or torch's
+        CheckpointError where shapes changed). The copy has containers of its own, so the
+        layer gets a fresh dict each time."""
         copy = map_tensors(lambda t: t.clone() if t.is_floating_point() or t.is_complex() else t, x)
-        leaves = [t for t in pytree.tree_leaves(copy) if isinstance(t, torch.Tensor)]
-        before = [t._version for t in leaves]
+        leaves, spec = pytree.tree_flatten(copy)
+        before = [t._version if isinstance(t, torch.Tensor) else None for t in leaves]
         out = self.layers[i](copy)
         if self._mutates[i] is None:
-            self._mutates[i] = any(t._version != v for t, v in zip(leaves, before, strict=True))
+            after, spec_after = pytree.tree_flatten(copy)
+            self._mutates[i] = spec_after != spec or any(
+                a is not b or (isinstance(a, torch.Tensor) and a._version != v)
+                for a, b, v in zip(after, leaves, before, strict=True))
         return out
 
     def _to_device(self, value: Any) -> Any:

@@ -76,12 +76,14 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("dataclass_tiny", 3),  # a dataclass (not registered with pytree) across cuts
         ("spectral_tiny", 3),  # complex activations (rfft) across cuts
         ("buffers_tiny", 3),  # a -inf causal mask, a quantizer's +-inf observer and zero point
+        ("dictskip_tiny", 4),  # layers storing skips in the dict they were given, recomputed
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
     lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
-    if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny", "rrelu_tiny", "weighted_tiny"):
+    if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny", "rrelu_tiny", "weighted_tiny",
+               "dictskip_tiny"):
         assert re.search(r"\)R", "\n".join(lines)), "no plan ran with recompute"
 
 
