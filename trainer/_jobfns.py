@@ -6,7 +6,7 @@ non-tensor leaves, frozen parameters under weight decay, layers that write
 into their input, dropout, sparse gradients, attention with the user's own
 checkpointing, parameters no sample uses, buffers a forward reads after
 updating them, one module at two places, parameter groups, a causal mask and a
-quantizer's buffers, layers filling the dict they were given) so that a failing test names the
+quantizer's buffers, layers filling the dict they were given, a frozen teacher) so that a failing test names the
 mechanism. They live in
 the package because spawned ranks import them by module name. The realistic
 models are in :mod:`hetpilot.trainer.examples`.
@@ -43,6 +43,7 @@ __all__ = [
     "sparse_tiny",
     "specnorm_tiny",
     "spectral_tiny",
+    "teacher_tiny",
     "tied_tiny",
     "unused_tiny",
     "weighted_tiny",
@@ -732,3 +733,47 @@ def dictskip_tiny() -> dict[str, Any]:
     x, y = torch.randn(48, 4, generator=gen), torch.randn(48, 2, generator=gen)
     return _job([StoreSkip(0), StoreSkip(1), StoreSkip(2), JoinSkips()], x, y,
                 nn.functional.mse_loss)
+
+
+class Teacher(nn.Module):
+    """A frozen layer (distillation): its output rides along with the input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Linear(6, 3).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.no_grad():
+            return x, self.net(x)
+
+
+class Student(nn.Module):
+    def __init__(self, d_in: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(d_in, 3)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.fc(t[0]), t[1]
+
+
+class Widen(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.fc(t[0])), t[1]
+
+
+def _distill_loss(out: tuple[torch.Tensor, torch.Tensor], target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(out[0], target) + nn.functional.mse_loss(out[0], out[1])
+
+
+def teacher_tiny() -> dict[str, Any]:
+    """A layer of only frozen parameters and the usual factory filtering them out: it was
+    handed the teacher's parameters alone and raised on the empty list."""
+    torch.manual_seed(25)
+    gen = torch.Generator().manual_seed(25)
+    x, y = torch.randn(48, 6, generator=gen), torch.randint(0, 3, (48,), generator=gen)
+    return _job([Teacher(), Widen(), Student(6)], x, y, _distill_loss, optimizer=lambda params:
+                torch.optim.Adam([p for p in params if p.requires_grad], lr=0.01))

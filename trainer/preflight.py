@@ -376,6 +376,7 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParame
     for i, layer in enumerate(layers):
         params = [p for p in layer.parameters() if id(p) not in seen]
         seen.update(id(p) for p in params)
+        params = [p for p in params if p.requires_grad]  # as the runtime: frozen ones left out
         if not params:
             continue
         forms = ["dense"]

@@ -309,7 +309,7 @@ class Trainer:
         for t, tie in enumerate(self.ties):
             for layer in tie.layers:
                 self._tie_of.setdefault(layer, []).append(t)
-        self._tie_optims: dict[int, torch.optim.Optimizer] = {}
+        self._tie_optims: dict[int, torch.optim.Optimizer | None] = {}
         """The ties this rank holds (any of their layers), each with its own optimizer."""
 
         self.plan: Plan | None = None
@@ -373,7 +373,10 @@ class Trainer:
         if self.precision.param_dtype is not None:
             module.to(dtype=self.precision.param_dtype)
         tied = {id(module.get_parameter(n)) for n in self._tied_names(layer)}
-        params = [p for p in module.parameters() if id(p) not in tied]
+        # Frozen parameters are left out: no optimizer steps them, and a layer of only frozen
+        # ones (a distillation teacher) gets none, where the common factory
+        # ``Adam(p for p in params if p.requires_grad)`` raised on an empty list.
+        params = [p for p in module.parameters() if id(p) not in tied and p.requires_grad]
         optim = self._opt_factory(params) if params else None
         if state is not None:
             missing, unexpected = module.load_state_dict(state["module"], strict=False)
@@ -405,11 +408,11 @@ class Trainer:
     def _install_tie(self, t: int, state: dict[str, Any] | None = None) -> None:
         """Hold tie ``t`` (a layer of it is held here): its value and its own optimizer."""
         param = tie_param(self.ties[t], self._held)
-        optim = self._opt_factory([param])
+        optim = self._opt_factory([param]) if param.requires_grad else None
         if state is not None:
             with torch.no_grad():
                 param.copy_(state["param"])
-            if state.get("optim") is not None:
+            if optim is not None and state.get("optim") is not None:
                 optim.load_state_dict(state["optim"])
         self._tie_optims[t] = optim
 
@@ -417,7 +420,7 @@ class Trainer:
         return {
             "keys": list(self.ties[t].keys),
             "param": tie_param(self.ties[t], self._held).detach(),
-            "optim": self._tie_optims[t].state_dict(),
+            "optim": optim.state_dict() if (optim := self._tie_optims[t]) is not None else None,
         }
 
     def _tie_holders(self, owners: list[list[int]], t: int) -> list[int]:

@@ -77,6 +77,7 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("spectral_tiny", 3),  # complex activations (rfft) across cuts
         ("buffers_tiny", 3),  # a -inf causal mask, a quantizer's +-inf observer and zero point
         ("dictskip_tiny", 4),  # layers storing skips in the dict they were given, recomputed
+        ("teacher_tiny", 3),  # a layer of frozen parameters; the factory filters them out
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
