@@ -141,10 +141,17 @@ class Received:
 
 def describe(leaves: list[Any]) -> list[Any]:
     """The header's description of flattened leaves; raises ValueError for an opaque leaf
-    holding a tensor (which would cross without its gradient)."""
+    holding a tensor (which would cross without its gradient) and for a sparse tensor
+    (which the wire cannot carry)."""
     out: list[Any] = []
     for leaf in leaves:
         if isinstance(leaf, torch.Tensor):
+            if leaf.layout != torch.strided:
+                raise ValueError(
+                    f"an activation crossing a pipeline cut is a {leaf.layout} tensor "
+                    f"(shape {tuple(leaf.shape)}): activations cross as dense, strided "
+                    "tensors. Build it in the layer that uses it, pass its indices and "
+                    "values as two tensors, or send .to_dense()")
             out.append(("t", tuple(leaf.shape), str(leaf.dtype).removeprefix("torch."),
                         bool(leaf.requires_grad)))
         else:

@@ -85,6 +85,8 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         before = [b.detach().clone() for b in _buffers(layers)]
         params = [[p.detach().clone() for p in layer.parameters()] for layer in layers]
         in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
+        if compute_dtype is not None:
+            in_dtype += f" under {str(compute_dtype).removeprefix('torch.')} autocast"
         drift: str | None = None  # the first layer returning floating values of another dtype
         with precision.autocast(torch.device("cpu")):
             for i, layer in enumerate(layers):
@@ -147,8 +149,10 @@ def _same(a: Any, b: Any) -> bool:
         return False
     for u, v in zip(la, lb, strict=True):
         if isinstance(u, torch.Tensor) and isinstance(v, torch.Tensor):
-            if u.shape != v.shape or u.dtype != v.dtype:
+            if u.shape != v.shape or u.dtype != v.dtype or u.layout != v.layout:
                 return False
+            if u.layout != torch.strided:  # sparse: allclose and equal take dense tensors
+                u, v = u.to_dense(), v.to_dense()
             if u.is_floating_point() or u.is_complex():
                 if not torch.allclose(u.detach(), v.detach(), rtol=1e-12, atol=0.0,
                                       equal_nan=True):
@@ -394,6 +398,10 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParame
                        "group" if form == "sparse" else "dense, summed over replicas")
                 hint = ("; a sparse embedding needs an optimizer taking both sparse and dense "
                         "gradients (SGD, Adagrad), or sparse=False" if len(forms) > 1 else "")
+                if "closure" in str(exc).lower():
+                    hint += ("; the runtime calls step() without a closure, as its layers' "
+                             "forwards run on other ranks: optimizers re-evaluating the loss "
+                             "(LBFGS, SAM) are not supported")
                 raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
                                        f"gradients as the runtime hands them ({how}): "
                                        f"{type(exc).__name__}: {exc}{hint}") from exc

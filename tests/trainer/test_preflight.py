@@ -99,6 +99,32 @@ def test_an_activation_hiding_a_tensor_from_pytree_is_refused_naming_the_layer()
         _run(_spec([nn.Linear(4, 4), ToOpaque(), FromOpaque(), nn.Linear(4, 2)]))
 
 
+class WithAdjacency(nn.Module):
+    """A graph layer returning its sparse adjacency beside the features (PyG style)."""
+
+    def forward(self, h: torch.Tensor) -> Any:
+        adj = (torch.eye(h.shape[0], dtype=h.dtype) + 0.5).to_sparse()
+        return h, adj
+
+
+class Propagate(nn.Module):
+    def forward(self, value: Any) -> torch.Tensor:
+        h, adj = value
+        return torch.sparse.mm(adj, h)
+
+
+def test_a_sparse_activation_is_refused_naming_the_layer_and_a_last_one_passes() -> None:
+    """The wire carries dense tensors; the check of a layer's second run took sparse ones
+    too, and raised from torch (exit 1, a traceback) before this."""
+    with pytest.raises(ValidationError, match=r"item 1 \(WithAdjacency\): an activation "
+                                              r"crossing a pipeline cut is a torch.sparse_coo "
+                                              r"tensor"):
+        _run(_spec([nn.Linear(4, 4), WithAdjacency(), Propagate(), nn.Linear(4, 2)]))
+    last = _spec([nn.Linear(4, 4), WithAdjacency()],
+                 loss=lambda out, y: F.mse_loss(torch.sparse.mm(out[1], out[0])[:, :2], y))
+    _run(last)  # no cut after the last layer: nothing crosses
+
+
 class ConvOfFloat32(nn.Module):
     """uint8 images made float32 with ``.float()``: conv's dtype error is in lower case."""
 
@@ -118,6 +144,22 @@ def test_the_float64_hint_comes_with_convs_lower_case_dtype_error() -> None:
 def test_a_layer_returning_float32_is_named_when_the_next_one_fails() -> None:
     with pytest.raises(ValidationError, match=r"item 1 \(ToFloat32\) returned float32 values"):
         _run(_spec([nn.Linear(4, 4), ToFloat32(), nn.Linear(4, 2)]))
+
+
+class NeedsClosure(torch.optim.SGD):
+    """Sharpness-aware minimisation's shape: a step that re-evaluates the loss."""
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is None:
+            raise RuntimeError("SAM requires closure")
+        return super().step(closure)
+
+
+def test_an_optimizer_needing_a_closure_is_refused_saying_why() -> None:
+    spec = {**_spec([nn.Linear(4, 2)]), "optimizer": lambda ps: NeedsClosure(ps, lr=0.1)}
+    with pytest.raises(ValidationError, match=r"SAM requires closure; the runtime calls "
+                                              r"step\(\) without a closure"):
+        _run(spec)
 
 
 def test_items_that_cannot_be_batched_are_refused_naming_the_dataset() -> None:
