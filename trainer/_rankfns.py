@@ -217,3 +217,15 @@ def _replica_run(rank: int, world: int, out: str) -> None:
     reconcile_buffers([module], before, (0.25, 0.75)[rank], dist.group.WORLD)
     Path(out, f"replica{rank}.json").write_text(json.dumps(
         {name: buf.tolist() for name, buf in module.named_buffers()}))
+
+
+def _fails_on_rank(rank: int, world: int, bad: int) -> None:
+    """Rank ``bad`` raises while the others wait in a collective (the others fail too)."""
+    import time
+
+    import torch.distributed as dist
+
+    if rank == bad:
+        time.sleep(0.5)
+        raise ValueError(f"the job's own error on rank {rank}")
+    dist.all_reduce(torch.zeros(1))

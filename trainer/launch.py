@@ -7,6 +7,7 @@ port with a hard deadline, so nothing that calls it can hang.
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import sys
 import time
@@ -57,6 +58,36 @@ def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tupl
     os._exit(0)
 
 
+GRACE_S = 3.0
+"""After a rank fails, how long the others have to fail by themselves (and say why)."""
+
+COLLATERAL = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+              "Connection refused", "Timed out waiting", "Socket Timeout")
+"""gloo's words for a peer that went away: what the other ranks raise when one fails."""
+
+
+def _root_cause(ctx: Any, failed: int) -> mp.ProcessRaisedException | None:
+    """The error to report when several ranks raised: the first written of those that are
+    not gloo's reaction to a peer gone (a rank hitting the job's error takes the others'
+    sockets down with it, and whichever rank the parent saw first was reported, often
+    with only "Connection reset by peer"); None: the one ``join`` raised is it."""
+    errors: dict[int, tuple[float, str]] = {}
+    for rank, path in enumerate(ctx.error_files):
+        try:
+            with open(path, "rb") as fh:
+                errors[rank] = (os.path.getmtime(path), pickle.load(fh))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue
+    real = {r: e for r, e in errors.items() if not any(c in e[1] for c in COLLATERAL)}
+    if not real or failed in real:
+        return None
+    rank = min(real, key=lambda r: real[r][0])
+    return mp.ProcessRaisedException(
+        f"\n\n-- Process {rank} terminated with the following error (the other ranks' "
+        f"errors, rank {failed}'s first, came from losing it):\n{real[rank][1]}",
+        rank, ctx.processes[rank].pid)
+
+
 def spawn(fn: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise if any fails or time runs out."""
     port = free_port()
@@ -65,9 +96,14 @@ def spawn(fn: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s:
     )
     deadline = time.monotonic() + timeout_s
     try:
-        while not ctx.join(timeout=0.2):
+        while not ctx.join(timeout=0.2, grace_period=GRACE_S):
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{world} ranks did not finish within {timeout_s:g} s")
+    except mp.ProcessRaisedException as exc:
+        root = _root_cause(ctx, exc.error_index)
+        if root is None:
+            raise
+        raise root from None
     finally:
         for proc in ctx.processes:
             if proc.is_alive():

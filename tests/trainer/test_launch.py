@@ -1,0 +1,18 @@
+"""Local launching: a failing rank's own error is what the caller sees, not the other ranks'
+reaction to losing it."""
+
+from __future__ import annotations
+
+import pytest
+import torch.multiprocessing as mp
+from hetpilot.trainer._rankfns import _fails_on_rank
+from hetpilot.trainer.launch import spawn
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("bad", [1, 3])
+def test_the_failing_ranks_own_error_is_reported(bad: int) -> None:
+    """The others, waiting in an all-reduce, fail too ('Connection reset by peer'); at 4
+    ranks the parent often saw one of them first and reported only that."""
+    with pytest.raises(mp.ProcessRaisedException, match=f"the job's own error on rank {bad}"):
+        spawn(_fails_on_rank, 4, (bad,), timeout_s=90)
