@@ -560,36 +560,59 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     """The loss of the first global batch's outputs and targets against the ``m/B``-weighted
     sum of its microbatches' losses, on the same outputs (each microbatch's forward, float64,
     layers in eval mode; the outputs concatenated along the batch dimension), so that only
-    the loss is compared. None when they agree, or when the model does not run in float64
-    or its outputs do not concatenate (leaves other than batched tensors that differ)."""
+    the loss is compared. Outputs that do not concatenate (a layer returning in-batch
+    similarities, ``m x m`` logits as CLIP's head does): the forward of the first two
+    microbatches as one against the mean of their losses, the model and loss together. None
+    when they agree, or when the model does not run in float64."""
     b, data = spec["global_batch"], spec["dataset"]
+
+    def batch(start: int, stop: int, which: int) -> Any:
+        return _batch(data, range(start, stop), which, torch.float64, None, seed)
+
     try:
         layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
         loss = _loss(spec, torch.float64)
         for layer in layers:
             layer.eval()
-        outs = []
-        parts = 0.0
+
+        def forward(x: Any) -> Any:
+            for layer in layers:
+                x = layer(x)
+            return x
+
         # no gradients here: a layer checkpointing itself would warn that none will come
         with torch.no_grad(), warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            for k in range(0, b, m):
-                x = _batch(data, range(k, k + m), 0, torch.float64, None, seed)
-                for layer in layers:
-                    x = layer(x)
-                outs.append(x)
-                parts += (m / b) * float(loss(x, _batch(data, range(k, k + m), 1,
-                                                        torch.float64, None, seed)))
-            whole = float(loss(_concat(outs), _batch(data, range(b), 1, torch.float64, None, seed)))
-    except Exception:  # a model that runs only in its own dtype, outputs that do not concat
+            outs = [forward(batch(k, k + m, 0)) for k in range(0, b, m)]
+            losses = [float(loss(x, batch(k, k + m, 1))) for x, k in zip(outs, range(0, b, m),
+                                                                           strict=True)]
+            parts = sum((m / b) * v for v in losses)
+            try:
+                whole = float(loss(_concat(outs), batch(0, b, 1)))
+                coupled = False
+            except Exception:  # outputs that do not concatenate: two microbatches as one
+                if b < 2 * m:
+                    return None
+                whole = float(loss(forward(batch(0, 2 * m, 0)), batch(0, 2 * m, 1)))
+                parts, coupled = (losses[0] + losses[1]) / 2, True
+    except Exception:  # a model that runs only in its own dtype
         return None
     if abs(whole - parts) <= MEAN_TOLERANCE * max(1.0, abs(whole)):
         return None
+    if coupled:
+        return (f"the objective couples the samples of a microbatch: the first two "
+                f"microbatches of {m} give a loss of {whole:.6g} as one and a mean of "
+                f"{parts:.6g} apart (a layer comparing samples with each other, such as "
+                "in-batch negatives in a contrastive head). Every plan trains on microbatches "
+                f"of {m}, so the objective depends on the microbatch size; train-check "
+                "compares like with like. See docs/trainer.md, 'Loss'.")
     return (f"the loss is not a mean over samples: on the first global batch's outputs it is "
             f"{whole:.6g}, but the {m}/{b}-weighted sum of its microbatches' losses is "
             f"{parts:.6g} (a mean over a varying count or weight, such as cross_entropy's "
-            "ignore_index on padded targets or its class weights (weight=w)). Every plan "
-            "trains on the weighted sum, as gradient accumulation does, so the objective depends on the microbatch size; "
+            "ignore_index on padded targets or its class weights (weight=w), or a loss "
+            "comparing samples with each other, such as a contrastive loss's in-batch "
+            "negatives). Every plan trains on the weighted sum, as gradient accumulation "
+            "does, so the objective depends on the microbatch size; "
             "train-check compares like with like. See docs/trainer.md, 'Loss'.")
 
 

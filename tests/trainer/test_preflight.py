@@ -349,6 +349,28 @@ def test_a_loss_that_is_not_a_mean_over_samples_gets_a_note() -> None:
     assert _run(_spec(bn_dropout)) == []
 
 
+class InBatchSimilarity(nn.Module):
+    """CLIP's head: each sample's similarity to every sample of the microbatch (m x m)."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        z = F.normalize(h, dim=1)
+        return z @ z.T / 0.1
+
+
+def _in_batch_targets(logits: torch.Tensor, _: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, torch.arange(logits.shape[0]))
+
+
+def test_a_head_comparing_the_samples_of_a_microbatch_gets_a_note() -> None:
+    """Its outputs do not concatenate across microbatches (m x m each), so the loss alone
+    cannot be compared; two microbatches as one against apart say the objective is the
+    microbatch's."""
+    notes = _run(_spec([nn.Linear(4, 4), InBatchSimilarity()], _in_batch_targets))
+    assert len(notes) == 1 and "couples the samples of a microbatch" in notes[0]
+    assert _run(_spec([nn.Linear(4, 4), InBatchSimilarity()], _in_batch_targets),
+                microbatch=6) == []  # one microbatch per global batch: nothing to compare
+
+
 def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() -> None:
     """``nn.CrossEntropyLoss(weight=w)`` holds a float32 buffer: the loss module is cast to
     the run's dtype as the layers are (it used to be refused in a float64 check, the kernel
