@@ -66,18 +66,29 @@ def test_train_check_mixed_precision_on_a_tied_gpt(dtype: str) -> None:
 
 
 @pytest.mark.timeout(150)
-def test_bfloat16_rounding_noise_of_attention_key_biases_is_not_a_failure() -> None:
-    """decoder_tiny's key biases have zero exact gradients: under bfloat16 their rounding
-    noise moved a layer 0.75 of its change away from one process in bfloat16, above the 0.5
-    tolerance. The second pass counts each tensor only beyond twice the distance two copies
-    of the reference, started a few ulps away, drift there."""
+def test_bfloat16_ranks_equal_one_process_computing_on_one_thread() -> None:
+    """decoder_tiny (causal TransformerDecoderLayer, Adam): its key biases' rounding noise,
+    which Adam turns into full steps, had put it 0.75 from one process in bfloat16 (above
+    0.5) when the reference computed on the machine's 2 threads; on one, as the ranks,
+    every kernel sums in the same order and nothing differs."""
     lines: list[str] = []
     worst = run_check(2, job="hetpilot.trainer._jobfns:decoder_tiny", dtype="bfloat16",
                       log=lines.append)
+    assert worst["bfloat16 in one process"].value == 0.0, "\n".join(lines)
+    assert 0.0 < worst["float32 in one process"].value <= MIXED_TOLERANCE["bfloat16"]
+
+
+@pytest.mark.timeout(150)
+def test_a_models_own_sensitivity_to_bfloat16_is_not_the_runtimes_error() -> None:
+    """instnorm_tiny: one process in bfloat16 is itself ~20% from float32 at the first conv,
+    above the ranks' 0.1 against float32; the second pass counts only beyond that drift."""
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer._jobfns:instnorm_tiny", dtype="bfloat16",
+                      log=lines.append)
     assert any(line.startswith("above the tolerance") for line in lines), "\n".join(lines)
-    same, f32 = worst["bfloat16 in one process"], worst["float32 in one process"]
-    assert same.beyond_noise and same.value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
-    assert f32.value <= MIXED_TOLERANCE["bfloat16"], "\n".join(lines)
+    f32 = worst["float32 in one process"]
+    assert f32.beyond_noise and f32.value <= MIXED_TOLERANCE["bfloat16"], "\n".join(lines)
+    assert worst["bfloat16 in one process"].value <= SAME_PRECISION_TOLERANCE
 
 
 @pytest.mark.timeout(150)
