@@ -147,9 +147,10 @@ def reconcile_buffers(
     modules: Sequence[nn.Module], before: Sequence[torch.Tensor], weight: float, group: Any
 ) -> None:
     """Apply the replica rule (module docstring) to ``modules``' buffers over ``group``;
-    ``weight`` is this rank's group's share of the batch. Three all-reduces at most, one
-    per kind: floating moves (or values, where ``b0`` is not finite), integer moves with
-    whether any fell (MAX), and the weighted values of integer buffers where one did."""
+    ``weight`` is this rank's group's share of the batch. All-reduces: the floating moves
+    (or values, where ``b0`` is not finite), one per dtype; with integer buffers, whether
+    each fell anywhere (MAX), then the counters' moves, one per dtype, and the other
+    integer buffers' weighted values."""
     buffers = [b for m in modules for b in m.buffers()]
     if not buffers:
         return
