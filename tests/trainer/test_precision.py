@@ -80,10 +80,11 @@ def test_bfloat16_ranks_equal_one_process_computing_on_one_thread() -> None:
 
 @pytest.mark.timeout(150)
 def test_a_models_own_sensitivity_to_bfloat16_is_not_the_runtimes_error() -> None:
-    """instnorm_tiny: one process in bfloat16 is itself ~20% from float32 at the first conv,
-    above the ranks' 0.1 against float32; the second pass counts only beyond that drift."""
+    """mobile_tiny: one process in bfloat16 is itself ~55% from float32 at the first conv
+    and up to 36% in the mean loss, above the ranks' 0.1 against float32; the second pass
+    counts only beyond that drift, tensor by tensor and in the loss."""
     lines: list[str] = []
-    worst = run_check(2, job="hetpilot.trainer._jobfns:instnorm_tiny", dtype="bfloat16",
+    worst = run_check(2, job="hetpilot.trainer._jobfns:mobile_tiny", dtype="bfloat16",
                       log=lines.append)
     assert any(line.startswith("above the tolerance") for line in lines), "\n".join(lines)
     f32 = worst["float32 in one process"]
