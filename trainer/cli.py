@@ -466,6 +466,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         try:
             trainer.fit(args.epochs, max_steps=args.steps, slot_iterations=slot_iterations,
                         slot_s=slot_s, on_record=on_record)
+            if args.checkpoint and trainer.step > saved_at[0]:  # stopped by --steps
+                trainer.save_checkpoint(args.checkpoint)  # between saves: --resume goes on here
         except Exception as exc:  # rank 0 with --daemon: the job FAILED (no restart left)
             if hasattr(source, "finish"):
                 source.finish(exc, grpc_reporter)

@@ -208,3 +208,17 @@ def test_export_command_loads_into_the_users_sequential(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert res.stderr.startswith("hetpilot: error: CKPT: no checkpoint in ")
     assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.timeout(90)
+def test_a_run_stopped_by_steps_between_saves_saves_where_it_stopped(tmp_path: Path) -> None:
+    """--steps 3 mid-epoch (4 iterations an epoch), no --checkpoint-every: the last save was
+    at step 0 and --resume silently redid the steps since (found by a helper's battery 6)."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps(PLAN))
+    res = _hetpilot("train", "--model", "hetpilot.trainer.examples:mlp", "--plan", str(plan),
+                    "--epochs", "2", "--steps", "3", "--device-id", "solo:0",
+                    "--checkpoint", str(tmp_path / "ck"))
+    assert res.returncode == 0, res.stderr
+    where = ckpt.resolve(tmp_path / "ck")
+    assert where is not None and ckpt.read_meta(where)["step"] == 3
