@@ -118,10 +118,10 @@ NOISE_FACTOR = 10.0
 (module docstring): noise is random, so two noise trajectories differ by a few times
 their spread; a lost or mis-weighted gradient differs by the learning rate."""
 MIXED_NOISE_FACTOR = 2.0
-"""Under mixed precision a layer's error relative to its change is counted beyond this many
-times the perturbed copies' (module docstring): there rounding noise is the size of the
-tolerance itself, so only a larger factor than 1 keeps a noise trajectory from failing, and
-a lost or mis-weighted gradient is an error of order 1 in a layer whose floor is small."""
+"""Under mixed precision each tensor's distance from the same-precision reference is counted
+beyond this many times the perturbed copies' (module docstring): there rounding noise can be
+the size of the tolerance itself, so only a factor above 1 keeps a noise trajectory from
+failing, and a lost or mis-weighted gradient is an error of order 1 where the floor is small."""
 NOISE_COPIES = 2
 """References started a few ulps away that measure the noise floor."""
 
@@ -360,7 +360,7 @@ def run_check(
             names = [type(m).__name__ for m in refs[next(iter(refs))].layers]
             worst = _compare_plans(Path(tmp), plans, ranks, refs, [], names, mixed, log)
             if _above(worst, dtype, tolerance):
-                log(f"above the tolerance: again, with each {'layer' if mixed else 'tensor'}'s "
+                log(f"above the tolerance: again, with each tensor's "
                     f"rounding-noise floor from {NOISE_COPIES} copies of the reference started "
                     "4 ulps away" + (f", and float32's less the drift of {dtype} in one process "
                                      "from it" if mixed else ""))
