@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_gpu_lm_bench_runs_on_a_cpu_and_says_so(tmp_path: Path) -> None:
     out = tmp_path / "figures.json"
     run = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_lm.py"), "--tiny",
-                          "--device", "cpu", "--steps", "2", "--warmup", "1",
+                          "--device", "cpu", "--steps", "2", "--warmup", "1", "--rounds", "2",
                           "--dtype", "bfloat16", "--json", str(out)],
                          capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr
@@ -24,3 +24,4 @@ def test_gpu_lm_bench_runs_on_a_cpu_and_says_so(tmp_path: Path) -> None:
     assert figures["device"] == "CPU" and figures["peak_tflops"] is None
     assert all(figures[k] > 0 for k in ("plain_s", "hetpilot_s", "predicted_s",
                                         "fitted_tflops", "gflop_per_iteration"))
+    assert len(figures["round_ratios"]) == 2 and len(figures["predictions_s"]) == 2
