@@ -19,6 +19,11 @@ Tags: ``(2 * k + direction) << LEAF_BITS | slot``; slot 0 is the header,
 slot 1 an overflow of a long header, slots from 2 the leaves. That allows
 ``2**LEAF_BITS - 2`` tensor leaves per activation and about ``2**20``
 microbatches per iteration within a 31-bit tag.
+
+Under gloo, CUDA tensors cross through host memory (:func:`through_host`): gloo's send
+and recv take CPU tensors only. The sender sends a host copy of each leaf (kept with its
+work until the send is done); the receiver receives into a host buffer and copies it to
+its device. Under NCCL and on CPU nothing is copied.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ __all__ = [
     "send_activation",
     "send_grads",
     "tag",
+    "through_host",
 ]
 
 LEAF_BITS = 10
@@ -187,6 +193,19 @@ def _load_spec(dumped: tuple[str, Any]) -> Any:
     return spec
 
 
+def through_host(device: torch.device) -> bool:
+    """Whether point-to-point messages of ``device``'s tensors go through host memory: CUDA
+    tensors under gloo, whose send and recv take CPU tensors only (its all_reduce and
+    broadcast take CUDA ones). Under NCCL and on CPU a tensor goes as it is, uncopied."""
+    return device.type == "cuda" and dist.get_backend() == "gloo"
+
+
+def _to_wire(t: torch.Tensor) -> torch.Tensor:
+    """What :func:`dist.isend` is given for ``t``: ``t``, or its host copy (which the caller
+    keeps alive with the work until the send is done)."""
+    return t.to("cpu", copy=True) if through_host(t.device) else t
+
+
 def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
     """Start sending ``value`` (non-blocking); returns (work, buffer) pairs to wait on."""
     leaves, spec = flatten(value)
@@ -198,16 +217,17 @@ def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tenso
     first = blob[: _HEADER_BYTES - 8]
     if first:
         head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    messages = [(head.to(device), tag(k, False, 0))]
+    wire = torch.device("cpu") if through_host(device) else device  # the header is on the host
+    messages = [(head.to(wire), tag(k, False, 0))]
     if n > _HEADER_BYTES - 8:
         rest = torch.frombuffer(bytearray(blob[_HEADER_BYTES - 8 :]), dtype=torch.uint8)
-        messages.append((rest.to(device), tag(k, False, 1)))
+        messages.append((rest.to(wire), tag(k, False, 1)))
     tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
     if len(tensors) > (1 << LEAF_BITS) - 2:
         raise ValueError(f"an activation has {len(tensors)} tensor leaves; at most "
                          f"{(1 << LEAF_BITS) - 2} can cross a pipeline cut")
     for i, t in enumerate(tensors):
-        messages.append((t.detach().contiguous(), tag(k, False, 2 + i)))
+        messages.append((_to_wire(t.detach().contiguous()), tag(k, False, 2 + i)))
     pending = []
     for tensor, message_tag in messages:
         work = dist.isend(tensor, dst=dst, tag=message_tag)
@@ -218,13 +238,15 @@ def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tenso
 
 def recv_activation(src: int, k: int, device: torch.device) -> Received:
     """Receive what :func:`send_activation` sent (blocking) and rebuild it."""
-    head = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=device)
+    staged = through_host(device)
+    wire = torch.device("cpu") if staged else device
+    head = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=wire)
     dist.recv(head, src=src, tag=tag(k, False, 0))
     raw = bytes(head.cpu().numpy().tobytes())
     n = int.from_bytes(raw[:8], "little")
     blob = raw[8 : 8 + min(n, _HEADER_BYTES - 8)]
     if n > _HEADER_BYTES - 8:
-        rest = torch.empty(n - (_HEADER_BYTES - 8), dtype=torch.uint8, device=device)
+        rest = torch.empty(n - (_HEADER_BYTES - 8), dtype=torch.uint8, device=wire)
         dist.recv(rest, src=src, tag=tag(k, False, 1))
         blob += bytes(rest.cpu().numpy().tobytes())
     dumped, described = pickle.loads(blob)  # from our own peer rank of the same job
@@ -237,8 +259,10 @@ def recv_activation(src: int, k: int, device: torch.device) -> Received:
             leaves.append(item[1])
             continue
         _, shape, dtype, requires_grad = item
-        buf = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+        buf = torch.empty(shape, dtype=getattr(torch, dtype), device=wire)
         dist.recv(buf, src=src, tag=tag(k, False, slot))
+        if staged:
+            buf = buf.to(device, copy=True)
         slot += 1
         if requires_grad and (buf.is_floating_point() or buf.is_complex()):
             buf.requires_grad_(True)
@@ -252,7 +276,7 @@ def send_grads(inputs: list[torch.Tensor], dst: int, k: int) -> list[tuple[Any, 
     pending = []
     for i, leaf in enumerate(inputs):
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
-        g = g.contiguous()
+        g = _to_wire(g.contiguous())
         work = dist.isend(g, dst=dst, tag=tag(k, True, 2 + i))
         assert work is not None
         pending.append((work, g))
@@ -263,7 +287,9 @@ def recv_grads(outputs: list[torch.Tensor], src: int, k: int) -> list[torch.Tens
     """The gradients of this stage's output leaves that required one, in leaf order."""
     grads = []
     for i, leaf in enumerate(outputs):
-        g = torch.empty_like(leaf, memory_format=torch.contiguous_format)
+        staged = through_host(leaf.device)
+        g = torch.empty_like(leaf, memory_format=torch.contiguous_format,
+                             device="cpu" if staged else leaf.device)
         dist.recv(g, src=src, tag=tag(k, True, 2 + i))
-        grads.append(g)
+        grads.append(g.to(leaf.device, copy=True) if staged else g)
     return grads

@@ -75,6 +75,14 @@ data position, the group, the stage's first layer and the microbatch
 the same way; dataset items are read under per-item seeds
 (:mod:`hetpilot.trainer.itemseed`), the dataset's own generators included.
 Randomness elsewhere (in the loss) must be deterministic.
+
+With ``--device cuda`` every rank computes on GPU 0 (NCCL refuses two ranks on
+one GPU, so they talk over gloo: its all-reduce and broadcast take CUDA
+tensors, its send and recv do not, so activations, gradients and moved layer
+state cross through host memory, :func:`hetpilot.trainer.activations.through_host`),
+and the references compute on the same GPU with the same per-microbatch seeds
+(CUDA's generator too), then everything is compared on the CPU. The preflight
+still runs on the CPU.
 """
 
 from __future__ import annotations
@@ -165,12 +173,15 @@ def summarize_plan(plan: Plan) -> str:
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     from .runtime import Trainer
 
+    device = _device(cfg["device"])
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # every rank on GPU 0, over gloo
     spec = load_job(cfg["job"], "--job")
     plans = [plan_from_dict(p) for p in cfg["plans"]]
     trainer = Trainer(
         spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
         global_batch=spec["global_batch"], device_id=f"local:{rank}", seed=cfg["seed"],
-        dtype=getattr(torch, cfg["dtype"]),
+        dtype=getattr(torch, cfg["dtype"]), device=device,
     )
     out = Path(cfg["out"])
     if rank == 0:  # rank 0's modules are the runtime's starting point: the reference's too
@@ -191,6 +202,11 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
         if rank == 0:
             torch.save({"applied": applied, "scales": scales, "loss": sum(losses) / len(losses),
                         "switch": dict(trainer.last_switch)}, out / f"plan{i}.pt")
+
+
+def _device(name: str) -> torch.device:
+    """``--device``: the CPU, or GPU 0, which every rank and the references share."""
+    return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
 
 
 def _microbatch(global_batch: int, ranks: int) -> int:
@@ -313,14 +329,21 @@ def run_check(
     dtype: str = "float64",
     tolerance: float | None = None,
     log: Any = print,
+    device: str = "cpu",
 ) -> dict[str, Difference]:
     """Run the check (module docstring); return, per reference, the largest difference and
     where it is: absolute in float64, relative (to the reference's change) under mixed
     precision. Where a float64 difference is above ``tolerance`` (default 1e-9), the
     comparison is redone beyond each tensor's rounding-noise floor (module docstring),
-    which costs two more reference runs only then."""
+    which costs two more reference runs only then. ``device="cuda"``: the ranks share GPU
+    0 over gloo and the references compute there too (module docstring)."""
     from .reference import ReferenceRun, build_layers
 
+    if device not in ("cpu", "cuda"):
+        raise ValidationError("--device", f"must be cpu or cuda, got {device!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValidationError("--device", "cuda: no CUDA device here "
+                                          "(torch.cuda.is_available() is false); use --device cpu")
     mixed = dtype in MIXED_TOLERANCE
     spec = load_job(job, "--job")
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
@@ -335,13 +358,13 @@ def run_check(
     for plan in plans:  # refused here, before any rank starts
         check_plan(plan, devices, num_layers, batch)
     cfg = {"plans": [plan_to_dict(p) for p in plans], "job": job, "iterations": iterations,
-           "seed": seed, "dtype": dtype}
+           "seed": seed, "dtype": dtype, "device": device}
     with tempfile.TemporaryDirectory(prefix="hetpilot-train-check-") as tmp:
         cfg["out"] = tmp
         started = time.monotonic()
         spawn(_worker, ranks, (cfg,), timeout_s)
         took = time.monotonic() - started
-        init = torch.load(Path(tmp) / "init.pt", weights_only=True)
+        init = torch.load(Path(tmp) / "init.pt", map_location="cpu", weights_only=True)
 
         def reference(fresh: bool, ref_dtype: torch.dtype, compute: torch.dtype | None,
                       perturb: int | None = None) -> ReferenceRun:
@@ -352,7 +375,8 @@ def run_check(
             if perturb is not None:
                 _perturb(layers, perturb)
             return ReferenceRun(layers, own["loss"], own["optimizer"], own["dataset"],
-                                batch, seed=seed, dtype=ref_dtype, compute_dtype=compute)
+                                batch, seed=seed, dtype=ref_dtype, compute_dtype=compute,
+                                device=_device(device))
 
         with _one_thread():  # as each rank computes (launch.init_local): the same kernels
             refs = {label: reference(r > 0, ref_dtype, compute)
@@ -368,7 +392,8 @@ def run_check(
                 first = next(iter(_references(dtype).values()))
                 copies = [reference(True, *first, perturb=c + 1) for c in range(NOISE_COPIES)]
                 worst = _compare_plans(Path(tmp), plans, ranks, refs, copies, names, mixed, log)
-    log(f"{ranks} ranks, {len(plans)} plans, microbatch {microbatch}, {dtype}, {took:.1f} s")
+    log(f"{ranks} ranks{' on cuda:0' if device == 'cuda' else ''}, {len(plans)} plans, "
+        f"microbatch {microbatch}, {dtype}, {took:.1f} s")
     return worst
 
 
@@ -408,8 +433,8 @@ def _compare_plans(tmp: Path, plans: list[Plan], ranks: int, refs: dict[str, Any
     ``copies``: :func:`_floors`)."""
     worst = {label: Difference(beyond_noise=bool(copies)) for label in refs}
     for i, plan in enumerate(plans):
-        info = torch.load(tmp / f"plan{i}.pt", weights_only=False)
-        held = [torch.load(tmp / f"plan{i}_rank{rank}.pt", weights_only=True)
+        info = torch.load(tmp / f"plan{i}.pt", map_location="cpu", weights_only=False)
+        held = [torch.load(tmp / f"plan{i}_rank{rank}.pt", map_location="cpu", weights_only=True)
                 for rank in range(ranks)]
         skips = info["applied"].count(False)
         log(f"plan v{i + 1} ({len(info['applied'])} it"
@@ -581,10 +606,11 @@ def _compare(held: list[dict[int, dict[str, torch.Tensor]]],
 
 
 def main(ranks: int, seed: int, tolerance: float | None, timeout_s: float,
-         job: str = BUILTIN_JOB, iterations: int = 2, dtype: str = "float64") -> int:
+         job: str = BUILTIN_JOB, iterations: int = 2, dtype: str = "float64",
+         device: str = "cpu") -> int:
     try:
         worst = run_check(ranks, job=job, seed=seed, iterations=iterations,
-                          timeout_s=timeout_s, dtype=dtype, tolerance=tolerance)
+                          timeout_s=timeout_s, dtype=dtype, tolerance=tolerance, device=device)
     except ValidationError as exc:
         print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
         return 2

@@ -47,6 +47,11 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             default="float64",
                             help="float64: exact check; bfloat16/float16: the ranks run mixed "
                                  "precision, compared with plain float32 in one process")
+        parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                            help="cuda: every rank computes on GPU 0, the ranks talking over "
+                                 "gloo (NCCL refuses two ranks on one GPU; activations and "
+                                 "gradients are staged through host memory), and the "
+                                 "one-process references compute on the same GPU; default cpu")
         parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
                             help="give up (exit 1) after this many seconds")
         return
@@ -159,7 +164,8 @@ def run(args: argparse.Namespace) -> int:
         from .check import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
-                    job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype)
+                    job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype,
+                    device=args.device)
     if args.command == "train" and (problem := launched_defaults(args)) is not None:
         return _fail(problem)
     try:

@@ -78,9 +78,15 @@ class ReferenceRun:
     compute_dtype: torch.dtype | None = None
     """Mixed precision as the runtime runs it: forwards under autocast, floating
     outputs cast to this dtype at the plan's cuts; None: plain ``dtype``."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    """Where the layers, the data and the random draws are (the ranks' device, so that the
+    same kernels run); :meth:`states` are on the CPU wherever this is."""
 
     def __post_init__(self) -> None:
-        self.loss_fn = place_loss(self.loss_fn, None, self.dtype)  # as the runtime does
+        self.device = torch.device(self.device)
+        for layer in self.layers:  # before the optimizer: it holds the parameters it is given
+            layer.to(device=self.device)
+        self.loss_fn = place_loss(self.loss_fn, self.device, self.dtype)  # as the runtime does
         self._optim = self.optimizer(_unique_params(self.layers))
         self._precision = (Precision(torch.float32, self.compute_dtype)
                            if self.compute_dtype is not None else Precision())
@@ -93,8 +99,11 @@ class ReferenceRun:
         return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
 
     def _batch(self, indices: Sequence[int], which: int) -> Any:
-        return self._cast(default_collate(read_items(self.dataset, indices, which, self.seed,
-                                                     self.epoch)))
+        batch = self._cast(default_collate(read_items(self.dataset, indices, which, self.seed,
+                                                      self.epoch)))
+        if self.device.type == "cpu":
+            return batch
+        return map_tensors(lambda t: t.to(self.device), batch)
 
     def indices(self) -> list[int]:
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
@@ -130,8 +139,7 @@ class ReferenceRun:
                     x = acts[k]
                     draws = microbatch_seed(self.seed, self.epoch, self.iteration, gi,
                                             stage.layers[0], k)
-                    with seeded(draws, torch.device("cpu")), \
-                            self._precision.autocast(torch.device("cpu")):
+                    with seeded(draws, self.device), self._precision.autocast(self.device):
                         for layer in range(*stage.layers):
                             x = self.layers[layer](x)
                     if si + 1 < len(group.stages):
@@ -139,7 +147,7 @@ class ReferenceRun:
                     acts[k] = x
             for k in range(micro):
                 target = self._batch(mine[k * m : (k + 1) * m], 1)
-                with self._precision.autocast(torch.device("cpu")):
+                with self._precision.autocast(self.device):
                     loss = self.loss_fn(acts[k], target)
                 if (problem := loss_problem(loss)) is not None:
                     raise ValueError(f"loss: {problem}")
@@ -170,6 +178,6 @@ class ReferenceRun:
 
     def states(self) -> list[dict[str, torch.Tensor]]:
         """Each layer's ``state_dict`` (parameters and buffers) and non-persistent buffers,
-        detached copies."""
-        return [{k: v.detach().clone() for k, v in full_state(layer).items()}
+        detached copies on the CPU."""
+        return [{k: v.detach().to("cpu", copy=True) for k, v in full_state(layer).items()}
                 for layer in self.layers]

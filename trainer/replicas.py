@@ -139,7 +139,7 @@ def merge_buffer(b0: torch.Tensor, values: Sequence[torch.Tensor],
     if all(bool((v >= b0).all()) for v in values):
         return b0 + sum(v - b0 for v in values)
     mean = sum((w * v.double() for v, w in zip(values, weights, strict=True)),
-               torch.zeros(b0.shape, dtype=torch.float64))
+               torch.zeros(b0.shape, dtype=torch.float64, device=b0.device))
     return torch.round(mean).to(b0.dtype)
 
 

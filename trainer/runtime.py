@@ -55,6 +55,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from hetpilot.emulation import EmulationFile, allreduce_s
 
+from .activations import through_host
 from .gradsync import Bucket, GradSync
 from .itemseed import read_items
 from .pipeline import StageRunner, StageStats, microbatch_seed
@@ -436,18 +437,25 @@ class Trainer:
                                                map_location=self.device)
         return state
 
+    def _wire(self) -> torch.device:
+        """Where state crosses between ranks: this rank's device, or host memory where gloo
+        cannot send its tensors (CUDA: :func:`~hetpilot.trainer.activations.through_host`)."""
+        return torch.device("cpu") if through_host(self.device) else self.device
+
     def _send_state(self, state: dict[str, Any], dst: int) -> int:
         buf = io.BytesIO()
         torch.save(state, buf)
-        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(self.device)
-        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=self.device), dst=dst)
+        wire = self._wire()
+        data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(wire)
+        dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=wire), dst=dst)
         dist.send(data, dst=dst)
         return data.numel()
 
     def _recv_state(self, src: int) -> dict[str, Any]:
-        size = torch.zeros(1, dtype=torch.int64, device=self.device)
+        wire = self._wire()
+        size = torch.zeros(1, dtype=torch.int64, device=wire)
         dist.recv(size, src=src)
-        data = torch.empty(int(size.item()), dtype=torch.uint8, device=self.device)
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)
         dist.recv(data, src=src)
         state: dict[str, Any] = torch.load(
             io.BytesIO(data.cpu().numpy().tobytes()), map_location=self.device, weights_only=True

@@ -55,3 +55,31 @@ def test_one_rank_trains_in_bfloat16_on_cuda(tmp_path: object) -> None:
                    for p in m.parameters())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.timeout(600)
+def test_train_check_on_one_gpu_matches_one_process_in_float64() -> None:
+    """``train-check --device cuda``: 2 gloo ranks sharing GPU 0 (activations staged through
+    host memory) against one float64 process on the same GPU, within the tolerance (on an
+    H100, torch 2.11+cu130: 2.1e-13, as on the CPU)."""
+    from hetpilot.trainer.check import _limit, run_check
+
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer.examples:gpt", device="cuda", timeout_s=500,
+                      log=lines.append)
+    assert worst["float64"].value <= _limit("float64", "float64", None), "\n".join(lines)
+    assert "on cuda:0" in lines[-1]
+
+
+@pytest.mark.timeout(600)
+def test_train_check_on_one_gpu_in_bfloat16() -> None:
+    """The same in bfloat16 mixed precision: against one process in bfloat16 on the GPU and
+    against plain float32 there, each within its tolerance (on an H100: 0.25 and 0.034)."""
+    from hetpilot.trainer.check import _limit, run_check
+
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer.examples:gpt", device="cuda", dtype="bfloat16",
+                      timeout_s=500, log=lines.append)
+    assert len(worst) == 2
+    for label, diff in worst.items():
+        assert diff.value <= _limit(label, "bfloat16", None), (label, "\n".join(lines))

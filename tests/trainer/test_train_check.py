@@ -9,9 +9,12 @@ integer and non-tensor leaves. Every layer boundary is cut in some plan.
 from __future__ import annotations
 
 import math
+import os
 import re
 import subprocess
 import sys
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -194,6 +197,54 @@ def test_cli_refuses_more_ranks_than_the_memory_holds() -> None:
         capture_output=True, text=True, timeout=60)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "--ranks" in res.stderr and "GiB is available" in res.stderr
+
+
+def test_cli_refuses_cuda_where_there_is_none() -> None:
+    """``--device cuda`` without a CUDA device (hidden here where there is one): exit 2
+    naming ``--device`` before any rank starts."""
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--device", "cuda", "--ranks", "2"],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--device" in res.stderr and "no CUDA device here" in res.stderr
+    assert "plan v" not in res.stdout  # no rank ran
+
+
+def staged_pytree_tiny() -> dict[str, Any]:
+    """``_jobfns:pytree_tiny`` (tuple and dict activations, integer and non-tensor leaves)
+    whose ranks send every activation, gradient and moved state through a host copy, as
+    CUDA tensors cross under gloo (``activations.through_host``): that path, on the CPU.
+    The job function runs in each rank, process group up, where it patches the rule, and
+    in the checking process, which it leaves alone; the first staged message touches the
+    file ``$STAGED_MARK``."""
+    import torch.distributed as dist
+    from hetpilot.trainer import _jobfns, activations, runtime
+
+    if dist.is_initialized():
+        mark = Path(os.environ["STAGED_MARK"])
+
+        def staged(device: torch.device) -> bool:
+            if not mark.exists():
+                mark.touch()
+            return True
+
+        activations.through_host = staged
+        runtime.through_host = staged
+    return _jobfns.pytree_tiny()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_staging_through_host_memory_matches_one_process(
+        tmp_path: Path, importable: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The gloo-on-CUDA path (send a host copy, receive into a host buffer, then copy to the
+    device) on CPU tensors: the same training as one process, every boundary cut."""
+    mark = tmp_path / "staged"
+    monkeypatch.setenv("STAGED_MARK", str(mark))
+    lines = _check(f"{__name__}:staged_pytree_tiny", 2)
+    assert mark.exists(), "no message was staged"
+    assert _cuts(lines) == set(range(1, 4)), "\n".join(lines)
 
 
 def test_cli_refuses_a_job_that_is_not_module_fn() -> None:
