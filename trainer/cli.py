@@ -375,7 +375,14 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             return _fail("--emulate-tflops: needs --emulate-model or a 'sample' in the job spec")
         layer_gflop = [(float(la["fwd_gflop"]), float(la.get("bwd_gflop", 2 * la["fwd_gflop"])))
                        for la in profile["layers"]]
-    cuda = torch.cuda.is_available()  # NCCL path: untested here (no GPU where this was built)
+    # The emulations stretch ops by the host's clock, which a CUDA op does not follow (its
+    # time is the device's): an emulated run stays on the CPU, on a GPU host too.
+    emulated = (args.emulate_slowdown != 1.0 or tflops is not None or bool(args.emulate_file))
+    cuda = torch.cuda.is_available() and not emulated
+    if cuda and local >= torch.cuda.device_count():
+        return _fail(f"LOCAL_RANK {local}: this host has {torch.cuda.device_count()} CUDA "
+                     "device(s) and NCCL takes one rank per device: start at most that many "
+                     "ranks here, or CUDA_VISIBLE_DEVICES= to train on the CPU")
     if cuda:
         torch.cuda.set_device(local)
     if "MASTER_ADDR" in os.environ:

@@ -167,7 +167,7 @@ def reconcile_buffers(
                 b.copy_(torch.where(f, b0 + moved, moved))
         if not ints:
             return
-        fell = torch.tensor([float((b < b0).any()) for b, b0 in ints], dtype=torch.float64)
+        fell = torch.stack([(b < b0).any() for b, b0 in ints]).double()  # on their device: NCCL
         dist.all_reduce(fell, op=dist.ReduceOp.MAX, group=group)
         counters = [(b, b0) for (b, b0), f in zip(ints, fell.tolist(), strict=True) if not f]
         values = [(b, b0) for (b, b0), f in zip(ints, fell.tolist(), strict=True) if f]

@@ -671,11 +671,15 @@ class Trainer:
         dtypes are the dataset's (the stage casts floating leaves when ``dtype`` is set).
         Items are read by :func:`read_items` (random augmentation seeded per item).
 
-        A ``TensorDataset`` is gathered with one index per tensor instead: the same rows
-        stacked, without a Python call per sample (0.48 against 0.08 ms for 128 rows of
-        512 floats; per microbatch, on the pipeline's critical path)."""
+        A ``TensorDataset`` is gathered with one ``index_select`` per tensor instead: the
+        same rows stacked, without a Python call per sample (0.48 against 0.08 ms for 128
+        rows of 512 floats; per microbatch, on the pipeline's critical path). Not
+        ``tensor[index]``, which runs in parallel: for 8 rows of 512 token ids on a 16-core
+        H100 host it took 32 us against ``index_select``'s 6 us in a loop, and 1.5 ms a call
+        in a profiled GPT-2 iteration."""
         if type(dataset) is TensorDataset and len(indices):
-            return dataset.tensors[which][torch.as_tensor(indices, dtype=torch.long)]
+            return dataset.tensors[which].index_select(
+                0, torch.as_tensor(indices, dtype=torch.long))
         return default_collate(read_items(dataset, indices, which, seed, epoch))
 
     def train_step(self) -> tuple[StageStats | None, float]:
@@ -794,7 +798,9 @@ class Trainer:
             record["switch_s"] = slot.switch_s
         ended = self.iteration >= self.iterations_per_epoch
         evaluated = self._evaluate() if ended and self.metric is not None else 0.0
-        sums = torch.tensor([self._loss_sum, evaluated], dtype=torch.float64)
+        # on the device: NCCL reduces nothing else ("No backend type associated with device
+        # type cpu", the first GPU run's one failure)
+        sums = torch.tensor([self._loss_sum, evaluated], dtype=torch.float64, device=self.device)
         dist.all_reduce(sums, op=dist.ReduceOp.SUM)  # last stages and group 0's last stage
         self._loss_sum = 0.0
         record["loss"] = float(sums[0]) / slot.steps if slot.steps else None
