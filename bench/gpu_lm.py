@@ -144,7 +144,8 @@ def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
     prof = profile_model(job["layers"], x, name="gpt2-small", dtype=dtype)
     profiled = model_from_dict(prof)
     times = measure_layer_times(job["layers"], x, args.micro, device=dev,
-                                autocast_dtype=compute, repeats=5)
+                                autocast_dtype=compute, repeats=5,
+                                loss=(job["loss"], job["dataset"].tensors[1][:args.micro]))
     fit = fit_speeds({DEVICE_ID: DeviceTimes(args.micro, dict(enumerate(times)))},
                      [la.fwd_gflop for la in profiled.layers],
                      [la.bwd_gflop for la in profiled.layers])

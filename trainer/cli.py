@@ -535,8 +535,13 @@ def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
         return as_measurement(times, m, dtype_label(precision.compute_dtype))
     if precision.param_dtype not in (None, torch.float32):
         return None
+    from .runtime import Trainer
+
+    dataset = spec["dataset"]  # targets of m samples, for the loss's time
+    targets = Trainer._collate(dataset, [i % len(dataset) for i in range(m)], 1)
     times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
-                                autocast_dtype=precision.compute_dtype)
+                                autocast_dtype=precision.compute_dtype,
+                                loss=(spec["loss"], targets))
     return as_measurement(times, m, dtype_label(precision.compute_dtype))
 
 

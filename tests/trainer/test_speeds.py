@@ -117,3 +117,44 @@ def test_layers_writing_into_their_input_are_profiled_and_timed() -> None:
     assert all(la["act_mb"] > 0 for la in relus)  # ReLU keeps its output for the backward
     times = measure_layer_times(layers, job["sample"], 4, device="cpu", repeats=2)
     assert len(times) == len(layers) and all(f > 0 and b >= 0 for f, b in times)
+
+
+class _SlowLoss(nn.Module):
+    """A loss with a class-weight buffer (moved to the device as the runtime moves it) whose
+    forward and backward each take at least 20 ms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("weight", torch.ones(4))
+
+    def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.02)
+        return _SlowBackward.apply(nn.functional.cross_entropy(y, target, weight=self.weight))
+
+
+class _SlowBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        import time
+
+        time.sleep(0.02)
+        return g
+
+
+def test_the_loss_is_timed_on_the_last_layer() -> None:
+    """The last stage runs the loss: its forward and backward count in the last layer's
+    times, on targets cut or repeated to the microbatch; the other layers' do not change."""
+    model = [nn.Linear(8, 16), nn.Linear(16, 4)]
+    targets = torch.tensor([0, 3])  # 2 samples, repeated to 6
+    plain = measure_layer_times(model, torch.randn(2, 8), 6, device="cpu", repeats=3)
+    with_loss = measure_layer_times(model, torch.randn(2, 8), 6, device="cpu", repeats=3,
+                                    loss=(_SlowLoss(), targets))
+    assert with_loss[-1][0] >= 0.02 > plain[-1][0]
+    assert with_loss[-1][1] >= 0.02 > plain[-1][1]
+    assert with_loss[0][0] < 0.02 and with_loss[0][1] < 0.02
