@@ -92,8 +92,8 @@ bandwidth) each bucket therefore lasts at least ``min_seconds(bucket, its bytes)
 from its first launch, plus a latency per extra chunk, and the last chunk's bytes
 still cross the link after it was launched.
 
-**CUDA/NCCL**: written for it, **not run on a GPU** (there is none here; only gloo
-on CPU is tested). Buffers are flattened with ``torch.cat`` on the gradients'
+**CUDA/NCCL**: written for it; run on one H100 with one NCCL rank only
+(bench/RESULTS-gpu.md), so the overlap across GPUs has not run on a GPU. Buffers are flattened with ``torch.cat`` on the gradients'
 device, on the stream the hook runs on (autograd's), which is the stream
 ProcessGroupNCCL orders the collective after; nothing in the hooks waits for
 the device; ``Work.wait()`` makes the current stream wait for the collective

@@ -43,7 +43,8 @@ A float16 job's last stage multiplies each loss by the loss scale.
 CUDA: op times come from CUDA events resolved once at the end of the
 iteration (host clocks would time kernel launches, not kernels); inputs are
 copied from pinned memory without blocking. Emulation (sleeps) is for CPU
-ranks only. This path has run over gloo on CPU only where it was built.
+ranks only. On CUDA this path has run with one NCCL rank, and with ranks sharing one
+GPU over gloo (``train-check --device cuda``), on an H100 (bench/RESULTS-gpu.md).
 """
 
 from __future__ import annotations

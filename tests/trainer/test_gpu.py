@@ -1,6 +1,6 @@
 """GPU checks (issue 14): run on a CUDA machine with ``pytest -m gpu``; never in CI
-(``addopts`` deselects the ``gpu`` mark). They have not run yet: no GPU was lent to the
-session that wrote them (bench/RESULTS-gpu.md)."""
+(``addopts`` deselects the ``gpu`` mark). They passed on an H100 on 2026-11-24
+(bench/RESULTS-gpu.md)."""
 
 from __future__ import annotations
 
