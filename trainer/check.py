@@ -594,6 +594,8 @@ def _compare(held: list[dict[int, dict[str, torch.Tensor]]],
                 value, key = _relative(state, expected[layer],
                                        None if before is None else before[layer],
                                        None if floors is None else floors[layer], factor)
+                if key == "nothing":  # no floating tensor (ReLU): nothing to name
+                    continue
                 here.update(value, f"layer {layer} ({names[layer]}), most in {key!r}, "
                                    f"on rank {rank}")
                 continue

@@ -147,6 +147,16 @@ def test_a_nan_difference_is_the_worst_wherever_it_comes() -> None:
         assert worst.where == f"#{[str(v) for v in order].index('nan')}"
 
 
+def test_equal_runs_name_a_layer_with_tensors_not_a_parameterless_one() -> None:
+    """Mixed precision, every difference exactly 0: the line names a tensor that was
+    compared, not "most in 'nothing'" of a ReLU (layer 0 here)."""
+    w = {"weight": torch.ones(2, 2)}
+    held = [{0: {}, 1: {k: v.clone() for k, v in w.items()}}]
+    got = _compare(held, [{}, w], [{}, {"weight": torch.zeros(2, 2)}], ["ReLU", "Linear"],
+                   mixed=True)
+    assert got.value == 0.0 and got.where.startswith("layer 1 (Linear), most in 'weight'")
+
+
 def test_perturbed_copy_starts_a_few_ulps_away_with_ties_kept() -> None:
     torch.manual_seed(0)
     shared = nn.Linear(3, 3).double()
