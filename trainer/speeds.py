@@ -36,6 +36,7 @@ Under target-time emulation a rank's device is declared, not measured:
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 import statistics
 import time
@@ -106,7 +107,8 @@ def measure_layer_times(
     if loss is not None and out:
         from .runtime import place_loss  # the runtime's rule: a loss module to the device
 
-        fn, targets = place_loss(loss[0], dev, None), _resized(loss[1], microbatch, dev)
+        own = copy.deepcopy(loss[0]) if isinstance(loss[0], nn.Module) else loss[0]  # untouched
+        fn, targets = place_loss(own, dev, None), _resized(loss[1], microbatch, dev)
         (lf, lb), _ = _time_layer(lambda y: fn(y, targets), x, first=False, device=dev,
                                   autocast_dtype=autocast_dtype, repeats=repeats,
                                   warmup=warmup)

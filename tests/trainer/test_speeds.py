@@ -158,3 +158,22 @@ def test_the_loss_is_timed_on_the_last_layer() -> None:
     assert with_loss[-1][0] >= 0.02 > plain[-1][0]
     assert with_loss[-1][1] >= 0.02 > plain[-1][1]
     assert with_loss[0][0] < 0.02 and with_loss[0][1] < 0.02
+
+
+def test_a_loss_module_is_timed_on_a_copy() -> None:
+    """Timing calls the loss several times: a loss module keeping state (a counter here)
+    is left as the job has it, and stays on its device."""
+
+    class Counting(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            return nn.functional.mse_loss(y, target)
+
+    loss = Counting()
+    measure_layer_times([nn.Linear(4, 3)], torch.randn(2, 4), 4, device="cpu",
+                        loss=(loss, torch.randn(2, 3)))
+    assert int(loss.calls) == 0
