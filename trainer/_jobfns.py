@@ -14,10 +14,12 @@ models are in :mod:`hetpilot.trainer.examples`.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 __all__ = [
@@ -30,6 +32,7 @@ __all__ = [
     "decoder_tiny",
     "dictskip_tiny",
     "dropout_tiny",
+    "drowsy_tiny",
     "frozen_tiny",
     "groups_tiny",
     "inplace_tiny",
@@ -795,3 +798,34 @@ def mobile_tiny() -> dict[str, Any]:
               nn.AdaptiveMaxPool2d(1), nn.Flatten(), nn.Linear(12, 4)]
     return _job(layers, x, y, nn.functional.cross_entropy, optimizer=lambda params:
                 torch.optim.SGD(params, lr=0.05, momentum=0.9, weight_decay=4e-5))
+
+
+class Drowsy(nn.Module):
+    """A linear layer that sleeps ``sleep_s`` in each forward on rank 0 once the process has
+    called forward on it (or a copy) ``after`` times: a device that slows down after the
+    job measured its layers on Attach, as another job arriving on it would make it."""
+
+    calls = 0
+
+    def __init__(self, width: int, after: int = 40, sleep_s: float = 0.004) -> None:
+        super().__init__()
+        self.fc, self.after, self.sleep_s = nn.Linear(width, width), after, sleep_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Drowsy.calls += 1
+        if Drowsy.calls > self.after and dist.is_initialized() and dist.get_rank() == 0:
+            time.sleep(self.sleep_s)
+        return torch.tanh(self.fc(x))
+
+
+def drowsy_tiny() -> dict[str, Any]:
+    """Rank 0's device slows down 10x or more after Attach (:class:`Drowsy`): the stage
+    timings disagree with the layer times it measured, and the trainer corrects them
+    (:mod:`hetpilot.trainer.calibration`)."""
+    torch.manual_seed(26)
+    gen = torch.Generator().manual_seed(26)
+    x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 2, generator=gen)
+    layers = [nn.Linear(8, 16), nn.Tanh(), Drowsy(16), nn.Linear(16, 2)]
+    job = _job(layers, x, y, nn.functional.mse_loss, batch=16)
+    job["sample"] = x[:4]
+    return job

@@ -88,8 +88,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="do not send the model profile on Attach (--daemon)")
     parser.add_argument("--no-measure", action="store_true",
                         help="do not time the layers on each rank's device, nor the links "
-                             "between the ranks, for the daemon (--daemon; it then plans "
-                             "with the agents' matmul and link probes)")
+                             "between the ranks, for the daemon, nor correct the times from "
+                             "the stage timings (--daemon; it then plans with the agents' "
+                             "matmul and link probes)")
     parser.add_argument("--epochs", type=int, default=1,
                         help="epochs to train (default 1: a pre-training run has one)")
     parser.add_argument("--steps", type=int, default=None, metavar="N",
@@ -446,6 +447,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                                                        profile, device))
                 if source is not None:
                     source.update_measurements(again)
+                measured = [a if a is not None else m for a, m in zip(again, measured, strict=True)]
 
         def report(record: dict[str, Any]) -> None:
             for r in reporters:
@@ -464,6 +466,9 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         )
         if args.resume and args.checkpoint and has_checkpoint(args.checkpoint):
             trainer.load_checkpoint(args.checkpoint)
+        if daemon and rank == 0 and source is not None and not emulated \
+                and any(m is not None for m in measured):
+            reporters.append(_calibration(trainer, measured, source))
         slot_iterations, slot_s = _slot(args, source)
         saved_at = [trainer.step]
 
@@ -500,6 +505,24 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             link.close()
         dist.destroy_process_group()
     return 0
+
+
+def _calibration(trainer: Any, measured: list[Any], source: Any) -> Any:
+    """Rank 0's reporter that sends a rank's layer times again when its stage timings
+    keep disagreeing with them (:mod:`hetpilot.trainer.calibration`)."""
+    from .calibration import StageCalibration
+
+    def plan_of(version: int) -> Any:
+        return trainer.plan if trainer.version == version else None
+
+    def send(per_rank: list[Any]) -> None:
+        rank, factor = calibration.corrections[-1]
+        print(f"hetpilot: rank {rank}'s stage timings were {factor:.3g}x its measured layer "
+              "times for two slots: sending them scaled by that", file=sys.stderr)
+        source.update_measurements(per_rank)
+
+    calibration = StageCalibration(measured, plan_of, send)
+    return calibration
 
 
 def _sample_size(spec: dict[str, Any]) -> int | None:

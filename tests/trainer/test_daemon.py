@@ -303,3 +303,57 @@ def test_source_finish_reports_the_outcome_unless_torchrun_restarts(
     assert src.finish() is False
     assert daemon.job(cancelled).state == job_pb2.JOB_STATE_CANCELLED
     src.link.close()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
+        daemon: Daemon, tmp_path: Path) -> None:
+    """Rank 0's device slows down 10x and more after Attach (``_jobfns:drowsy_tiny``): rank 0
+    sees its stage timings disagree with its layer times for two slots and sends them
+    again, scaled; the daemon plans with the new ones and moves the job off that device."""
+    job_id = daemon.setup_job()
+    token = tmp_path / "trainer.token"
+    token.write_text(daemon.job(job_id).trainer_token + "\n")
+    port = _free_port()
+    procs = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
+               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
+        env.pop("HETPILOT_TOKEN", None)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "hetpilot", "train", "--model",
+             "hetpilot.trainer._jobfns:drowsy_tiny", "--daemon", daemon.address,
+             "--job", job_id, "--token-file", str(token), "--epochs", "16",
+             "--device-id", HOST + ":{rank}", "--plan-wait", "30"],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    outs = []
+    try:
+        for proc in procs:
+            outs.append(proc.communicate(timeout=90))
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+    for proc, (_, err) in zip(procs, outs, strict=True):
+        assert proc.returncode == 0, err[-3000:]
+    factors = [float(line.split(" were ")[1].split("x ")[0]) for line in outs[0][1].splitlines()
+               if line.startswith("hetpilot: rank 0's stage timings were")]
+    assert factors and max(factors) > 3, outs[0][1][-3000:]
+    store = SqliteStore(daemon.state / "state.db")
+    try:
+        measured = {m.device_id: m for m in store.measurements(job_id)}
+    finally:
+        store.close()
+    slow, fast = measured[f"{HOST}:0"], measured[f"{HOST}:1"]
+    # the daemon keeps the corrected one, at the plan's microbatch (4): several times slower
+    assert slow.microbatch == 4
+    slow_s = sum(t.fwd_s + t.bwd_s for t in slow.layers)
+    fast_s = sum(t.fwd_s + t.bwd_s for t in fast.layers)
+    assert slow_s > 3 * fast_s, (slow_s, fast_s)
+    # the daemon re-planned: the job's last plan has no work on the slowed device
+    records = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
+    assert records[-1]["plan_version"] > records[0]["plan_version"]
+    assert records[-1]["stage"] is None, records[-1]
