@@ -12,7 +12,12 @@ Three measurements of the same model, batch, microbatch size and dtype on one de
 3. **predicted**: what the daemon would plan with: the job's layers timed on the
    device (:func:`hetpilot.trainer.speeds.measure_layer_times`, CUDA events),
    :func:`hetpilot.planner.measured.fit_speeds` on the profile's FLOPs, and spec 5's
-   iteration time of the same plan (:func:`hetpilot.planner.refmodel.evaluate`).
+   iteration time of the same plan (:func:`hetpilot.planner.refmodel.evaluate`);
+4. **corrected**: the first prediction's layer times after
+   :class:`hetpilot.trainer.calibration.StageCalibration` saw the trainer's stage
+   timings (op seconds per microbatch, each round of the hetpilot loop taken as one
+   slot), as rank 0 of ``hetpilot train --daemon`` sends them to the daemon; the same
+   layer times when no correction was due.
 
 Reported: seconds per iteration (median of ``--steps`` timed iterations after
 ``--warmup``, each between device synchronisations), tokens/s, model FLOPs
@@ -50,11 +55,12 @@ import torch.distributed as dist
 from hetpilot.planner.measured import DeviceTimes, effective_model, fit_speeds
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from_dict
+from hetpilot.trainer.calibration import StageCalibration
 from hetpilot.trainer.examples import gpt
 from hetpilot.trainer.launch import free_port
 from hetpilot.trainer.profile import profile_model
 from hetpilot.trainer.runtime import Trainer
-from hetpilot.trainer.speeds import measure_layer_times
+from hetpilot.trainer.speeds import as_measurement, measure_layer_times
 from torch import nn
 
 DEVICE_ID = "dev:0"
@@ -118,35 +124,53 @@ def _plan(n_layers: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hetpilot(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
-              dtype: torch.dtype | None) -> list[float]:
-    """Seconds of each timed iteration of hetpilot's trainer on the one-stage plan."""
+              dtype: torch.dtype | None) -> tuple[list[float], dict[str, Any]]:
+    """Seconds of each timed iteration of hetpilot's trainer on the one-stage plan, and
+    the slot record of the timed iterations (the fields the stage-timing correction reads)."""
     trainer = Trainer(job["layers"], job["loss"], job["optimizer"], job["dataset"],
                       global_batch=args.batch, device_id=DEVICE_ID, device=dev, dtype=dtype)
     trainer.switch(plan_from_dict(_plan(len(job["layers"]), args)))
     times: list[float] = []
+    ops = [0.0, 0.0, 0]
     for step in range(args.warmup + args.steps):
         if trainer.iteration >= trainer.iterations_per_epoch:  # wrap the data set
             trainer.iteration, trainer.epoch = 0, trainer.epoch + 1
         _sync(dev)
         started = time.perf_counter()
-        trainer.train_step()
+        stats = trainer.train_step()[0]
         _sync(dev)
         if step >= args.warmup:
             times.append(time.perf_counter() - started)
-    return times
+            assert stats is not None
+            ops = [ops[0] + stats.fwd_s, ops[1] + stats.bwd_s, ops[2] + stats.microbatches]
+    per_mb = max(int(ops[2]), 1)
+    record = {"rank": 0, "plan_version": 1, "group": 0, "stage": 0,
+              "fwd_s": ops[0] / per_mb, "bwd_s": ops[1] / per_mb}
+    return times, record
 
 
 def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
                dtype: torch.dtype | None, compute: torch.dtype | None
-               ) -> tuple[float, float, float]:
-    """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration)."""
+               ) -> tuple[float, float, float, dict[str, Any]]:
+    """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration, the layer
+    times as the trainer sends them)."""
     x = job["dataset"].tensors[0][:args.micro]
-    prof = profile_model(job["layers"], x, name="gpt2-small", dtype=dtype)
-    profiled = model_from_dict(prof)
     times = measure_layer_times(job["layers"], x, args.micro, device=dev,
                                 autocast_dtype=compute, repeats=5,
                                 loss=(job["loss"], job["dataset"].tensors[1][:args.micro]))
-    fit = fit_speeds({DEVICE_ID: DeviceTimes(args.micro, dict(enumerate(times)))},
+    measurement = as_measurement(times, args.micro, str(dtype))
+    return (*_predict_from(job, args, dtype, measurement), measurement)
+
+
+def _predict_from(job: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype | None,
+                  measurement: dict[str, Any]) -> tuple[float, float, float]:
+    """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration) from layer
+    times, as the daemon plans with them."""
+    x = job["dataset"].tensors[0][:args.micro]
+    prof = profile_model(job["layers"], x, name="gpt2-small", dtype=dtype)
+    profiled = model_from_dict(prof)
+    fit = fit_speeds({DEVICE_ID: DeviceTimes(measurement["microbatch"],
+                                             measurement["layers"])},
                      [la.fwd_gflop for la in profiled.layers],
                      [la.bwd_gflop for la in profiled.layers])
     model = effective_model(profiled, fit)
@@ -228,17 +252,22 @@ def main() -> int:
         plain_times: list[float] = []
         our_times: list[float] = []
         ratios: list[float] = []
+        plan = plan_from_dict(_plan(len(job["layers"]), args))
+        sent: list[Any] = []
+        calibration = StageCalibration([predicted_runs[0][3]], lambda v: plan, sent.append)
         for _ in range(args.rounds):
-            p, o = _plain(job, args, dev, compute), _hetpilot(job, args, dev, dtype)
+            p, (o, record) = _plain(job, args, dev, compute), _hetpilot(job, args, dev, dtype)
             plain_times += p
             our_times += o
             ratios.append(statistics.median(o) / statistics.median(p))
+            calibration(record)
         predicted_runs.append(_predicted(untouched, args, dev, dtype, compute))
+        corrected = _predict_from(untouched, args, dtype, calibration.measurements[0])[0]
     finally:
         dist.destroy_process_group()
     plain, ours = statistics.median(plain_times), statistics.median(our_times)
-    predicted = statistics.mean(p for p, _, _ in predicted_runs)
-    tflops = statistics.mean(t for _, t, _ in predicted_runs)
+    predicted = statistics.mean(p[0] for p in predicted_runs)
+    tflops = statistics.mean(p[1] for p in predicted_runs)
     gflop = predicted_runs[0][2]
     tokens = args.batch * args.seq
     peak = _peak(args, dev)
@@ -251,16 +280,22 @@ def main() -> int:
     print(f"\nhetpilot / plain: {ours / plain:.3f}x the time (target <= 1.10); per round "
           + ", ".join(f"{r:.3f}" for r in ratios))
     print(f"predicted {predicted:.4f} s (mean of "
-          + " and ".join(f"{p:.4f}" for p, _, _ in predicted_runs)
+          + " and ".join(f"{p[0]:.4f}" for p in predicted_runs)
           + f", before and after; layers timed on the device: {tflops:.1f} effective "
           f"TFLOP/s), measured {ours:.4f} s: {(ours / predicted - 1) * 100:+.1f}% "
           f"(target within 10%)")
+    fixes = ", ".join(f"{f:.3g}x" for _, f in calibration.corrections) or "none due"
+    print(f"corrected from the stage timings ({fixes}): the first prediction "
+          f"{predicted_runs[0][0]:.4f} s becomes {corrected:.4f} s, measured "
+          f"{(ours / corrected - 1) * 100:+.1f}%")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": where, "args": vars(args), "params": params,
                        "plain_s": plain, "hetpilot_s": ours, "predicted_s": predicted,
                        "round_ratios": ratios,
-                       "predictions_s": [p for p, _, _ in predicted_runs],
+                       "predictions_s": [p[0] for p in predicted_runs],
+                       "corrected_s": corrected,
+                       "corrections": [f for _, f in calibration.corrections],
                        "fitted_tflops": tflops, "gflop_per_iteration": gflop,
                        "peak_tflops": peak}, f, indent=1)
     return 0

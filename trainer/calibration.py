@@ -10,7 +10,7 @@ The trainer's stage timings say what the device does in training. So rank 0, whi
 receives every rank's slot record (``report_from_rank0``), compares each rank's stage time
 per microbatch with what that rank's measurement predicts for its stage. When ``confirm``
 slots in a row are off by more than ``band`` on the same side, it sends the rank's
-measurement again, scaled by the ratio of those slots nearest 1 and taken at the plan's
+measurement again, scaled by the median ratio of those slots and taken at the plan's
 microbatch size. The daemon fits it like any measurement
 (:meth:`hetpilot.trainer.daemon_link.GrpcPlanSource.update_measurements`): a
 measurement without links keeps the links measured before.
@@ -34,7 +34,11 @@ The rules, and the choices where the issue is silent:
 * **Slowdowns.** The daemon takes a measurement relative to the speed it plans the device
   with when the measurement arrives. So a slowdown that the slowdown estimator already
   predicts is not counted twice. One that it predicts only later would be. Requiring
-  ``confirm`` slots in a row, and scaling by the ratio nearest 1, keeps short bursts out.
+  ``confirm`` slots in a row keeps short bursts out.
+* **Noise.** Three slots, not two: on this project's shared 2-core CPU machine one
+  slot's op time per microbatch moves by 10-25% from the next, and with two slots a run
+  whose measurement was right was "corrected" away from it
+  (``bench/trainer_calibration.py``, bench/RESULTS-trainer.md).
 
 Pure Python: no torch, no gRPC; the CLI wires it (``hetpilot train --daemon``).
 """
@@ -42,6 +46,7 @@ Pure Python: no torch, no gRPC; the CLI wires it (``hetpilot train --daemon``).
 from __future__ import annotations
 
 import math
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -52,7 +57,7 @@ __all__ = ["StageCalibration", "stage_ratio"]
 BAND = 0.10
 """Measured / predicted outside [1 / (1 + BAND), 1 + BAND] counts as off: the issue's
 10% prediction target."""
-CONFIRM = 2
+CONFIRM = 3
 """Slots in a row that must be off on the same side before a correction."""
 
 
@@ -142,12 +147,9 @@ class StageCalibration:
         if len(ratios) < self.confirm:
             return None
         high, low = 1.0 + self.band, 1.0 / (1.0 + self.band)
-        if all(r > high for r in ratios):
-            factor = min(ratios)
-        elif all(r < low for r in ratios):
-            factor = max(ratios)
-        else:
+        if not (all(r > high for r in ratios) or all(r < low for r in ratios)):
             return None
+        factor = statistics.median(ratios)
         corrected = _scaled(measurement, factor, plan.microbatch_size)
         self.measurements[rank] = corrected
         ratios.clear()

@@ -518,7 +518,7 @@ def _calibration(trainer: Any, measured: list[Any], source: Any) -> Any:
     def send(per_rank: list[Any]) -> None:
         rank, factor = calibration.corrections[-1]
         print(f"hetpilot: rank {rank}'s stage timings were {factor:.3g}x its measured layer "
-              "times for two slots: sending them scaled by that", file=sys.stderr)
+              "times for three slots: sending them scaled by that", file=sys.stderr)
         source.update_measurements(per_rank)
 
     calibration = StageCalibration(measured, plan_of, send)

@@ -44,11 +44,12 @@ def test_the_ratio_is_over_the_stage_at_the_plans_mean_microbatch() -> None:
     assert stage_ratio(_record(0, 0.0, 0.0), PLAN, MEAS) is None
 
 
-def test_two_slots_off_on_the_same_side_send_the_measurement_scaled() -> None:
+def test_three_slots_off_on_the_same_side_send_the_measurement_scaled() -> None:
     r = Recorder([MEAS, MEAS])
-    r.cal(_record(0, 0.005, 0.010))  # 0.5x: one slot is not enough
+    r.cal(_record(0, 0.005, 0.010))  # 0.5x
+    r.cal(_record(0, 0.007, 0.014))  # 0.7x: two slots are not enough
     assert r.sent == []
-    r.cal(_record(0, 0.006, 0.012))  # 0.6x: two in a row, the one nearer 1 is taken
+    r.cal(_record(0, 0.006, 0.012))  # 0.6x: three in a row, scaled by their median
     assert len(r.sent) == 1 and r.sent[0][1] is None
     new = r.sent[0][0]
     # at the plan's microbatch (4), 0.6 x the measurement scaled to it, no links
@@ -57,21 +58,21 @@ def test_two_slots_off_on_the_same_side_send_the_measurement_scaled() -> None:
     assert r.cal.corrections == [(0, pytest.approx(0.6))]
     # the new measurement predicts what the stage now takes: no further correction
     assert stage_ratio(_record(0, 0.006, 0.012), PLAN, new) == pytest.approx(1.0)
-    for _ in range(3):
+    for _ in range(4):
         r.cal(_record(0, 0.006, 0.012))
     assert len(r.sent) == 1
-    # slower than measured works the same way, with the smaller ratio
-    r.cal(_record(1, 0.020, 0.080))  # 2.5x
-    r.cal(_record(1, 0.020, 0.060))  # 2.0x
+    # slower than measured works the same way: stage 1 is predicted 40 ms (recompute)
+    for total in (0.100, 0.080, 0.120):  # 2.5x, 2x, 3x
+        r.cal(_record(1, 0.020, total - 0.020))
     assert len(r.sent) == 2 and r.sent[1][0] is None
-    assert r.cal.corrections[-1] == (1, pytest.approx(2.0))
+    assert r.cal.corrections[-1] == (1, pytest.approx(2.5))
 
 
 def test_slots_within_the_band_or_on_both_sides_change_nothing() -> None:
     r = Recorder([MEAS, MEAS])
     for f in (0.0105, 0.0095, 0.0108, 0.0092):  # within 10%
         r.cal(_record(0, f, 2 * f))
-    for f in (0.005, 0.020, 0.005, 0.020):  # alternating halves and doubles
+    for f in (0.005, 0.020, 0.005, 0.020, 0.005):  # alternating halves and doubles
         r.cal(_record(0, f, 2 * f))
     assert r.sent == [] and r.cal.corrections == []
 
@@ -92,6 +93,7 @@ def test_slots_that_say_nothing_are_not_counted() -> None:
     # the ones counted need not be adjacent to those left out
     r.cal(fast)
     r.cal({**fast, "switch_s": 0.1})
+    r.cal(fast)
     r.cal(fast)
     assert len(r.sent) == 1
 

@@ -310,7 +310,7 @@ def test_source_finish_reports_the_outcome_unless_torchrun_restarts(
 def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
         daemon: Daemon, tmp_path: Path) -> None:
     """Rank 0's device slows down 10x and more after Attach (``_jobfns:drowsy_tiny``): rank 0
-    sees its stage timings disagree with its layer times for two slots and sends them
+    sees its stage timings disagree with its layer times for three slots and sends them
     again, scaled; the daemon plans with the new ones and moves the job off that device."""
     job_id = daemon.setup_job()
     token = tmp_path / "trainer.token"

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -25,3 +27,8 @@ def test_gpu_lm_bench_runs_on_a_cpu_and_says_so(tmp_path: Path) -> None:
     assert all(figures[k] > 0 for k in ("plain_s", "hetpilot_s", "predicted_s",
                                         "fitted_tflops", "gflop_per_iteration"))
     assert len(figures["round_ratios"]) == 2 and len(figures["predictions_s"]) == 2
+    # two rounds are two slots, fewer than a correction needs (three): the "corrected"
+    # prediction, made again from the same layer times, is the first one
+    assert "corrected from the stage timings (none due)" in run.stdout
+    assert figures["corrections"] == []
+    assert figures["corrected_s"] == pytest.approx(figures["predictions_s"][0], rel=1e-12)
