@@ -49,6 +49,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from .activations import register_dataclasses
 from .precision import precision_for
 from .runtime import copy_layers
 
@@ -127,6 +128,7 @@ def _instantiate(layers: Sequence[LayerSpec]) -> list[nn.Module]:
 
 
 def _leaves(value: Any) -> list[torch.Tensor]:
+    register_dataclasses(value)  # as the runtime does: a dataclass's tensors are leaves
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
@@ -157,6 +159,10 @@ def _layer_input(value: Any, first: bool) -> Any:
             return t.detach().requires_grad_().clone()
         return t.detach()
 
+    # An unregistered dataclass would be one opaque leaf: its tensors kept their graph, so
+    # the next layer's timed backward ran into this one's freed graph, and the profile
+    # gave the layer no output bytes and no backward (a user's job, 2026-11-24).
+    register_dataclasses(value)
     return pytree.tree_map(leaf, value)
 
 

@@ -3,10 +3,13 @@ modules, attention FLOPs on CPU, tied parameters."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from hetpilot.planner.serde import model_from_dict
 from hetpilot.trainer.profile import _instantiate, layer_times, profile_model
+from hetpilot.trainer.speeds import measure_layer_times
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.flop_counter import sdpa_backward_flop_count, sdpa_flop_count
@@ -167,3 +170,40 @@ def test_factories_are_called() -> None:
     assert len(calls) == 2 and len(model["layers"]) == 2
     times = layer_times([build, nn.Tanh()], torch.randn(2, 3), repeats=2)
     assert len(times) == 2 and all(f >= 0 and b >= 0 for f, b in times)
+
+
+@dataclasses.dataclass
+class _Gated:  # never registered as a pytree node by the test: the profiler must
+    h: torch.Tensor
+    gate: torch.Tensor
+
+
+class _Produce(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 8), nn.Linear(5, 8)
+
+    def forward(self, x: torch.Tensor) -> _Gated:
+        return _Gated(torch.tanh(self.a(x)), torch.sigmoid(self.b(x)))
+
+
+class _Consume(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 2)
+
+    def forward(self, v: _Gated) -> torch.Tensor:
+        return self.fc(v.h * v.gate)
+
+
+def test_a_dataclass_activation_is_profiled_and_timed_through() -> None:
+    """A layer returning a plain dataclass: its tensors are leaves, as in the runtime. As
+    one opaque leaf the profile gave the layer no output bytes and no backward, and timing
+    the next layer's backward ran into the first layer's freed graph (a user's job)."""
+    x = torch.randn(4, 5)
+    prof = profile_model([_Produce(), _Consume()], x, name="gated")
+    first = prof["layers"][0]
+    assert first["out_mb"] == pytest.approx(2 * 8 * 4 / 1e6) and first["bwd_gflop"] > 0
+    times = measure_layer_times([_Produce(), _Consume()], x, 4, device="cpu",
+                                loss=(F.mse_loss, torch.randn(4, 2)))
+    assert len(times) == 2 and all(f > 0 and b > 0 for f, b in times)
