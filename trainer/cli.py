@@ -357,19 +357,29 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                            len(spec["layers"]), spec["global_batch"])
             except ValidationError as exc:
                 return _fail(str(exc))
+    spec = _with_sample(spec)
     profile: dict[str, Any] | None = None
-    try:
-        if tflops is not None and args.emulate_model:
+    if tflops is not None and args.emulate_model:
+        try:
             profile = json.loads(Path(args.emulate_model).read_text())
-        elif (tflops is not None or (daemon and rank == 0 and not args.no_profile)) \
-                and "sample" in spec:
-            from .profile import profile_model
+        except (OSError, ValueError) as exc:
+            return _fail(f"--emulate-model: {exc}")
+    elif (tflops is not None or (daemon and rank == 0 and not args.no_profile)) \
+            and "sample" in spec:
+        from .profile import profile_model
 
+        try:
             profile = profile_model(spec["layers"], spec["sample"],
                                     name=args.model.rpartition(":")[2],
                                     dtype=getattr(torch, args.dtype) if args.dtype else None)
-    except (OSError, ValueError) as exc:
-        return _fail(f"--emulate-model: {exc}")
+        except Exception as exc:  # a user's layer failing on the sample: say so, go on
+            if tflops is not None:
+                return _fail(f"--emulate-tflops: profiling the job's layers failed: "
+                             f"{type(exc).__name__}: {exc}")
+            print(f"hetpilot: profiling the job's layers failed ({type(exc).__name__}: {exc}); "
+                  "no profile is sent, so a job submitted with profile_on_attach gets no "
+                  "model from this trainer (give it one: hetpilot profile, then submit)",
+                  file=sys.stderr)
     layer_gflop = None
     if tflops is not None:
         if profile is None:
@@ -525,6 +535,27 @@ def _calibration(trainer: Any, measured: list[Any], source: Any) -> Any:
     return calibration
 
 
+def _with_sample(spec: dict[str, Any]) -> dict[str, Any]:
+    """``spec`` with a ``sample`` when the job gives none: the inputs of the dataset's first
+    ``microbatch_size`` items (8 when the job gives no size; at most ``global_batch``), so
+    that the daemon gets the job's profile and measured layer times without the user
+    writing a sample. Most users' jobs have none: without this, ``hetpilot train --daemon``
+    sent neither, and a job submitted with ``profile_on_attach`` never got a model. A
+    dataset whose items cannot be batched leaves ``spec`` as it is (the trainer refuses it
+    with its own message)."""
+    if "sample" in spec:
+        return spec
+    from .runtime import Trainer
+
+    data = spec["dataset"]
+    k = min(int(spec.get("microbatch_size") or 8), int(spec["global_batch"]), len(data))
+    try:
+        sample = Trainer._collate(data, range(k), 0)
+    except Exception:
+        return spec
+    return {**spec, "sample": sample}
+
+
 def _sample_size(spec: dict[str, Any]) -> int | None:
     from .profile import _microbatch_size
 
@@ -561,10 +592,15 @@ def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
     from .runtime import Trainer
 
     dataset = spec["dataset"]  # targets of m samples, for the loss's time
-    targets = Trainer._collate(dataset, [i % len(dataset) for i in range(m)], 1)
-    times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
-                                autocast_dtype=precision.compute_dtype,
-                                loss=(spec["loss"], targets))
+    try:
+        targets = Trainer._collate(dataset, [i % len(dataset) for i in range(m)], 1)
+        times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
+                                    autocast_dtype=precision.compute_dtype,
+                                    loss=(spec["loss"], targets))
+    except Exception as exc:  # never the end of training: the daemon keeps the probes
+        print(f"hetpilot: timing the job's layers failed ({type(exc).__name__}: {exc}); the "
+              "daemon plans this rank's device with the agents' probe", file=sys.stderr)
+        return None
     return as_measurement(times, m, dtype_label(precision.compute_dtype))
 
 

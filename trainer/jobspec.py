@@ -5,7 +5,7 @@ is called with the previous layer's output, any pytree), ``loss`` (mean over a
 microbatch, ``loss(output, target)``), ``optimizer`` (a factory over a
 parameter list), ``dataset`` (map-style, item ``(input, target)``),
 ``global_batch``; optionally ``sample`` (one microbatch of inputs, for
-profiling), ``eval_dataset`` and ``metric`` (evaluation at each epoch's end),
+profiling; ``hetpilot train`` takes the dataset's first items without it), ``eval_dataset`` and ``metric`` (evaluation at each epoch's end),
 ``microbatch_size`` (train-check's choice). Every rank calls it, so it must
 build the same model and data on every rank (seed it).
 

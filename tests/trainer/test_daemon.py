@@ -311,7 +311,9 @@ def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
         daemon: Daemon, tmp_path: Path) -> None:
     """Rank 0's device slows down 10x and more after Attach (``_jobfns:drowsy_tiny``): rank 0
     sees its stage timings disagree with its layer times for three slots and sends them
-    again, scaled; the daemon plans with the new ones and moves the job off that device."""
+    again, scaled; the daemon plans with the new ones and moves the job off that device.
+    The job gives no ``sample``: the trainer profiles and times it on the dataset's first
+    items, so the profile-on-attach job gets its model."""
     job_id = daemon.setup_job()
     token = tmp_path / "trainer.token"
     token.write_text(daemon.job(job_id).trainer_token + "\n")
@@ -339,6 +341,7 @@ def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
                 proc.wait(10)
     for proc, (_, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0, err[-3000:]
+    assert daemon.job(job_id).model_name == "drowsy_tiny"
     factors = [float(line.split(" were ")[1].split("x ")[0]) for line in outs[0][1].splitlines()
                if line.startswith("hetpilot: rank 0's stage timings were")]
     assert factors and max(factors) > 3, outs[0][1][-3000:]

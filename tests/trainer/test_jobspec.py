@@ -107,3 +107,27 @@ def test_train_check_exits_2_on_a_bad_value(tmp_path: Path) -> None:
          "--ranks", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "['global_batch']" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_a_job_without_a_sample_gets_one_from_its_dataset() -> None:
+    """``hetpilot train`` profiles and times the layers on a sample; most users' jobs give
+    none, so it takes the inputs of the dataset's first items."""
+    import torch
+    from hetpilot.trainer.cli import _with_sample
+
+    x, y = torch.arange(40.0).reshape(20, 2), torch.zeros(20)
+    data = torch.utils.data.TensorDataset(x, y)
+    got = _with_sample({"dataset": data, "global_batch": 12})
+    assert torch.equal(got["sample"], x[:8])  # 8 unless the job says otherwise
+    got = _with_sample({"dataset": data, "global_batch": 12, "microbatch_size": 3})
+    assert torch.equal(got["sample"], x[:3])
+    assert torch.equal(_with_sample({"dataset": data, "global_batch": 4})["sample"], x[:4])
+    # items of (dict input, target): batched as the trainer batches them
+    items = [({"ids": torch.tensor([i, i + 1]), "n": i}, 0) for i in range(5)]
+    got = _with_sample({"dataset": items, "global_batch": 4})["sample"]
+    assert got["ids"].shape == (4, 2) and got["n"].tolist() == [0, 1, 2, 3]
+    # a job's own sample is kept; a dataset that cannot be batched leaves the job as it was
+    own = {"dataset": data, "global_batch": 12, "sample": x[:2]}
+    assert _with_sample(own) is own
+    ragged = [(torch.zeros(i + 1), 0) for i in range(4)]
+    assert "sample" not in _with_sample({"dataset": ragged, "global_batch": 4})
