@@ -131,3 +131,29 @@ def test_a_job_without_a_sample_gets_one_from_its_dataset() -> None:
     assert _with_sample(own) is own
     ragged = [(torch.zeros(i + 1), 0) for i in range(4)]
     assert "sample" not in _with_sample({"dataset": ragged, "global_batch": 4})
+
+
+def test_a_layer_failing_to_be_timed_leaves_the_daemon_its_probes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``hetpilot train --daemon`` times the layers on Attach; a layer that fails there (it
+    would fail in training too, with the trainer's own message) must not end the rank
+    before training starts: the measurement is left out, and the rank says why."""
+    import argparse
+
+    import torch
+    from hetpilot.trainer.cli import _measure
+
+    class Fails(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            raise RuntimeError("not on this input")
+
+    data = torch.utils.data.TensorDataset(torch.zeros(8, 2), torch.zeros(8, 2))
+    spec = {"layers": [torch.nn.Linear(2, 2), Fails()], "sample": torch.zeros(4, 2),
+            "loss": torch.nn.functional.mse_loss, "dataset": data}
+    args = argparse.Namespace(no_measure=False, emulate_slowdown=1.0, dtype=None)
+    assert _measure(args, spec, 4, None, None, torch.device("cpu")) is None
+    assert "timing the job's layers failed (RuntimeError: not on this input)" in \
+        capsys.readouterr().err
+    spec["layers"] = [torch.nn.Linear(2, 2)]
+    got = _measure(args, spec, 4, None, None, torch.device("cpu"))
+    assert got is not None and got["microbatch"] == 4 and len(got["layers"]) == 1
