@@ -105,9 +105,28 @@ def _custom_mapping() -> dict[Any, Any]:
     return mapping
 
 
+class _GlobalOnly:
+    """Stands in for ``FlopCounterMode``'s module tracker, which attributes FLOPs to modules
+    by hooks on every module's inputs and outputs: only the total is read here, and those
+    hooks broke a layer that calls ``autograd.grad`` in its forward (a gradient penalty:
+    "A leaf node was passed to _will_engine_execute_node but we are currently running
+    autograd.grad()"), a layer that trains."""
+
+    parents = frozenset({"Global"})
+
+    def __enter__(self) -> _GlobalOnly:
+        return self
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
 def flop_counter() -> FlopCounterMode:
-    """A silent ``FlopCounterMode`` that also counts CPU attention."""
-    return FlopCounterMode(display=False, custom_mapping=_custom_mapping())
+    """A silent ``FlopCounterMode`` that also counts CPU attention, totals only."""
+    mode = FlopCounterMode(display=False, custom_mapping=_custom_mapping())
+    if hasattr(mode, "mod_tracker"):  # torch's private attribute; without it, as it was
+        mode.mod_tracker = _GlobalOnly()  # type: ignore[assignment]
+    return mode
 
 
 def _instantiate(layers: Sequence[LayerSpec]) -> list[nn.Module]:

@@ -207,3 +207,35 @@ def test_a_dataclass_activation_is_profiled_and_timed_through() -> None:
     times = measure_layer_times([_Produce(), _Consume()], x, 4, device="cpu",
                                 loss=(F.mse_loss, torch.randn(4, 2)))
     assert len(times) == 2 and all(f > 0 and b > 0 for f, b in times)
+
+
+class _GradPenalty(nn.Module):
+    """A layer that differentiates inside its forward (an input-gradient penalty)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 12)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x if x.requires_grad else x.detach().requires_grad_()
+        h = self.fc(x)
+        gx, = torch.autograd.grad(h.sum(), x, create_graph=True)
+        return torch.tanh(h), (gx.norm(dim=1) - 1).pow(2)
+
+
+def test_a_layer_calling_autograd_grad_in_its_forward_is_profiled() -> None:
+    """The FLOP counter's per-module hooks made such a layer raise ("A leaf node was
+    passed to _will_engine_execute_node ..."); it trains, so it must profile."""
+    x = torch.randn(4, 6)
+    prof = profile_model([_GradPenalty(), _Pair()], x, name="penalty")
+    assert prof["layers"][0]["fwd_gflop"] >= 2 * 6 * 12 / 1e9  # per sample: the linear
+    assert prof["layers"][0]["bwd_gflop"] > 0
+
+
+class _Pair(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(12, 1)
+
+    def forward(self, t: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        return self.fc(t[0]).squeeze(-1) + t[1]
