@@ -463,17 +463,22 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             for r in reporters:
                 r(record)
 
-        trainer = Trainer(
-            spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-            global_batch=spec["global_batch"], device_id=device_id, plan_source=source,
-            device=device,
-            slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
-            reporter=report if reporters else None,
-            report_from_rank0=daemon, keep_plan_on_refusal=daemon,
-            emulate_file=args.emulate_file,
-            dtype=getattr(torch, args.dtype) if args.dtype else None,
-            eval_dataset=spec.get("eval_dataset"), metric=spec.get("metric"),
-        )
+        try:
+            trainer = Trainer(
+                spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
+                global_batch=spec["global_batch"], device_id=device_id, plan_source=source,
+                device=device,
+                slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
+                reporter=report if reporters else None,
+                report_from_rank0=daemon, keep_plan_on_refusal=daemon,
+                emulate_file=args.emulate_file,
+                dtype=getattr(torch, args.dtype) if args.dtype else None,
+                eval_dataset=spec.get("eval_dataset"), metric=spec.get("metric"),
+            )
+        except ValidationError:
+            raise
+        except ValueError as exc:  # the job's layers as built ("item 1 ... not an nn.Module")
+            return _fail(f"--model: {exc}")
         if args.resume and args.checkpoint and has_checkpoint(args.checkpoint):
             trainer.load_checkpoint(args.checkpoint)
         if daemon and rank == 0 and source is not None and not emulated \

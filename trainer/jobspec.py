@@ -143,6 +143,8 @@ def _needs_arguments(layer: Any) -> bool:
     (a function such as ``torch.tanh``: not a factory). Unknown signatures pass."""
     if inspect.isclass(layer) or hasattr(layer, "parameters"):
         return False
+    if inspect.isbuiltin(layer):  # torch.tanh: no signature to read, and no factory
+        return True
     try:
         sig = inspect.signature(layer)
     except (TypeError, ValueError):

@@ -41,6 +41,8 @@ JOBS = textwrap.dedent('''
     def micro_not_dividing(): return job(microbatch_size=3)
     def lazy_layer(): return job(layers=[nn.Sequential(nn.LazyLinear(3)), nn.Linear(3, 2)])
     def function_layer(): return job(layers=[nn.Linear(4, 2), lambda h: h.tanh()])
+    def builtin_layer(): return job(layers=[nn.Linear(4, 2), torch.tanh])
+    def factory_of_a_function(): return job(layers=[nn.Linear(4, 2), lambda: torch.tanh])
     def groups():  # the usual decay split: a layer of 1-d parameters only leaves one empty
         return job(layers=[nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 2)],
                    optimizer=lambda ps: torch.optim.AdamW(
@@ -84,6 +86,7 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("micro_not_dividing", "microbatch_size", "3, which does not divide global_batch 4"),
     ("lazy_layer", "layers", "item 0 (Sequential) has uninitialized parameters (its LazyLinear"),
     ("function_layer", "layers", "takes an argument"),
+    ("builtin_layer", "layers", "item 1 (_VariableFunctionsClass.tanh) takes an argument"),
     ("learned_loss", "loss", "Tempered has parameters that require grad (log_t)"),
 ])
 def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
@@ -107,6 +110,22 @@ def test_train_check_exits_2_on_a_bad_value(tmp_path: Path) -> None:
          "--ranks", "2"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert res.returncode == 2, res.stderr[-2000:]
     assert "['global_batch']" in res.stderr and "Traceback" not in res.stderr
+
+
+def test_train_exits_2_on_a_factory_that_builds_no_module(tmp_path: Path) -> None:
+    """Found only when the layers are built: ``hetpilot train`` says so with exit 2, as
+    train-check does, not with a traceback."""
+    (tmp_path / "userjobs_train.py").write_text(JOBS)
+    (tmp_path / "plan.json").write_text(
+        '{"microbatch_size": 2, "schedule": "1f1b", "groups": [{"samples": 4, "stages": '
+        '[{"device": "cpu:0", "layers": [0, 2]}]}]}')
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train", "--model",
+         "userjobs_train:factory_of_a_function", "--plan", "plan.json", "--device-id", "cpu:0",
+         "--steps", "1"], capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--model: layers: item 1: its factory" in res.stderr and "not an nn.Module" in \
+        res.stderr and "Traceback" not in res.stderr
 
 
 def test_a_job_without_a_sample_gets_one_from_its_dataset() -> None:
