@@ -150,7 +150,7 @@ def _hetpilot(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
 
 
 def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
-               dtype: torch.dtype | None, compute: torch.dtype | None
+               dtype: torch.dtype | None, compute: torch.dtype | None, profiled: Any
                ) -> tuple[float, float, float, dict[str, Any]]:
     """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration, the layer
     times as the trainer sends them)."""
@@ -159,16 +159,20 @@ def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
                                 autocast_dtype=compute, repeats=5,
                                 loss=(job["loss"], job["dataset"].tensors[1][:args.micro]))
     measurement = as_measurement(times, args.micro, str(dtype))
-    return (*_predict_from(job, args, dtype, measurement), measurement)
+    return (*_predict_from(job, args, profiled, measurement), measurement)
 
 
-def _predict_from(job: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype | None,
+def _profiled(job: dict[str, Any], args: argparse.Namespace, dtype: torch.dtype | None) -> Any:
+    """The job's spec model, profiled on the CPU (once: it is the same for every
+    prediction)."""
+    x = job["dataset"].tensors[0][:args.micro]
+    return model_from_dict(profile_model(job["layers"], x, name="gpt2-small", dtype=dtype))
+
+
+def _predict_from(job: dict[str, Any], args: argparse.Namespace, profiled: Any,
                   measurement: dict[str, Any]) -> tuple[float, float, float]:
     """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration) from layer
     times, as the daemon plans with them."""
-    x = job["dataset"].tensors[0][:args.micro]
-    prof = profile_model(job["layers"], x, name="gpt2-small", dtype=dtype)
-    profiled = model_from_dict(prof)
     fit = fit_speeds({DEVICE_ID: DeviceTimes(measurement["microbatch"],
                                              measurement["layers"])},
                      [la.fwd_gflop for la in profiled.layers],
@@ -248,7 +252,8 @@ def main() -> int:
     # before the trainer moves them to the device and trains them
     untouched = {**job, "layers": copy.deepcopy(job["layers"])}
     try:
-        predicted_runs = [_predicted(untouched, args, dev, dtype, compute)]
+        profiled = _profiled(untouched, args, dtype)
+        predicted_runs = [_predicted(untouched, args, dev, dtype, compute, profiled)]
         plain_times: list[float] = []
         our_times: list[float] = []
         ratios: list[float] = []
@@ -261,8 +266,8 @@ def main() -> int:
             our_times += o
             ratios.append(statistics.median(o) / statistics.median(p))
             calibration(record)
-        predicted_runs.append(_predicted(untouched, args, dev, dtype, compute))
-        corrected = _predict_from(untouched, args, dtype, calibration.measurements[0])[0]
+        predicted_runs.append(_predicted(untouched, args, dev, dtype, compute, profiled))
+        corrected = _predict_from(untouched, args, profiled, calibration.measurements[0])[0]
     finally:
         dist.destroy_process_group()
     plain, ours = statistics.median(plain_times), statistics.median(our_times)
