@@ -138,7 +138,13 @@ def _fail(message: str, code: int = 2) -> int:
 def _load_spec(target: str, command: str) -> dict[str, Any]:
     from .jobspec import TRAIN_KEYS, load_job
 
-    return load_job(target, "--model", ("layers", "sample") if command == "profile" else TRAIN_KEYS)
+    if command != "profile":
+        return load_job(target, "--model", TRAIN_KEYS)
+    spec = _with_sample(load_job(target, "--model", ("layers",)))
+    if "sample" not in spec:
+        raise ValidationError("--model", f"{target}() returned no 'sample' and no 'dataset' whose "
+                                         "first items could be one")
+    return spec
 
 
 RANK_BYTES = 300 * 2**20
@@ -548,13 +554,14 @@ def _with_sample(spec: dict[str, Any]) -> dict[str, Any]:
     sent neither, and a job submitted with ``profile_on_attach`` never got a model. A
     dataset whose items cannot be batched leaves ``spec`` as it is (the trainer refuses it
     with its own message)."""
-    if "sample" in spec:
+    if "sample" in spec or "dataset" not in spec:
         return spec
     from .runtime import Trainer
 
     data = spec["dataset"]
-    k = min(int(spec.get("microbatch_size") or 8), int(spec["global_batch"]), len(data))
     try:
+        k = min(int(spec.get("microbatch_size") or 8), int(spec.get("global_batch") or 8),
+                len(data))
         sample = Trainer._collate(data, range(k), 0)
     except Exception:
         return spec

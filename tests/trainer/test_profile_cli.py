@@ -40,6 +40,18 @@ def test_profile_command_writes_model(tmp_path: Path) -> None:
     assert len(model_from_dict(json.loads(out.read_text())).layers) == 6
 
 
+def test_profile_takes_a_sample_from_the_dataset_when_the_job_gives_none(tmp_path: Path) -> None:
+    res = _hetpilot("profile", "--model", "hetpilot.trainer._jobfns:drowsy_tiny")
+    assert res.returncode == 0, res.stderr
+    assert len(model_from_dict(json.loads(res.stdout)).layers) == 4
+    (tmp_path / "layers_only.py").write_text(
+        "import torch\ndef job():\n    return {'layers': [torch.nn.Linear(2, 2)]}\n")
+    res = subprocess.run([sys.executable, "-m", "hetpilot", "profile", "--model",
+                          "layers_only:job"], capture_output=True, text=True, timeout=120,
+                         cwd=tmp_path)
+    assert res.returncode == 2 and "returned no 'sample' and no 'dataset'" in res.stderr
+
+
 def _plan(samples: int, layers: tuple[int, int]) -> dict:
     return {"microbatch_size": 2, "schedule": "1f1b",
             "groups": [{"samples": samples, "stages": [{"device": "solo:0", "layers": list(layers)}]}]}
