@@ -154,6 +154,19 @@ def _needs_arguments(layer: Any) -> bool:
                for p in sig.parameters.values())
 
 
+def _step_needs_closure(optim: Any) -> bool:
+    """Whether ``optim.step`` cannot be called without arguments. Read on the class: a
+    learning-rate scheduler made on the optimizer replaces the instance's ``step`` by a
+    wrapper whose ``__wrapped__`` is the unbound ``step(self, closure=None)``, which read
+    as needing an argument (``self``), so any optimizer with a scheduler was refused."""
+    step = getattr(type(optim), "step", None)
+    if not inspect.isfunction(step):
+        return _needs_arguments(optim.step)
+    params = list(inspect.signature(step).parameters.values())[1:]  # after self
+    return any(p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD,
+                                                     p.KEYWORD_ONLY) for p in params)
+
+
 def _lazy_part(layer: Any) -> str | None:
     """The name of a submodule with uninitialized (lazy) parameters ("" for the layer
     itself), if any; without importing torch (``LazyModuleMixin.has_uninitialized_params``)."""
@@ -183,7 +196,7 @@ def _optimizer_problem(factory: Any) -> str | None:
                                             "load_state_dict")):
         return (f"must return an optimizer (a torch.optim.Optimizer) for the parameters it "
                 f"is given, got {type(optim).__name__}")
-    if _needs_arguments(optim.step):
+    if _step_needs_closure(optim):
         return (f"{type(optim).__name__}.step needs a closure that re-evaluates the loss, "
                 "which a pipeline cannot provide; use an optimizer that steps from the "
                 "gradients (SGD, Adam, AdamW, ...)")

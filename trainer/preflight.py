@@ -392,7 +392,8 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParame
                     if p.grad is not None and p.grad.is_sparse:
                         p.grad = p.grad.to_dense()
             try:
-                factory(params).step()
+                optim = factory(params)  # held: a scheduler's step wrapper holds it weakly
+                optim.step()
             except Exception as exc:
                 how = ("sparse, as the backward leaves them under a plan of one data-parallel "
                        "group" if form == "sparse" else "dense, summed over replicas")
@@ -439,9 +440,11 @@ def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: _OnJobParameters
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            factory([q for qs in together for q in qs]).step()
+            optim = factory([q for qs in together for q in qs])
+            optim.step()
             for qs in apart:
-                factory(qs).step()
+                optim = factory(qs)
+                optim.step()
     except Exception:  # _step says what fails
         return
     moved = diff = 0.0

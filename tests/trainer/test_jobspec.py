@@ -50,6 +50,13 @@ JOBS = textwrap.dedent('''
                         {"params": [p for p in ps if p.ndim <= 1], "weight_decay": 0.0}]))
     def factories(): return job(layers=[nn.Tanh, lambda: nn.Linear(4, 2)])
 
+    def _scheduled(params):  # a scheduler wraps opt.step: it is still a plain step
+        opt = torch.optim.AdamW(params, lr=0.01)
+        torch.optim.lr_scheduler.LinearLR(opt, start_factor=1.0, end_factor=1.0, total_iters=1)
+        return opt
+
+    def scheduled(): return job(optimizer=_scheduled)
+
     class Tempered(nn.Module):  # a learned temperature, as in contrastive losses
         def __init__(self, learn=True):
             super().__init__()
@@ -98,9 +105,18 @@ def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
 
 
 @pytest.mark.parametrize("fn", ["good", "groups", "factories", "frozen_loss",
-                                "weighted_loss"])
+                                "weighted_loss", "scheduled"])
 def test_a_good_job_loads(jobs: str, fn: str) -> None:
     assert load_job(f"{jobs}:{fn}", "--job")["global_batch"] == 4
+
+
+def test_an_optimizer_with_a_scheduler_passes_the_preflight(jobs: str) -> None:
+    """Its step wrapper holds the optimizer weakly: a step on a temporary optimizer
+    raised "'NoneType' object has no attribute '_opt_called'"."""
+    from hetpilot.trainer.preflight import preflight
+
+    spec = load_job(f"{jobs}:scheduled", "--job")
+    assert isinstance(preflight(spec, "--job: scheduled()", 2, 0, None), list)
 
 
 def test_train_check_exits_2_on_a_bad_value(tmp_path: Path) -> None:
