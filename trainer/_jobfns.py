@@ -572,12 +572,26 @@ class ToSpectrum(nn.Module):
 
 
 class SpectralMix(nn.Module):
+    """Weights as real pairs and as a complex parameter, and a complex running mean of the
+    spectrum that the forward updates (a complex buffer of replicas: merged by the
+    floating rule). Casting the model to float64 kept them complex only since
+    ``precision.cast_floating``: ``Module.to(dtype=)`` made them real."""
+
+    running: torch.Tensor
+
     def __init__(self, modes: int, channels: int) -> None:
         super().__init__()
         self.w = nn.Parameter(torch.randn(modes, channels, 2) * 0.3)
+        self.c = nn.Parameter(torch.ones(modes, channels, dtype=torch.complex64))
+        self.register_buffer("running", torch.zeros(modes, channels, dtype=torch.complex64))
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        return z * torch.view_as_complex(self.w)
+        if not self.c.is_complex():
+            raise TypeError(f"the complex parameter was cast to {self.c.dtype}")
+        if self.training:
+            with torch.no_grad():
+                self.running.mul_(0.9).add_(0.1 * z.mean(0))
+        return (z - self.running) * torch.view_as_complex(self.w) * self.c
 
 
 class FromSpectrum(nn.Module):
@@ -592,7 +606,8 @@ class FromSpectrum(nn.Module):
 
 def spectral_tiny() -> dict[str, Any]:
     """Complex activations crossing cuts (their gradients go back; a receiver that took
-    only floating leaves as needing one hung the sender until gloo's timeout)."""
+    only floating leaves as needing one hung the sender until gloo's timeout), a complex
+    parameter and a complex buffer (:class:`SpectralMix`)."""
     torch.manual_seed(19)
     gen = torch.Generator().manual_seed(19)
     x = torch.randn(48, 8, 2, generator=gen)

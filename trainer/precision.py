@@ -31,7 +31,27 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["LossScaler", "Precision", "dtype_name", "precision_for"]
+__all__ = ["LossScaler", "Precision", "cast_floating", "dtype_name", "precision_for"]
+
+_COMPLEX_OF = {torch.float64: torch.complex128, torch.float32: torch.complex64}
+
+
+def cast_floating(module: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """``module`` (in place) with its floating parameters and buffers in ``dtype``, its
+    complex ones in the complex dtype of the same precision (complex128 under float64,
+    complex64 under float32; as they are under a 16-bit dtype), integer and bool ones as
+    they are. Not ``Module.to(dtype=...)``: it casts complex tensors to the real dtype,
+    dropping their imaginary parts, so a user's model with a complex weight trained, in
+    the ranks and in train-check's reference alike, as another, real model."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        if t.is_floating_point():
+            return t.to(dtype)
+        if t.is_complex() and dtype in _COMPLEX_OF:
+            return t.to(_COMPLEX_OF[dtype])
+        return t
+
+    return module._apply(convert)
 
 #: Low dtypes that select mixed precision.
 MIXED = (torch.bfloat16, torch.float16)

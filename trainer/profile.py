@@ -50,7 +50,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .activations import register_dataclasses
-from .precision import precision_for
+from .precision import cast_floating, precision_for
 from .runtime import copy_layers
 
 __all__ = ["flop_counter", "layer_times", "profile_model"]
@@ -219,7 +219,7 @@ def profile_model(
     modules = _instantiate(layers)
     if precision.param_dtype is not None:
         for module in modules:
-            module.to(dtype=precision.param_dtype)
+            cast_floating(module, precision.param_dtype)
         cast = precision.param_dtype
         sample = pytree.tree_map(lambda t: t.to(cast) if isinstance(t, torch.Tensor)
                                  and t.is_floating_point() else t, sample)

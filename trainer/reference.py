@@ -29,7 +29,7 @@ from .activations import map_tensors
 from .itemseed import read_items
 from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
-from .precision import Precision
+from .precision import Precision, cast_floating
 from .replicas import full_state, merge_buffer
 from .runtime import build_layer, place_loss
 
@@ -43,7 +43,7 @@ def build_layers(specs: Sequence[Any], seed: int, dtype: torch.dtype | None) -> 
     for layer, spec in enumerate(specs):
         module = build_layer(spec, seed, layer)
         if dtype is not None:
-            module.to(dtype=dtype)
+            cast_floating(module, dtype)
         out.append(module)
     return out
 
@@ -160,7 +160,7 @@ class ReferenceRun:
             for i, t in enumerate(buffers):
                 if len(plan.groups) == 1:
                     continue  # one group: nothing to merge (the runtime merges nothing either)
-                if t.is_floating_point() or (not t.is_complex() and t.dtype != torch.bool):
+                if t.dtype != torch.bool:  # floating, complex and integer: the rule's
                     t.copy_(merge_buffer(start[i], [end[i] for end in ends],
                                          [g.samples / b for g in plan.groups]))
         if apply:

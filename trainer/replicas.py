@@ -24,7 +24,7 @@ tensors; the reference applies it so). With ``b0`` the value before the
 iteration, ``b_g`` group g's value after it and ``w_g`` its share of the
 batch:
 
-* floating elements become ``b0 + sum_g w_g * (b_g - b0)``, the sample-weighted
+* floating (and complex) elements become ``b0 + sum_g w_g * (b_g - b0)``, the sample-weighted
   mean of the groups' values, exact for elements no group changed; where
   ``b0`` is not finite (a causal mask's ``-inf``, an observer's ``min_val``
   before its first input) ``sum_g w_g * b_g``, since ``inf - inf`` would make
@@ -131,7 +131,7 @@ def merge_buffer(b0: torch.Tensor, values: Sequence[torch.Tensor],
                  weights: Sequence[float]) -> torch.Tensor:
     """The replica rule (module docstring) for one floating or integer buffer: its value
     before the iteration, each group's after it, and each group's share of the batch."""
-    if b0.is_floating_point():
+    if b0.is_floating_point() or b0.is_complex():
         finite = torch.isfinite(b0)
         moved = sum(w * torch.where(finite, v - b0, v) for v, w in zip(values, weights,
                                                                         strict=True))
@@ -154,7 +154,8 @@ def reconcile_buffers(
     buffers = [b for m in modules for b in m.buffers()]
     if not buffers:
         return
-    floats = [(b, b0) for b, b0 in zip(buffers, before, strict=True) if b.is_floating_point()]
+    floats = [(b, b0) for b, b0 in zip(buffers, before, strict=True)
+              if b.is_floating_point() or b.is_complex()]
     ints = [(b, b0) for b, b0 in zip(buffers, before, strict=True)
             if not b.is_floating_point() and not b.is_complex() and b.dtype != torch.bool]
     with torch.no_grad():

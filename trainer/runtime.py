@@ -60,7 +60,7 @@ from .gradsync import Bucket, GradSync
 from .itemseed import read_items
 from .pipeline import StageRunner, StageStats, microbatch_seed
 from .plans import PlanSource, PlanVersion, check_plan
-from .precision import LossScaler, precision_for
+from .precision import LossScaler, cast_floating, precision_for
 from .replicas import (
     Tie,
     find_ties,
@@ -146,7 +146,7 @@ def place_loss(loss_fn: Any, device: torch.device | None, dtype: torch.dtype | N
         if device is not None:
             loss_fn.to(device=device)
         if dtype is not None:
-            loss_fn.to(dtype=dtype)
+            cast_floating(loss_fn, dtype)
     return loss_fn
 
 
@@ -372,7 +372,7 @@ class Trainer:
             self._refuse_hidden_ties(layer, module)
         module.to(device=self.device)
         if self.precision.param_dtype is not None:
-            module.to(dtype=self.precision.param_dtype)
+            cast_floating(module, self.precision.param_dtype)
         tied = {id(module.get_parameter(n)) for n in self._tied_names(layer)}
         # Frozen parameters are left out: no optimizer steps them, and a layer of only frozen
         # ones (a distillation teacher) gets none, where the common factory
