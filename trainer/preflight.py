@@ -140,9 +140,12 @@ def _clone(t: torch.Tensor) -> torch.Tensor:
     return t.clone() if t.is_floating_point() or t.is_complex() else t
 
 
-def _same(a: Any, b: Any) -> bool:
+def _same(a: Any, b: Any, depth: int = 0) -> bool:
     """Two outputs of a layer are the same pytree with the same values (floating leaves to
-    1e-12 relative, NaN equal to NaN)."""
+    1e-12 relative, NaN equal to NaN). Other objects compare by ``==``; one whose type
+    keeps identity as equality (a ``torch.distributions.Normal`` a last layer returns for
+    its loss) compares by its attributes, as a pytree: two equal distributions were
+    never "the same", and the layer was refused as keeping state of its own."""
     la, sa = pytree.tree_flatten(a)
     lb, sb = pytree.tree_flatten(b)
     if sa != sb:
@@ -161,6 +164,12 @@ def _same(a: Any, b: Any) -> bool:
                 return False
         elif isinstance(u, torch.Tensor) or isinstance(v, torch.Tensor):
             return False
+        elif u is v:
+            continue
+        elif type(u).__eq__ is object.__eq__ and hasattr(u, "__dict__") \
+                and type(u) is type(v):
+            if depth < 4 and not _same(vars(u), vars(v), depth + 1):
+                return False
         else:
             try:
                 if bool(u != v):

@@ -477,3 +477,29 @@ def test_an_optimizer_choosing_groups_by_identity_sees_the_jobs_own_parameters()
                  dataset=torch.utils.data.TensorDataset(ids, y))
     spec["optimizer"] = optimizer
     assert _run(spec) == []
+
+
+class _GaussHead(nn.Module):
+    """A probabilistic head: the last layer returns a distribution the loss scores."""
+
+    def __init__(self, counting: bool = False) -> None:
+        super().__init__()
+        self.fc, self.counting, self.calls = nn.Linear(4, 4), counting, 0
+
+    def forward(self, h: torch.Tensor) -> torch.distributions.Normal:
+        self.calls += 1
+        mu, s = self.fc(h).chunk(2, 1)
+        scale = F.softplus(s) + 1e-3 + (self.calls if self.counting else 0)
+        return torch.distributions.Normal(mu, scale)
+
+
+def _nll(d: torch.distributions.Normal, y: torch.Tensor) -> torch.Tensor:
+    return -d.log_prob(y).mean()
+
+
+def test_a_distribution_is_compared_by_its_values_when_the_layer_runs_twice() -> None:
+    """Two equal Normal objects are not ``==`` (identity): the run-twice probe refused a
+    deterministic head as keeping state of its own. It still refuses one that does."""
+    assert _run(_spec([nn.Linear(4, 4), _GaussHead()], loss=_nll)) == []
+    with pytest.raises(ValidationError, match=r"item 1 \(_GaussHead\) returns another output"):
+        _run(_spec([nn.Linear(4, 4), _GaussHead(counting=True)], loss=_nll))
