@@ -196,6 +196,14 @@ def _optimizer_problem(factory: Any) -> str | None:
                                             "load_state_dict")):
         return (f"must return an optimizer (a torch.optim.Optimizer) for the parameters it "
                 f"is given, got {type(optim).__name__}")
+    given = {id(p) for p in probe}
+    held = [p for g in optim.param_groups for p in g.get("params", ())]
+    foreign = [p for p in held if id(p) not in given]
+    if foreign:
+        return (f"returned an optimizer over {len(foreign)} parameter(s) it was not given "
+                "(model.parameters() instead of its argument?): hetpilot calls the factory "
+                "once per layer with that layer's parameters, so the optimizer must be built "
+                "on the list it receives")
     if _step_needs_closure(optim):
         return (f"{type(optim).__name__}.step needs a closure that re-evaluates the loss, "
                 "which a pipeline cannot provide; use an optimizer that steps from the "

@@ -35,6 +35,8 @@ JOBS = textwrap.dedent('''
     def loss_not_callable(): return job(loss="mse")
     def iterable_data(): return job(dataset=iter([1, 2]))
     def lbfgs(): return job(optimizer=lambda p: torch.optim.LBFGS(p))
+    _MODEL = nn.Linear(4, 2)
+    def not_its_params(): return job(optimizer=lambda p: torch.optim.SGD(_MODEL.parameters(), lr=1))
     def opt_and_schedule(): return job(optimizer=lambda p: (torch.optim.SGD(p, lr=0.1), None))
     def dict_items(): return job(dataset=[{"x": torch.zeros(4), "y": torch.zeros(2)}] * 8)
     def triples(): return job(dataset=[(torch.zeros(4), torch.zeros(2), 1.0)] * 8)
@@ -87,6 +89,7 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("loss_not_callable", "loss", "must be callable, got str"),
     ("iterable_data", "dataset", "map-style dataset"),
     ("lbfgs", "optimizer", "LBFGS.step needs a closure"),
+    ("not_its_params", "optimizer", "over 2 parameter(s) it was not given"),
     ("opt_and_schedule", "optimizer", "must return an optimizer"),
     ("dict_items", "dataset", "item 0 is a dict with keys ['x', 'y']"),
     ("triples", "dataset", "item 0 is a tuple of 3"),
