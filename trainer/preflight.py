@@ -121,6 +121,7 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         problem = loss_problem(loss)
         if problem is not None:
             raise bad("loss", problem)
+        _refuse_loss_state(_loss(spec, dtype), x, target, precision, bad)
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
         _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)
@@ -218,6 +219,30 @@ def _refuse_hidden_state(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
                             "microbatches it runs, so replicas would part; keep such state "
                             "in a buffer (register_buffer), which the runtime moves and "
                             "reconciles, and draw from torch's default generator")
+
+
+def _refuse_loss_state(loss_fn: Any, x: Any, target: Any, precision: Precision,
+                       bad: Any) -> None:
+    """The loss run twice on the same output and targets with the same random draws: a
+    value that differs comes from state of the loss's own (an annealing step counter in a
+    closure), which each group's last stage would advance by its own microbatches only,
+    so the groups, and the one process, would weigh their terms differently."""
+    values = []
+    with torch.no_grad():
+        for _ in range(2):
+            try:
+                with seeded(_PROBE_SEED, torch.device("cpu")), \
+                        precision.autocast(torch.device("cpu")):
+                    values.append(loss_fn(map_tensors(_clone, x), map_tensors(_clone, target)))
+            except Exception:  # it ran once already: this is not the place
+                return
+    if not _same(*values):
+        raise bad("loss", "returns another value when called again on the same output and "
+                          "targets, with the same random draws: it keeps state of its own "
+                          "(a step counter in a closure or an attribute, or a generator of "
+                          "its own), which each data-parallel group's last stage would "
+                          "advance by its own microbatches only; keep such a schedule in a "
+                          "layer's buffer (register_buffer), which the runtime reconciles")
 
 
 def _grad_input(t: torch.Tensor) -> torch.Tensor:

@@ -503,3 +503,22 @@ def test_a_distribution_is_compared_by_its_values_when_the_layer_runs_twice() ->
     assert _run(_spec([nn.Linear(4, 4), _GaussHead()], loss=_nll)) == []
     with pytest.raises(ValidationError, match=r"item 1 \(_GaussHead\) returns another output"):
         _run(_spec([nn.Linear(4, 4), _GaussHead(counting=True)], loss=_nll))
+
+
+def test_a_loss_keeping_a_step_counter_is_refused_and_a_sampling_one_passes() -> None:
+    """A KL-annealing counter in the loss's closure: each group's last stage would advance
+    its own copy; train-check failed naming a weight, with no word on why."""
+    calls = [0]
+
+    def annealed(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls[0] += 1
+        return F.mse_loss(out, y) + min(1.0, calls[0] / 10) * out.pow(2).mean()
+
+    with pytest.raises(ValidationError, match=r"\['loss'\]: returns another value"):
+        _run(_spec([nn.Linear(4, 2)], loss=annealed))
+
+    def sampled(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:  # the probe replays draws
+        keep = torch.rand(out.shape[0]) < 0.9
+        return F.mse_loss(out[keep], y[keep]) if keep.any() else out.sum() * 0
+
+    _run(_spec([nn.Linear(4, 2)], loss=sampled))
