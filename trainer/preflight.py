@@ -122,6 +122,8 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         if problem is not None:
             raise bad("loss", problem)
         _refuse_loss_state(_loss(spec, dtype), x, target, precision, bad)
+        _refuse_loss_on_parameters(spec["layers"], _loss(spec, dtype), x, target, precision,
+                                   bad)
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
         _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)
@@ -243,6 +245,40 @@ def _refuse_loss_state(loss_fn: Any, x: Any, target: Any, precision: Precision,
                           "its own), which each data-parallel group's last stage would "
                           "advance by its own microbatches only; keep such a schedule in a "
                           "layer's buffer (register_buffer), which the runtime reconciles")
+
+
+def _refuse_loss_on_parameters(specs: Sequence[Any], loss_fn: Any, x: Any, target: Any,
+                               precision: Precision, bad: Any) -> None:
+    """A loss that reads parameters of layers before the last one directly (an L2 penalty
+    over the model's weights in its closure): only the last stage runs the loss, so the
+    penalty's gradients would land on that rank's copies of other stages' parameters, which
+    no optimizer steps there, and it would read stale values. The last layer's own
+    parameters are fine: the last stage holds them (a tie to them included)."""
+    last = specs[-1]
+    own = {id(q) for q in last.parameters()} if isinstance(last, nn.Module) else set()
+    earlier = [(i, name, q) for i, m in enumerate(specs[:-1]) if isinstance(m, nn.Module)
+               for name, q in m.named_parameters() if q.requires_grad and id(q) not in own]
+    if not earlier:
+        return
+    with torch.enable_grad():
+        try:
+            with seeded(_PROBE_SEED, torch.device("cpu")), \
+                    precision.autocast(torch.device("cpu")):
+                value = loss_fn(map_tensors(lambda t: t.detach(), x), target)
+            if not (isinstance(value, torch.Tensor) and value.requires_grad):
+                return
+            grads = torch.autograd.grad(value, [q for _, _, q in earlier], allow_unused=True)
+        except Exception:  # not this check's business
+            return
+    used = [(i, name) for (i, name, _), g in zip(earlier, grads, strict=True) if g is not None]
+    if used:
+        i, name = used[0]
+        raise bad("loss", f"reads parameter '{name}' of layers item {i} directly (a weight "
+                          "penalty over the model's parameters in its closure?): only the "
+                          "last stage runs the loss, so its gradient would land on a copy "
+                          "that no optimizer steps; use the optimizer's weight_decay, or "
+                          "compute the penalty in the layer that holds the weights and pass "
+                          "it on in the output")
 
 
 def _grad_input(t: torch.Tensor) -> torch.Tensor:

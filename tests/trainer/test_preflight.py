@@ -522,3 +522,22 @@ def test_a_loss_keeping_a_step_counter_is_refused_and_a_sampling_one_passes() ->
         return F.mse_loss(out[keep], y[keep]) if keep.any() else out.sum() * 0
 
     _run(_spec([nn.Linear(4, 2)], loss=sampled))
+
+
+def test_a_loss_reading_earlier_layers_weights_is_refused_and_the_heads_are_fine() -> None:
+    """An L2 penalty in the loss's closure: only the last stage runs the loss, so the
+    penalty on layer 0's weight would land on a copy no optimizer steps (train-check
+    failed naming the weight, with no word on why). The head's own weight is fine."""
+    first, head = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def penalised(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y) + 1e-2 * (first.weight.pow(2).sum() + head.weight.pow(2).sum())
+
+    with pytest.raises(ValidationError, match=r"\['loss'\]: reads parameter 'weight' of "
+                                              r"layers item 0 directly"):
+        _run(_spec([first, nn.Tanh(), head], loss=penalised))
+
+    def head_only(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.mse_loss(out, y) + 1e-2 * head.weight.pow(2).sum()
+
+    _run(_spec([first, nn.Tanh(), head], loss=head_only))
