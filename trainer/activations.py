@@ -98,7 +98,11 @@ def _register_spec_types(spec: Any) -> None:
             and node_type not in pytree.SUPPORTED_NODES):
         with contextlib.suppress(ValueError, TypeError):
             pytree.register_dataclass(node_type)
-    for child in getattr(spec, "children_specs", ()):
+    # children(): torch deprecates the children_specs attribute (a FutureWarning per
+    # message with a structseq, torch.max(dim=)'s result, crossing a cut)
+    children = spec.children() if callable(getattr(spec, "children", None)) \
+        else getattr(spec, "children_specs", ())
+    for child in children:
         _register_spec_types(child)
 
 

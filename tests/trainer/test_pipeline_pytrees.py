@@ -146,3 +146,17 @@ def test_a_loss_that_is_not_one_number_is_refused_naming_the_loss() -> None:
     with pytest.raises(ValueError, match=r"loss: returned a tensor of shape \(2, 2\)"):
         runner.run([(False, 0), (True, 0)], lambda k: torch.randn(2, 3),
                    lambda k: torch.zeros(2, 2))
+
+
+def test_reading_a_tree_spec_raises_no_deprecation_warning() -> None:
+    """A structseq (``torch.max(dim=)``'s result) in a message: the spec's children were
+    read through ``children_specs``, which torch deprecates (a FutureWarning per message)."""
+    import warnings
+
+    from hetpilot.trainer.activations import _register_spec_types, flatten
+
+    leaves, spec = flatten((torch.randn(3, 4).max(dim=1), {"a": torch.ones(2)}))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        _register_spec_types(spec)
+    assert len(leaves) == 3
