@@ -60,6 +60,7 @@ from .itemseed import read_items
 from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
+from .replicas import hidden_reference
 from .runtime import build_layer, copy_layers, place_loss
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
@@ -341,6 +342,9 @@ def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
                 raise bad("layers", f"items {first} and {i} share a parameter, and one is a "
                                     "factory: the ranks build factories apart, so the tie "
                                     "would be lost; give tied layers as modules")
+    hidden = hidden_reference(specs)
+    if hidden is not None:
+        raise bad("layers", hidden)
     origin = {id(c): (c, o) for layer, twin in zip(layers, originals, strict=True)
               for c, o in zip(layer.parameters(), twin.parameters(), strict=True)}
     return layers, origin

@@ -48,8 +48,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["Tie", "find_ties", "full_state", "load_nonpersistent", "merge_buffer",
-           "nonpersistent_buffers", "reconcile_buffers", "snapshot_buffers", "tie_param"]
+__all__ = ["Tie", "find_ties", "full_state", "hidden_reference", "load_nonpersistent",
+           "merge_buffer", "nonpersistent_buffers", "reconcile_buffers", "snapshot_buffers",
+           "tie_param"]
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,44 @@ def find_ties(specs: Sequence[Any]) -> list[Tie]:
         for name, param in spec.named_parameters(remove_duplicate=False):
             seen.setdefault(id(param), []).append((layer, name))
     return [Tie(tuple(uses)) for uses in seen.values() if len({u[0] for u in uses}) > 1]
+
+
+def hidden_reference(specs: Sequence[Any]) -> str | None:
+    """How a module layer reaches another layer's parameters outside its registered
+    submodules and parameters (a module kept in a Python list or dict attribute, so that
+    ``parameters()`` does not list it twice: a tied head holding the embedding so), or
+    None. Ties are found on registered parameters only; through such a reference the
+    layer would use its rank's stale copy of the other layer's parameter and its gradient
+    would be lost."""
+    owner: dict[int, int] = {}
+    for i, spec in enumerate(specs):
+        if isinstance(spec, nn.Module):
+            for q in spec.parameters():
+                owner.setdefault(id(q), i)
+    for i, spec in enumerate(specs):
+        if not isinstance(spec, nn.Module):
+            continue
+        own = {id(q) for q in spec.parameters()}
+        for prefix, sub in spec.named_modules():
+            for attr, value in vars(sub).items():
+                if attr in ("_parameters", "_buffers", "_modules"):  # registered: seen
+                    continue
+                items = (value.values() if isinstance(value, dict)
+                         else value if isinstance(value, (list, tuple)) else ())
+                for item in items:
+                    held = (list(item.parameters()) if isinstance(item, nn.Module)
+                            else [item] if isinstance(item, nn.Parameter) else [])
+                    for q in held:
+                        other = owner.get(id(q))
+                        if id(q) not in own and other is not None and other != i:
+                            where = f"{prefix}.{attr}" if prefix else attr
+                            return (f"item {i} ({type(spec).__name__}) reaches parameters of "
+                                    f"item {other} through the Python attribute '{where}' (a "
+                                    "module kept in a list or dict): the ranks see no tie "
+                                    "there, so it would use a stale copy and lose its "
+                                    "gradient; register it (self.emb = emb, or share the "
+                                    "nn.Parameter) so that the layers are tied")
+    return None
 
 
 def tie_param(tie: Tie, held: dict[int, nn.Module]) -> nn.Parameter:

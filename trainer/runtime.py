@@ -64,6 +64,7 @@ from .precision import LossScaler, cast_floating, precision_for
 from .replicas import (
     Tie,
     find_ties,
+    hidden_reference,
     load_nonpersistent,
     nonpersistent_buffers,
     reconcile_buffers,
@@ -298,6 +299,9 @@ class Trainer:
         if len(set(self.device_ids)) != self.world:
             raise ValueError(f"two ranks report the same device id: {self.device_ids}")
         self.rank_of = {d: r for r, d in enumerate(self.device_ids)}
+        hidden = hidden_reference(self._specs)
+        if hidden is not None:
+            raise ValueError(f"layers: {hidden}")
         self.ties: list[Tie] = find_ties(self._specs)
         """Parameters shared between layers (see :mod:`hetpilot.trainer.replicas`)."""
         found: list[Any] = [None] * self.world

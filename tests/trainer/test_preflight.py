@@ -541,3 +541,31 @@ def test_a_loss_reading_earlier_layers_weights_is_refused_and_the_heads_are_fine
         return F.mse_loss(out, y) + 1e-2 * head.weight.pow(2).sum()
 
     _run(_spec([first, nn.Tanh(), head], loss=head_only))
+
+
+class _HeadByList(nn.Module):
+    """A head tied to the embedding through a Python list (so ``parameters()`` does not
+    list the weight twice): a tie the ranks cannot see."""
+
+    def __init__(self, emb: nn.Embedding) -> None:
+        super().__init__()
+        self._emb = [emb]
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self._emb[0].weight)
+
+
+def test_a_tie_through_a_python_list_is_refused_and_a_registered_one_passes() -> None:
+    ids = torch.randint(0, 7, (12, 3), generator=torch.Generator().manual_seed(0))
+    data = torch.utils.data.TensorDataset(ids, ids)
+
+    def lm(logits: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.flatten(0, 1), y.flatten())
+
+    emb = nn.Embedding(7, 4)
+    with pytest.raises(ValidationError, match=r"item 2 \(_HeadByList\) reaches parameters of "
+                                              r"item 0 through the Python attribute '_emb'"):
+        _run(_spec([emb, nn.Linear(4, 4), _HeadByList(emb)], loss=lm, dataset=data))
+    head = nn.Linear(4, 7, bias=False)
+    head.weight = emb.weight  # registered: a tie the ranks keep
+    _run(_spec([emb, nn.Linear(4, 4), head], loss=lm, dataset=data))
