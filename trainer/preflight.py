@@ -599,6 +599,43 @@ def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: _OnJo
                                "optimizer to another rank, or at a checkpoint; keep it in "
                                "self.state or param_groups (torch's lr schedulers step "
                                "param_groups' 'lr'), or return it from state_dict")
+    # A scheduler stepped from a hook sets the next step's lr after this one: the
+    # parameters agree, but its count restarted in the fresh one (LambdaLR's lr parts).
+    try:
+        drift = _numbers_apart(optim.state_dict(), fresh.state_dict())
+    except Exception:  # a state_dict that fails here fails where it is used
+        drift = None
+    if drift is not None:
+        raise bad("optimizer", f"{type(optim).__name__}'s state_dict {drift} parts after a "
+                               "step from a fresh one given its state_dict: it keeps state "
+                               "outside its state_dict (a learning-rate scheduler stepped "
+                               "from a hook counts its own steps), which is lost when a plan "
+                               "switch moves a layer and its optimizer to another rank, or at "
+                               "a checkpoint; keep the schedule in param_groups or "
+                               "self.state, or return the scheduler's state from state_dict")
+
+
+def _numbers_apart(ours: Any, theirs: Any, where: str = "") -> str | None:
+    """Where two state_dicts first hold numbers apart (a relative difference above 1e-9;
+    ``['param_groups'][0]['lr']``), or None. Tensors are left to the parameters' check.
+    Read from ``state_dict()``, not ``param_groups``: a wrapper holding a scheduler may keep
+    a ``param_groups`` attribute that loading leaves stale."""
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in ours:
+            if key in theirs:
+                found = _numbers_apart(ours[key], theirs[key], f"{where}[{key!r}]")
+                if found is not None:
+                    return found
+    elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
+        for i, (u, v) in enumerate(zip(ours, theirs, strict=False)):
+            found = _numbers_apart(u, v, f"{where}[{i}]")
+            if found is not None:
+                return found
+    elif isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) \
+            and not isinstance(ours, bool) and not isinstance(theirs, bool) \
+            and abs(ours - theirs) > 1e-9 * max(abs(ours), abs(theirs), 1e-30):
+        return where
+    return None
 
 
 def _refuse_written_parameters(layers: Sequence[nn.Module],

@@ -569,3 +569,45 @@ def test_a_tie_through_a_python_list_is_refused_and_a_registered_one_passes() ->
     head = nn.Linear(4, 7, bias=False)
     head.weight = emb.weight  # registered: a tie the ranks keep
     _run(_spec([emb, nn.Linear(4, 4), head], loss=lm, dataset=data))
+
+
+def test_a_scheduler_stepped_from_a_hook_is_refused_and_one_in_the_state_dict_passes() -> None:
+    """LambdaLR stepped from an optimizer hook counts its steps outside the state_dict: a
+    layer's optimizer moved to another rank restarts the schedule (train-check failed at
+    9e-3 after a move, naming a weight). The parameters of the probe's third step agree;
+    the next step's lr does not."""
+
+    def hooked(params: Any) -> torch.optim.Optimizer:
+        opt = torch.optim.SGD(params, lr=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+        opt.register_step_post_hook(lambda o, a, k: sched.step())
+        return opt
+
+    spec = _spec([nn.Linear(4, 2)])
+    spec["optimizer"] = hooked
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: SGD's state_dict "
+                                              r"\['param_groups'\]\[0\]\['lr'\] parts"):
+        _run(spec)
+
+    class Scheduled:  # the scheduler's state in the state_dict, param_groups left stale
+        def __init__(self, params: Any) -> None:
+            self.opt = torch.optim.SGD(params, lr=0.1)
+            self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: 0.9 ** s)
+            self.param_groups, self.state = self.opt.param_groups, self.opt.state
+
+        def step(self, closure: Any = None) -> None:
+            self.opt.step()
+            self.sched.step()
+
+        def zero_grad(self, set_to_none: bool = True) -> None:
+            self.opt.zero_grad(set_to_none)
+
+        def state_dict(self) -> dict[str, Any]:
+            return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict()}
+
+        def load_state_dict(self, sd: dict[str, Any]) -> None:
+            self.opt.load_state_dict(sd["opt"])
+            self.sched.load_state_dict(sd["sched"])
+
+    spec["optimizer"] = Scheduled
+    _run(spec)
