@@ -200,6 +200,9 @@ def _refuse_hidden_state(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
     own): each rank's copy would advance it by the microbatches it runs, recompute
     included, so that replicas and the one process would part."""
     buffers = [b.detach().clone() for b in layer.buffers()]
+    # parameters too: one the forward writes (a running mean kept in a frozen Parameter)
+    # is refused by _refuse_written_parameters, with the right words, not here
+    params = [q.detach().clone() for q in layer.parameters()]
     outs = []
     with torch.no_grad():
         for _ in range(2):
@@ -208,6 +211,8 @@ def _refuse_hidden_state(i: int, layer: nn.Module, x: Any, bad: Any) -> None:
                 return  # the forward registered buffers: nothing to replay from
             for b, value in zip(live, buffers, strict=True):
                 b.copy_(value)
+            for q, value in zip(layer.parameters(), params, strict=True):
+                q.copy_(value)
             try:
                 with seeded(_PROBE_SEED, torch.device("cpu")):
                     outs.append(layer(map_tensors(_clone, x)))

@@ -611,3 +611,24 @@ def test_a_scheduler_stepped_from_a_hook_is_refused_and_one_in_the_state_dict_pa
 
     spec["optimizer"] = Scheduled
     _run(spec)
+
+
+class _RunningMean(nn.Module):
+    """A running mean kept in a frozen Parameter, updated in the forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.mean = nn.Parameter(torch.zeros(4), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.mean.mul_(0.9).add_(0.1 * x.mean(0))
+        return x - self.mean
+
+
+def test_a_forward_writing_a_frozen_parameter_is_named_as_such() -> None:
+    """The run-twice probe restored buffers only, so the written parameter made the second
+    output differ first, and the refusal spoke of a Python attribute or a generator."""
+    with pytest.raises(ValidationError, match=r"item 0 \(_RunningMean\) writes into its "
+                                              r"parameter 'mean'"):
+        _run(_spec([_RunningMean(), nn.Linear(4, 2)]))
