@@ -55,6 +55,7 @@ __all__ = [
     "send_grads",
     "tag",
     "through_host",
+    "wire_device",
 ]
 
 LEAF_BITS = 10
@@ -204,6 +205,12 @@ def through_host(device: torch.device) -> bool:
     return device.type == "cuda" and dist.get_backend() == "gloo"
 
 
+def wire_device(device: torch.device) -> torch.device:
+    """Where ``device``'s tensors cross between ranks: host memory where
+    :func:`through_host`, else ``device`` itself."""
+    return torch.device("cpu") if through_host(device) else device
+
+
 def _to_wire(t: torch.Tensor) -> torch.Tensor:
     """What :func:`dist.isend` is given for ``t``: ``t``, or its host copy (which the caller
     keeps alive with the work until the send is done)."""
@@ -221,7 +228,7 @@ def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tenso
     first = blob[: _HEADER_BYTES - 8]
     if first:
         head[8 : 8 + len(first)] = torch.frombuffer(bytearray(first), dtype=torch.uint8)
-    wire = torch.device("cpu") if through_host(device) else device  # the header is on the host
+    wire = wire_device(device)  # the header, on the host where the tensors go through it
     messages = [(head.to(wire), tag(k, False, 0))]
     if n > _HEADER_BYTES - 8:
         rest = torch.frombuffer(bytearray(blob[_HEADER_BYTES - 8 :]), dtype=torch.uint8)
@@ -242,8 +249,7 @@ def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tenso
 
 def recv_activation(src: int, k: int, device: torch.device) -> Received:
     """Receive what :func:`send_activation` sent (blocking) and rebuild it."""
-    staged = through_host(device)
-    wire = torch.device("cpu") if staged else device
+    staged, wire = through_host(device), wire_device(device)
     head = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=wire)
     dist.recv(head, src=src, tag=tag(k, False, 0))
     raw = bytes(head.cpu().numpy().tobytes())

@@ -122,9 +122,9 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         problem = loss_problem(loss)
         if problem is not None:
             raise bad("loss", problem)
-        _refuse_loss_state(_loss(spec, dtype), x, target, precision, bad)
-        _refuse_loss_on_parameters(spec["layers"], _loss(spec, dtype), x, target, precision,
-                                   bad)
+        probe = _loss(spec, dtype)
+        _refuse_loss_state(probe, x, target, precision, bad)
+        _refuse_loss_on_parameters(spec["layers"], probe, x, target, precision, bad)
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
         _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)

@@ -55,7 +55,7 @@ from torch.utils.data import TensorDataset, default_collate
 
 from hetpilot.emulation import EmulationFile, allreduce_s
 
-from .activations import through_host
+from .activations import wire_device
 from .gradsync import Bucket, GradSync
 from .itemseed import read_items
 from .pipeline import StageRunner, StageStats, microbatch_seed
@@ -441,22 +441,17 @@ class Trainer:
                                                map_location=self.device)
         return state
 
-    def _wire(self) -> torch.device:
-        """Where state crosses between ranks: this rank's device, or host memory where gloo
-        cannot send its tensors (CUDA: :func:`~hetpilot.trainer.activations.through_host`)."""
-        return torch.device("cpu") if through_host(self.device) else self.device
-
     def _send_state(self, state: dict[str, Any], dst: int) -> int:
         buf = io.BytesIO()
         torch.save(state, buf)
-        wire = self._wire()
+        wire = wire_device(self.device)  # host memory under gloo on CUDA
         data = torch.frombuffer(bytearray(buf.getvalue()), dtype=torch.uint8).to(wire)
         dist.send(torch.tensor([data.numel()], dtype=torch.int64, device=wire), dst=dst)
         dist.send(data, dst=dst)
         return data.numel()
 
     def _recv_state(self, src: int) -> dict[str, Any]:
-        wire = self._wire()
+        wire = wire_device(self.device)  # host memory under gloo on CUDA
         size = torch.zeros(1, dtype=torch.int64, device=wire)
         dist.recv(size, src=src)
         data = torch.empty(int(size.item()), dtype=torch.uint8, device=wire)

@@ -124,11 +124,11 @@ def daemon(tmp_path: Path) -> Iterator[Daemon]:
         d.close()
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(90)
-def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path: Path) -> None:
-    job_id = daemon.setup_job()
-    token = tmp_path / "trainer.token"  # the job's own token, as the owner hands it out
+def _train_two_ranks(daemon: Daemon, job_id: str, tmp_path: Path, model: str, epochs: int,
+                     *extra: str, timeout: float) -> list[tuple[str, str]]:
+    """``hetpilot train --daemon`` on 2 local gloo ranks with the job's own token (as the
+    owner hands it out); each rank's (stdout, stderr), after asserting both exited 0."""
+    token = tmp_path / "trainer.token"
     token.write_text(daemon.job(job_id).trainer_token + "\n")
     port = _free_port()
     procs = []
@@ -138,15 +138,15 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
                "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
         env.pop("HETPILOT_TOKEN", None)
         procs.append(subprocess.Popen(
-            [sys.executable, "-m", "hetpilot", "train", "--model", "hetpilot.trainer.examples:mlp",
+            [sys.executable, "-m", "hetpilot", "train", "--model", model,
              "--daemon", daemon.address, "--job", job_id, "--token-file", str(token),
-             "--epochs", "3", "--device-id", HOST + ":{rank}", "--plan-wait", "30",
-             "--report", str(tmp_path / "report.jsonl")],
+             "--epochs", str(epochs), "--device-id", HOST + ":{rank}", "--plan-wait", "30",
+             *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     try:
         for proc in procs:
-            outs.append(proc.communicate(timeout=60))
+            outs.append(proc.communicate(timeout=timeout))
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -154,6 +154,15 @@ def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path
                 proc.wait(10)
     for proc, (_, err) in zip(procs, outs, strict=True):
         assert proc.returncode == 0, err[-3000:]
+    return outs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(90)
+def test_two_ranks_train_on_the_daemons_plan_and_report(daemon: Daemon, tmp_path: Path) -> None:
+    job_id = daemon.setup_job()
+    outs = _train_two_ranks(daemon, job_id, tmp_path, "hetpilot.trainer.examples:mlp", 3,
+                            "--report", str(tmp_path / "report.jsonl"), timeout=60)
     assert "plan version" in outs[0][1]
     records = [json.loads(line) for line in outs[0][0].splitlines() if line.startswith("{")]
     # one record per slot (the job's 0.5 s) and one at each epoch's end
@@ -315,32 +324,8 @@ def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
     The job gives no ``sample``: the trainer profiles and times it on the dataset's first
     items, so the profile-on-attach job gets its model."""
     job_id = daemon.setup_job()
-    token = tmp_path / "trainer.token"
-    token.write_text(daemon.job(job_id).trainer_token + "\n")
-    port = _free_port()
-    procs = []
-    for rank in range(2):
-        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-               "GLOO_SOCKET_IFNAME": "lo", "PYTHONUNBUFFERED": "1"}
-        env.pop("HETPILOT_TOKEN", None)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "hetpilot", "train", "--model",
-             "hetpilot.trainer._jobfns:drowsy_tiny", "--daemon", daemon.address,
-             "--job", job_id, "--token-file", str(token), "--epochs", "16",
-             "--device-id", HOST + ":{rank}", "--plan-wait", "30"],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    outs = []
-    try:
-        for proc in procs:
-            outs.append(proc.communicate(timeout=90))
-    finally:
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(10)
-    for proc, (_, err) in zip(procs, outs, strict=True):
-        assert proc.returncode == 0, err[-3000:]
+    outs = _train_two_ranks(daemon, job_id, tmp_path, "hetpilot.trainer._jobfns:drowsy_tiny",
+                            16, timeout=90)
     assert daemon.job(job_id).model_name == "drowsy_tiny"
     factors = [float(line.split(" were ")[1].split("x ")[0]) for line in outs[0][1].splitlines()
                if line.startswith("hetpilot: rank 0's stage timings were")]

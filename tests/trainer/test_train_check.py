@@ -229,7 +229,7 @@ def staged_pytree_tiny() -> dict[str, Any]:
     in the checking process, which it leaves alone; the first staged message touches the
     file ``$STAGED_MARK``."""
     import torch.distributed as dist
-    from hetpilot.trainer import _jobfns, activations, runtime
+    from hetpilot.trainer import _jobfns, activations
 
     if dist.is_initialized():
         mark = Path(os.environ["STAGED_MARK"])
@@ -239,8 +239,7 @@ def staged_pytree_tiny() -> dict[str, Any]:
                 mark.touch()
             return True
 
-        activations.through_host = staged
-        runtime.through_host = staged
+        activations.through_host = staged  # wire_device reads it there, the runtime's too
     return _jobfns.pytree_tiny()
 
 
