@@ -1,16 +1,17 @@
 """hetpilot's planner on published per-layer profiles, against simple layouts, brute force and
 the published planners' own plans.
 
-    .venv/bin/python bench/planner_profiles.py            # 135 cases, writes bench/RESULTS-planner-profiles.md
+    .venv/bin/python bench/planner_profiles.py            # 303 cases, writes bench/RESULTS-planner-profiles.md
     .venv/bin/python bench/planner_profiles.py --quick    # 20 cases, prints only
     .venv/bin/python bench/planner_profiles.py --only metis   # cases whose name contains "metis"
     .venv/bin/python bench/planner_profiles.py --hetpilot-commit HEAD   # the committed planner
 
-About 2.5 minutes for all cases on the 2-core VM, 100 s of it brute force on the 4-device Metis
+About 7 minutes for all cases on the 2-core VM, 100 s of it brute force on the 4-device Metis
 cases (10 layers).
 
 Models (``bench/profiles/``, see SOURCES.md there): PipeDream's profiles of VGG16, AlexNet and
-ResNet-50 (V100, fp32) and AMP's GPT-2 medium profile (V100 and T4, fp16), converted to spec
+ResNet-50 (V100, fp32; with published plans) and of ResNet-18/101, ResNeXt-50/101,
+DenseNet-121, Inception-v3 and SqueezeNet (no published plans), AMP's GPT-2 medium profile (V100 and T4, fp16), converted to spec
 v1 so that a 15.7 TFLOP/s device reproduces the profiled V100 times; Metis' 10-layer GPT
 (hidden 4096; A100, no tensor parallelism), converted so that a 312 TFLOP/s device reproduces
 the profiled A100 times.
@@ -29,6 +30,7 @@ hetpilot's iteration time over the best of the others.
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
 import math
 import statistics
@@ -161,6 +163,15 @@ MODELS = [
     ModelCase("resnet50", "pipedream-resnet50.json", 128, 0, 32, lambda: V100 / 2),
     # AMP's heterogeneous-cluster experiment: global batch 32, microbatch 1; slow = its T4.
     ModelCase("gpt2", "amp-gpt2-medium.json", None, 32, 1, _t4),
+]
+# PipeDream's other image-classification profiles (bench/profiles/SOURCES.md): no published
+# plans; per-worker minibatch = the profiled one (the only batch PipeDream gives for them),
+# microbatches of a quarter of it, slow = half speed, as for the three above.
+MORE_PIPEDREAM = [
+    ModelCase(key, f"pipedream-{key}.json", batch, 0, batch // 4, lambda: V100 / 2)
+    for key, batch in (("resnet18", 256), ("resnet101", 64), ("resnext50", 128),
+                       ("resnext101", 64), ("densenet121", 64), ("inception_v3", 128),
+                       ("squeezenet1_0", 256))
 ]
 COARSE_ALEXNET = ModelCase("alexnet-coarse", "pipedream-alexnet-coarse.json", 256, 0, 64,
                            lambda: V100 / 2)
@@ -298,7 +309,7 @@ def _all_cases(quick: bool) -> list[Case]:
     out = []
     sizes = [4, 16] if quick else [4, 8, 16]
     nets = [NETS[1], NETS[2]] if quick else NETS
-    models = [MODELS[0], MODELS[3]] if quick else MODELS
+    models = [MODELS[0], MODELS[3]] if quick else [*MODELS, *MORE_PIPEDREAM]
     for mc in models:
         for n in sizes:
             for net in nets:
@@ -518,19 +529,23 @@ def report(rows: list[Row], wall: float, command: str, quick: bool, only: str | 
     lines = [
         "# hetpilot on published profiles: against simple layouts, brute force and published plans",
         "",
-        f"Date: 2026-11-23. Command: `{command}` ({scope}; "
+        f"Date: {datetime.date.today().isoformat()}. Command: `{command}` ({scope}; "
         f"wall time {wall:.0f} s on the 2-core VM, CPU only). Planner: {provenance()}.",
         "",
         "Models are the published per-layer profiles converted to spec v1 (`bench/profiles/`,",
         "SOURCES.md): PipeDream's VGG16, AlexNet and ResNet-50 (V100, fp32) and AMP's GPT-2 medium",
-        "(V100 and T4, fp16). A device of 15.7 TFLOP/s reproduces the profiled V100 times; *slow*",
+        "(V100 and T4, fp16); PipeDream's profiles of ResNet-18/101, ResNeXt-50/101, DenseNet-121,",
+        "Inception-v3 and SqueezeNet 1.0 too (no published plans; one layer per single-tensor cut",
+        "point, so DenseNet and Inception cut only between dense blocks and modules). A device of 15.7 TFLOP/s reproduces the profiled V100 times; *slow*",
         "devices run at half that for the PipeDream models and at AMP's measured T4 speed",
         f"({_t4():.2f} TFLOP/s) for GPT-2. Devices have 16 GB (V100, T4), the fast ones of "
         "`hier300/25` 32 GB (NVLink V100 servers). Networks: `flat8`/`flat25` one",
         "device per host, 8 or 25 Gbit/s between any two; `hier300/25` and `hier100/8` hosts of 4",
         "(300 or 100 Gbit/s inside a host, 25 or 8 between hosts); latency 10 us. *half-slow*: the",
         "second half of the hosts (of the devices, for 4 devices on one host) is slow. Jobs:",
-        "PipeDream's per-worker minibatch times the devices (VGG16 64, AlexNet 256, ResNet-50 128)",
+        "PipeDream's per-worker minibatch times the devices (VGG16 64, AlexNet 256, ResNet-50 128;",
+        "the profiled minibatch for the others: ResNet-18 and SqueezeNet 256, ResNeXt-50 and",
+        "Inception-v3 128, ResNet-101, ResNeXt-101 and DenseNet-121 64)",
         "in microbatches of a quarter of it; GPT-2 AMP's global batch 32 in microbatches of 1.",
         "Metis' GPT (`metis-gpt3`, 10 layers, hidden 4096; Metis' A100 profile without tensor",
         f"parallelism): A100 at {A100:.0f} TFLOP/s (reproduces the profiled times) with 80 GiB; "

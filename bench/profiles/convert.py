@@ -10,7 +10,7 @@ Sources (details, commits and licences in SOURCES.md):
 * PipeDream (msr-fiddle/pipedream) ``profiler/image_classification/profiles/<model>/graph.txt``:
   one line per node ``nodeN -- Desc -- forward_compute_time=ms, backward_compute_time=ms,
   activation_size=bytes, parameter_size=bytes`` for the whole profiled minibatch, then one
-  tab-indented line per edge ``nodeA -- nodeB``. Copies of the three files used are in
+  tab-indented line per edge ``nodeA -- nodeB``. Copies of the ten files used are in
   ``raw/pipedream/`` (MIT licence).
 * AMP (DachengLi1/AMP) ``src/known_cost/gpt2_{P3,G4}_1.npy``: the forward time in seconds of
   one sample (microbatch 1, fp16, no tensor parallelism) of each of GPT-2's 30 "layers" on a
@@ -104,10 +104,25 @@ T_REF = 15.7
 """TFLOP/s declared for the profiling GPU (V100, fp32 datasheet) of both sources."""
 
 PIPEDREAM = {
-    # model: (profiled minibatch, from activation_size of the Input node / (3*224*224*4 bytes))
+    # model: profiled minibatch, the Input node's activation_size over one fp32 image
+    # (3*224*224*4 bytes; 3*299*299*4 for Inception-v3)
     "vgg16": 128,
     "alexnet": 256,
     "resnet50": 128,
+}
+PIPEDREAM_MORE = {
+    # PipeDream's other image-classification profiles (same repository and commit; no
+    # published plans): work and sizes only, for the planner benchmark's wider model set.
+    # Left out: NASNet-A large/mobile (every cell reads the two cells before it, so one
+    # tensor crosses only 3 places: 4 layers) and GNMT (tuple activations; the attention
+    # context feeds every decoder layer, so no single tensor separates the decoder).
+    "resnet18": 256,
+    "resnet101": 64,
+    "resnext50": 128,
+    "resnext101": 64,
+    "densenet121": 64,
+    "inception_v3": 128,
+    "squeezenet1_0": 256,
 }
 PIPEDREAM_GRAPH = "profiler/image_classification/profiles/{model}/graph.txt"
 AMP_FILES = {"P3": "src/known_cost/gpt2_P3_1.npy", "G4": "src/known_cost/gpt2_G4_1.npy"}
@@ -253,7 +268,7 @@ def blocks_to_model(name: str, blocks: list[list[Node]], batch: int) -> dict[str
 
 
 def pipedream_models(text: str, model: str) -> dict[str, dict[str, Any]]:
-    batch = PIPEDREAM[model]
+    batch = {**PIPEDREAM, **PIPEDREAM_MORE}[model]
     blocks = pipedream_blocks(text)
     return {
         f"pipedream-{model}": blocks_to_model(f"pipedream-{model}", blocks, batch),
@@ -539,11 +554,14 @@ def build(pipedream_dir: Path | None, amp_dir: Path | None,
           metis_dir: Path | None = None) -> dict[str, Any]:
     files: dict[str, Any] = {}
     texts = {}
-    for model in PIPEDREAM:
+    for model in [*PIPEDREAM, *PIPEDREAM_MORE]:
         src = (pipedream_dir / PIPEDREAM_GRAPH.format(model=model) if pipedream_dir
                else RAW / "pipedream" / model / "graph.txt")
         texts[model] = src.read_text()
-        for name, m in pipedream_models(texts[model], model).items():
+        models = pipedream_models(texts[model], model)
+        if model in PIPEDREAM_MORE:  # the fine chain only: no published plan reads them
+            models = {f"pipedream-{model}": models[f"pipedream-{model}"]}
+        for name, m in models.items():
             files[f"{name}.json"] = m
     if amp_dir is not None:
         p3, g4 = amp_times(amp_dir)
