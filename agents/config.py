@@ -10,7 +10,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from hetpilot.tomlconfig import ConfigError, read_tables
+from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
 __all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "load_agent_config", "parse_emulate"]
 
@@ -170,15 +170,14 @@ def parse_emulate(text: str) -> EmulatedDevice:
 def load_agent_config(path: str | Path | None = None, **overrides: Any) -> AgentConfig:
     """Read ``[agent]`` and ``[[emulate]]`` from a TOML file; overrides win."""
     data = read_tables(path, {"agent", "emulate"})
-    top = dict(data.get("agent", {}))
-    try:
-        emulate = tuple(EmulatedDevice(**e) for e in data.get("emulate", []))
-    except TypeError as exc:
-        raise ConfigError(f"emulate: {exc}") from None
+    top = table(data, "agent")
+    if "emulate" in top:
+        raise ConfigError("agent.emulate: give each device as its own [[emulate]] table")
+    entries = data.get("emulate", [])
+    if not isinstance(entries, list):
+        raise ConfigError(f"emulate: must be [[emulate]] tables, got {entries!r}")
+    emulate = tuple(build(EmulatedDevice, e, f"emulate[{i}]") for i, e in enumerate(entries))
     if emulate:
         top["emulate"] = emulate
     top.update({k: v for k, v in overrides.items() if v is not None and v != ()})
-    names = {f.name for f in fields(AgentConfig)}
-    if set(top) - names:
-        raise ConfigError(f"agent: unknown key(s) {', '.join(sorted(set(top) - names))}")
-    return AgentConfig(**top)
+    return build(AgentConfig, top, "agent")  # type: ignore[no-any-return]

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import math
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from hetpilot.addresses import check_address
-from hetpilot.tomlconfig import ConfigError, read_tables
+from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
-
-
 
 
 def _positive(name: str, value: float) -> None:
@@ -202,24 +200,19 @@ class DaemonConfig:
                               f"(0: keep forever), got {self.log_retention_hours!r}")
         if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
             raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
-
-
-def _build(cls: type, data: dict[str, Any], path: str) -> Any:
-    known = {f.name for f in fields(cls)}
-    unknown = set(data) - known
-    if unknown:
-        raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
-    try:
-        return cls(**data)
-    except TypeError as exc:
-        raise ConfigError(f"{path}: {exc}") from None
+        if not 1 <= self.max_concurrent_streams <= 2**31 - 1:
+            raise ConfigError("max_concurrent_streams: must be in [1, 2147483647], got "
+                              f"{self.max_concurrent_streams!r}")
 
 
 def load_daemon_config(path: str | Path | None = None, **overrides: Any) -> DaemonConfig:
     """Read ``[daemon]``, ``[auth]`` and ``[tls]`` from a TOML file; overrides win."""
     data = read_tables(path, {"daemon", "auth", "tls"})
-    top = dict(data.get("daemon", {}))
+    top = table(data, "daemon")
+    for nested in ("auth", "tls"):
+        if nested in top:
+            raise ConfigError(f"daemon.{nested}: give it as its own [{nested}] table")
     top.update({k: v for k, v in overrides.items() if v is not None})
-    top["auth"] = _build(AuthConfig, dict(data.get("auth", {})), "auth")
-    top["tls"] = _build(TlsConfig, dict(data.get("tls", {})), "tls")
-    return _build(DaemonConfig, top, "daemon")  # type: ignore[no-any-return]
+    top["auth"] = build(AuthConfig, table(data, "auth"), "auth")
+    top["tls"] = build(TlsConfig, table(data, "tls"), "tls")
+    return build(DaemonConfig, top, "daemon")  # type: ignore[no-any-return]

@@ -46,6 +46,50 @@ def test_config_validation(tmp_path: Path) -> None:
         parse_emulate("tflops=nan,memory_gb=2")
 
 
+@pytest.mark.parametrize(("text", "message"), [
+    # a string is not a boolean: Python would read "false" as true and turn auth off
+    ('[auth]\nallow_unauthenticated = "false"\n', "auth.allow_unauthenticated: must be true or false"),
+    ('[daemon]\ninsecure_local = "no"\n', "daemon.insecure_local: must be true or false"),
+    ("[daemon]\nlisten = 7070\n", "daemon.listen: must be a string"),
+    ('[daemon]\ndrain_s = "x"\n', "daemon.drain_s: must be a number"),
+    ("[daemon]\nmax_message_bytes = 1.5e6\n", "daemon.max_message_bytes: must be an integer"),
+    ("[daemon]\nmax_concurrent_streams = 0\n", "max_concurrent_streams: must be in"),
+    ("daemon = 5\n", "daemon: must be a table"),
+    ('[auth]\nowner_tokens = "x"\n', "auth.owner_tokens: must be a table"),
+    ("[auth.owner_tokens]\nalice = 12345678\n", "auth.owner_tokens: must be a table"),
+    ("[tls]\ncert_file = 1\nkey_file = 2\n", "tls.cert_file: must be a string"),
+    ("[daemon]\n[daemon.auth]\nallow_unauthenticated = true\n", "daemon.auth: give it as"),
+])
+def test_daemon_config_values_of_the_wrong_type_are_refused_by_name(
+        tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "d.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
+        load_daemon_config(cfg)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[agent]\nlaunch = "no"\n', "agent.launch: must be true or false"),
+    ('[agent]\nlink_probe_bytes = "4MB"\n', "agent.link_probe_bytes: must be an integer"),
+    ('[[emulate]]\ntflops = "5"\nmemory_gb = 1\n', r"emulate\[0\]\.tflops: must be a number"),
+    ("emulate = 3\n", "emulate: must be"),
+    ("[agent]\nemulate = 3\n", "agent.emulate: give each device"),
+])
+def test_agent_config_values_of_the_wrong_type_are_refused_by_name(
+        tmp_path: Path, text: str, message: str) -> None:
+    cfg = tmp_path / "a.toml"
+    cfg.write_text(text)
+    with pytest.raises(AgentConfigError, match=message):
+        load_agent_config(cfg, daemon="head:7070")
+
+
+def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
+    cfg = tmp_path / "d.toml"
+    cfg.write_bytes(b"\xff\xfe garbage")
+    with pytest.raises(ConfigError, match=r"d\.toml"):
+        load_daemon_config(cfg)
+
+
 def test_systemd_units_verify(tmp_path: Path) -> None:
     tool = shutil.which("systemd-analyze")
     if tool is None:
