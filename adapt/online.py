@@ -27,6 +27,7 @@ None and the daemon keeps its former rule (measured TFLOP/s times
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import threading
 from collections import deque
@@ -37,6 +38,10 @@ from .estimator import SlowdownEstimator, load_bootstrap
 from .features import FEATURES, WORKLOAD, History, Interference, Workload, row, workload_of
 
 __all__ = ["Adapter"]
+
+_SMALLEST_RATIO = 1e-12
+"""Measured over predicted stage time below this is not a timing (a stage a trillion
+times faster than its device's registered speed): ignored, never a calibration."""
 
 log = logging.getLogger("hetpilot.adapt")
 
@@ -110,9 +115,15 @@ class Adapter:
         if registered_tflops <= 0 or gflop <= 0 or measured_s <= 0:
             return
         raw = measured_s / (gflop / (1000.0 * registered_tflops))
+        if not (math.isfinite(raw) and raw >= _SMALLEST_RATIO):
+            # a subnormal or zero time (5e-324 s passes the servicer's ">= 0, finite"): as
+            # the calibration it would make every later slowdown infinite
+            return
         calib = min(self._calib.get(device_id, raw), raw)
-        self._calib[device_id] = calib
         slowdown = raw / calib
+        if not math.isfinite(slowdown):
+            return
+        self._calib[device_id] = calib
         est = self.estimator
         if est is not None:
             est.observe(row(inter, work, self.history(device_id, work)), slowdown)

@@ -101,3 +101,28 @@ def test_stage_timings_feed_the_estimator() -> None:
     assert hist.stage_last_slowdown == pytest.approx(1.0)  # same time each iteration
     assert hist.device_last_slowdown == pytest.approx(1.0)
     assert plane.adapter.history("h1:0", work).stage_last_slowdown == 0.0  # never ran there
+
+
+def test_a_subnormal_stage_time_is_ignored_and_does_not_poison_later_timings() -> None:
+    # A stage time of 5e-324 s is finite and >= 0, so the servicer takes it; as the
+    # device's calibration it made every later slowdown infinite, and every prediction
+    # for that device failed (the daemon fuzz campaign of 2026-11-24).
+    est = SlowdownEstimator(_synthetic(), n_estimators=10, refit_every=4, background=False,
+                            max_features=1.0, min_samples_leaf=3)
+    adapter = Adapter(est, default_workload=Workload(gflop=1.0, param_mb=1.0, act_mb=1.0,
+                                                     out_mb=1.0))
+    assert adapter.wait_ready(60)
+    layers = json.loads((ROOT / "examples" / "model.json").read_text())["layers"]
+    from hetpilot.planner.serde import model_from_dict
+
+    model = model_from_dict({"name": "m", "layers": layers})
+    inter = adapter.interference("h0", DeviceReport(index="0", tflops=10.0,
+                                                    memory_total_gb=16.0, memory_free_gb=8.0),
+                                 10.0)
+    for t in (5e-324, 0.0, 0.5, 0.5, 1.0):
+        adapter.learn("h0:0", inter, model.layers, 4, 8, t, 10.0)
+    assert adapter.learned == 3  # the subnormal and the zero were not learnt
+    work = adapter._workload["h0:0"]
+    assert adapter.history("h0:0", work).stage_last_slowdown == pytest.approx(2.0)
+    predicted = adapter.predict_tflops("h0:0", inter, 10.0)
+    assert 0 < predicted <= 10.0
