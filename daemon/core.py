@@ -823,8 +823,12 @@ class ControlPlane:
 
     def stage_timings(self, timings: TimingsRecord) -> None:
         """Keep a rank's stage timings and, when they carry a loss or an eval metric, the
-        job's training progress (in the same transaction); then feed the estimator."""
+        job's training progress (in the same transaction); then feed the estimator. An
+        ended job refuses them."""
         rec = self._own(None, timings.job_id)
+        if rec.ended:  # its progress (the final loss) is the record of how it ended
+            raise FailedPrecondition(f"job {timings.job_id} has ended ({rec.state}): its "
+                                     "stage timings are no longer taken")
         current = self.store.progress(timings.job_id)
         progress = current.updated(timings)  # `current` itself when nothing changed
         self.store.put_timings(timings, None if progress is current else progress)

@@ -132,6 +132,26 @@ def test_reported_loss_reaches_job_jobs_and_watch(
     assert json.loads(_cli(daemon, capsys, monkeypatch, "job", job_id, "--json"))["loss"] == "NaN"
 
 
+def test_an_ended_job_refuses_stage_timings_and_keeps_its_final_loss(
+        daemon: RunningDaemon) -> None:
+    import grpc
+
+    job_id = _job_with_plan(daemon)
+    ch = daemon.channel()
+    trainer = trainer_pb2_grpc.TrainerServiceStub(ch)
+    md = _trainer_md(daemon, job_id)
+    trainer.ReportStageTimings(_report(job_id, 0, 100, loss=0.25), metadata=md, timeout=T)
+    trainer.FinishJob(trainer_pb2.FinishJobRequest(
+        job_id=job_id, outcome=trainer_pb2.JOB_OUTCOME_SUCCEEDED), metadata=md, timeout=T)
+    with pytest.raises(grpc.RpcError) as err:
+        trainer.ReportStageTimings(_report(job_id, 0, 7, loss=math.nan), metadata=md, timeout=T)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "has ended (succeeded)" in (err.value.details() or "").lower()
+    info = job_pb2_grpc.JobServiceStub(ch).GetJob(job_pb2.GetJobRequest(job_id=job_id),
+                                                  metadata=OWNER_MD, timeout=T)
+    assert info.loss == 0.25 and info.loss_step == 100
+
+
 def test_progress_survives_a_daemon_restart(tmp_path: Path) -> None:
     from .conftest import start_daemon
 
