@@ -46,6 +46,11 @@ class StorageUnavailable(StorageError):
     read-only file (UNAVAILABLE)."""
 
 
+class StateDirInUse(StorageError):
+    """Another daemon holds the state directory's lock: two daemons on one state.db would
+    each run every job's control loop and overwrite each other's writes."""
+
+
 class DamagedStore(StorageError):
     """Opening refused: the database is empty (0 bytes), not a database, or fails
     ``PRAGMA quick_check``. The message is one line: path, problem, what to do."""

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import gc
 import json
 import logging
 import os
 import secrets
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from .auth import Authenticator, AuthInterceptor
 from .config import DaemonConfig, TlsConfig
 from .core import ControlPlane
 from .decode import DecodeInterceptor
+from .errors import StateDirInUse
 from .metrics import Metrics
 from .quickstart import announce_generated, generated_auth, insecure_auth
 from .sdnotify import Notifier
@@ -92,18 +95,55 @@ def _split(addr: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
+@contextlib.contextmanager
+def _state_dir_lock(state_dir: Path) -> Iterator[None]:
+    """Hold ``state_dir/daemon.lock`` (``flock``, released when the process ends however it
+    ends) while serving; raise :class:`StateDirInUse`, naming the holder's pid, when another
+    daemon holds it."""
+    path = state_dir / "daemon.lock"
+    try:
+        fh = open(path, "a+")  # noqa: SIM115 (closed below)
+    except OSError:  # a read-only state dir: the store refuses it, naming state.db
+        yield
+        return
+    with fh:
+        try:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            fh.seek(0)
+            holder = fh.read().strip() or "unknown"
+            raise StateDirInUse(f"{state_dir} is in use by another daemon (pid {holder}; "
+                                f"{path} is locked): stop it, or give this one another "
+                                "--state-dir") from None
+        fh.seek(0)
+        fh.truncate()
+        fh.write(f"{os.getpid()}\n")
+        fh.flush()
+        try:
+            yield
+        finally:
+            fh.seek(0)
+            fh.truncate()
+            fh.flush()
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` (SIGTERM, SIGINT). Raises StorageError when the state store is
-    damaged, OSError when the address is taken."""
-    stop = stop or asyncio.Event()
+    damaged or another daemon holds the state directory, OSError when the address is
+    taken."""
+    state_dir = Path(config.state_dir)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    with _state_dir_lock(state_dir):
+        await _serve(config, stop or asyncio.Event(), state_dir)
+
+
+async def _serve(config: DaemonConfig, stop: asyncio.Event, state_dir: Path) -> None:
     loop = asyncio.get_running_loop()
     # SIGHUP (a closed terminal, a reload hetpilot does not have) stops as SIGTERM does,
     # rather than ending the process at once, which is its default
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         with contextlib.suppress(NotImplementedError, RuntimeError):  # not the main thread
             loop.add_signal_handler(sig, _stop_on, sig, stop)
-    state_dir = Path(config.state_dir)
-    state_dir.mkdir(parents=True, exist_ok=True)
     notifier = Notifier()
     auth_config = config.auth.resolved()
     generated = None

@@ -56,3 +56,38 @@ def test_a_read_only_state_dir_is_refused_naming_the_file(tmp_path: Path) -> Non
     proc = _daemon(state, ["unshare", "-m", "sh", "-c", script, "sh"])
     error = _one_error(proc)
     assert str(state / "state.db") in error and "write" in error
+
+
+def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_first(
+        tmp_path: Path) -> None:
+    import json
+    import signal
+    import time
+
+    state = tmp_path / "s"
+    cmd = [sys.executable, "-m", "hetpilot", "daemon", "--listen", "127.0.0.1:0",
+           "--state-dir", str(state), "--metrics-listen", "", "--insecure-local"]
+    first = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (state / "endpoints.json").exists():
+            assert first.poll() is None and time.monotonic() < deadline, "first did not start"
+            time.sleep(0.1)
+        before = (state / "endpoints.json").read_text()
+        error = _one_error(_daemon(state))
+        assert f"in use by another daemon (pid {first.pid}" in error, error
+        assert (state / "endpoints.json").read_text() == before  # still names the first
+        assert json.loads(before)["pid"] == first.pid
+    finally:
+        first.send_signal(signal.SIGTERM)
+        first.wait(30)
+    # the lock goes with the process: a daemon started after the first stopped serves
+    again = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while json.loads((state / "endpoints.json").read_text())["pid"] != again.pid:
+            assert again.poll() is None and time.monotonic() < deadline, again.stderr
+            time.sleep(0.1)
+    finally:
+        again.send_signal(signal.SIGTERM)
+        again.wait(30)
