@@ -120,6 +120,17 @@ def name(value: str, field: str) -> str:
     return value
 
 
+def device_index(value: str, field: str) -> str:
+    """A device's index on its host: a name without ':'. A device id is ``host:index`` split
+    at its last ':', so an index with one would name another host's device (host "a",
+    index "b:0" and host "a:b", index "0" are both "a:b:0")."""
+    name(value, field)
+    if ":" in value:
+        raise ValidationError(field, f"must not contain ':' (device ids are host:index), "
+                                     f"got {value[:40]!r}")
+    return value
+
+
 def label(value: str, field: str) -> str:
     """An optional short label (a dtype, a shape): empty, or printable without spaces."""
     if value and not _LABEL.fullmatch(value):
@@ -283,7 +294,7 @@ def agent_from_proto(req: agent_pb2.RegisterRequest) -> AgentRecord:
     seen = set()
     for i, d in enumerate(req.devices):
         f = f"devices[{i}]"
-        index = name(d.index, f"{f}.index")
+        index = device_index(d.index, f"{f}.index")
         if index in seen:
             raise ValidationError(f"{f}.index", f"duplicate device {index!r}")
         seen.add(index)
@@ -314,7 +325,7 @@ def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
     for i, d in enumerate(req.devices):
         f = f"devices[{i}]"
         devices.append(DeviceReport(
-            index=name(d.index, f"{f}.index"),
+            index=device_index(d.index, f"{f}.index"),
             tflops=number(d.tflops, f"{f}.tflops", maximum=1e6),
             memory_total_gb=number(d.memory_total_gb, f"{f}.memory_total_gb", maximum=1e6),
             memory_free_gb=number(d.memory_free_gb, f"{f}.memory_free_gb", maximum=1e6),

@@ -64,6 +64,11 @@ def test_hostile_ids_and_versions(daemon: RunningDaemon) -> None:
     assert "job_id" in _refused(jobs.GetJob, job_pb2.GetJobRequest(job_id="j" * 1_000_000),
                                 OWNER_MD)
     assert "host" in _refused(agents.Register, register_request("h1\n"), CLUSTER_MD)
+    # host "a" with device "b:0" would be device id "a:b:0", which is host "a:b"'s device 0
+    colliding = register_request("a")
+    colliding.devices[0].index = "b:0"
+    assert "devices[0].index: must not contain ':'" in _refused(agents.Register, colliding,
+                                                                CLUSTER_MD)
     job = jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=T)
     for version in (2**63, 2**64 - 1):
         stream = jobs.WatchPlans(job_pb2.WatchPlansRequest(job_id=job.job_id,
