@@ -32,13 +32,14 @@ import errno
 import json
 import logging
 import os
+import re
 import sqlite3
 import threading
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import DamagedStore, StorageError, StorageFull, StorageUnavailable
 from .records import (
@@ -53,6 +54,8 @@ from .records import (
     PlanRecord,
     TimingsRecord,
 )
+
+_T = TypeVar("_T")
 
 __all__ = ["SCHEMA_VERSION", "MemoryStore", "SchemaError", "SqliteStore", "Store"]
 
@@ -296,6 +299,9 @@ _MIGRATIONS: tuple[tuple[str, ...], ...] = (
      "CREATE INDEX IF NOT EXISTS launches_job ON launches(job_id)"),
 )
 SCHEMA_VERSION = len(_MIGRATIONS)
+_TABLES = tuple(m[1] for step in _MIGRATIONS for statement in step
+                if (m := re.match(r"\s*CREATE TABLE IF NOT EXISTS (\w+)", statement)))
+"""The tables the migrations create, which an open store must have."""
 """The schema version this code writes (``PRAGMA user_version``)."""
 
 #: Primary SQLite result codes that mean the storage failed rather than the statement
@@ -399,6 +405,7 @@ class SqliteStore(Store):
         """Set once the database file was found deleted, replaced, truncated or overwritten."""
         try:
             self._migrate()
+            self._check_tables()
             self._file = os.open(self.path, os.O_RDONLY)
         except BaseException:
             self._db.close()
@@ -437,6 +444,27 @@ class SqliteStore(Store):
             db.close()
             raise
         return db
+
+    def _decode(self, parse: Callable[[Any], _T], body: Any, table: str) -> _T:
+        """A row's body as its record; a body this daemon cannot read (not JSON, another
+        shape: a hand-edited or damaged row that passes quick_check) is a DamagedStore
+        naming the file and the table, one line, not a traceback."""
+        try:
+            return parse(body)
+        except Exception as exc:
+            raise DamagedStore(f"{self.path}: a row of table {table} cannot be read "
+                               f"({type(exc).__name__}: {_one_line(str(exc))[:200]}); "
+                               f"{_RESTORE}") from exc
+
+    def _check_tables(self) -> None:
+        """Every table the migrations create is there (one dropped by hand would make
+        every call that reads it fail)."""
+        have = {r[0] for r in self._db.execute(
+            "SELECT name FROM sqlite_master WHERE type='table'").fetchall()}
+        missing = [t for t in _TABLES if t not in have]
+        if missing:
+            raise DamagedStore(f"{self.path} has schema version {SCHEMA_VERSION} but no "
+                               f"table {', '.join(missing)}; {_RESTORE}")
 
     def _migrate(self) -> None:
         # BEGIN IMMEDIATE: one daemon migrates; a second waits, then sees it done
@@ -572,21 +600,21 @@ class SqliteStore(Store):
                 row = db.execute("SELECT body FROM jobs WHERE owner=? AND request_id=?",
                                  (job.owner, job.request_id)).fetchone()
                 if row:
-                    return JobRecord.from_json(row[0])
+                    return self._decode(JobRecord.from_json, row[0], "jobs")
             db.execute("INSERT INTO jobs(job_id, owner, request_id, body) VALUES (?,?,?,?)",
                        (job.job_id, job.owner, job.request_id, job.to_json()))
         return job
 
     def get_job(self, job_id: str) -> JobRecord | None:
         row = self._one("SELECT body FROM jobs WHERE job_id=?", (job_id,))
-        return JobRecord.from_json(row[0]) if row else None
+        return self._decode(JobRecord.from_json, row[0], "jobs") if row else None
 
     def list_jobs(self, owner: str | None = None) -> list[JobRecord]:
         if owner is None:
             rows = self._all("SELECT body FROM jobs ORDER BY seq")
         else:
             rows = self._all("SELECT body FROM jobs WHERE owner=? ORDER BY seq", (owner,))
-        return [JobRecord.from_json(r[0]) for r in rows]
+        return [self._decode(JobRecord.from_json, r[0], "jobs") for r in rows]
 
     def update_job(self, job: JobRecord) -> None:
         with self._transaction() as db:
@@ -609,12 +637,12 @@ class SqliteStore(Store):
                         (job_id,))
         if not row:
             return JobStatus(), None
-        return JobStatus.from_json(row[0]), json.loads(row[1])
+        return self._decode(JobStatus.from_json, row[0], "job_status"), self._decode(json.loads, row[1], "job_status")
 
     def plans(self, job_id: str, after_version: int = 0) -> list[PlanRecord]:
         rows = self._all("SELECT body FROM plans WHERE job_id=? AND version>? ORDER BY version",
                          (job_id, after_version))
-        return [PlanRecord.from_json(r[0]) for r in rows]
+        return [self._decode(PlanRecord.from_json, r[0], "plans") for r in rows]
 
     def put_agent(self, agent: AgentRecord) -> None:
         with self._transaction() as db:
@@ -622,7 +650,7 @@ class SqliteStore(Store):
                        (agent.host, agent.to_json()))
 
     def agents(self) -> list[AgentRecord]:
-        return [AgentRecord.from_json(r[0]) for r in self._all("SELECT body FROM agents")]
+        return [self._decode(AgentRecord.from_json, r[0], "agents") for r in self._all("SELECT body FROM agents")]
 
     def put_report(self, report: AgentReport) -> None:
         with self._transaction() as db:
@@ -630,7 +658,7 @@ class SqliteStore(Store):
                        (report.agent_id, report.to_json()))
 
     def latest_reports(self) -> dict[str, AgentReport]:
-        reports = (AgentReport.from_json(r[0]) for r in self._all("SELECT body FROM reports"))
+        reports = (self._decode(AgentReport.from_json, r[0], "reports") for r in self._all("SELECT body FROM reports"))
         return {r.agent_id: r for r in reports}
 
     def put_timings(self, timings: TimingsRecord, progress: JobProgress | None = None) -> None:
@@ -643,11 +671,11 @@ class SqliteStore(Store):
 
     def latest_timings(self, job_id: str) -> list[TimingsRecord]:
         rows = self._all("SELECT body FROM timings WHERE job_id=? ORDER BY rank", (job_id,))
-        return [TimingsRecord.from_json(r[0]) for r in rows]
+        return [self._decode(TimingsRecord.from_json, r[0], "timings") for r in rows]
 
     def progress(self, job_id: str) -> JobProgress:
         row = self._one("SELECT body FROM progress WHERE job_id=?", (job_id,))
-        return JobProgress.from_json(row[0]) if row else JobProgress()
+        return self._decode(JobProgress.from_json, row[0], "progress") if row else JobProgress()
 
     def put_measurement(self, measurement: MeasurementRecord) -> None:
         with self._transaction() as db:
@@ -658,7 +686,7 @@ class SqliteStore(Store):
     def measurements(self, job_id: str) -> list[MeasurementRecord]:
         rows = self._all("SELECT body FROM measurements WHERE job_id=? ORDER BY device_id",
                          (job_id,))
-        return [MeasurementRecord.from_json(r[0]) for r in rows]
+        return [self._decode(MeasurementRecord.from_json, r[0], "measurements") for r in rows]
 
     def put_drain(self, drain: DrainRecord) -> None:
         with self._transaction() as db:
@@ -670,7 +698,7 @@ class SqliteStore(Store):
             db.execute("DELETE FROM drains WHERE host=?", (host,))
 
     def drains(self) -> list[DrainRecord]:
-        return [DrainRecord.from_json(r[0])
+        return [self._decode(DrainRecord.from_json, r[0], "drains")
                 for r in self._all("SELECT body FROM drains ORDER BY host")]
 
     def put_launch(self, launch: LaunchRecord) -> None:
@@ -686,7 +714,7 @@ class SqliteStore(Store):
             rows = self._all("SELECT body FROM launches ORDER BY seq")
         else:
             rows = self._all("SELECT body FROM launches WHERE job_id=? ORDER BY seq", (job_id,))
-        return [LaunchRecord.from_json(r[0]) for r in rows]
+        return [self._decode(LaunchRecord.from_json, r[0], "launches") for r in rows]
 
     def close(self) -> None:
         with self._lock:

@@ -91,3 +91,30 @@ def test_a_second_daemon_on_the_same_state_dir_is_refused_naming_the_first(
     finally:
         again.send_signal(signal.SIGTERM)
         again.wait(30)
+
+
+@pytest.mark.parametrize(("damage", "names"), [
+    ("UPDATE jobs SET body='{not json'", "a row of table jobs cannot be read"),
+    ("INSERT INTO agents VALUES ('h9', '[1, 2]')", "a row of table agents cannot be read"),
+    ("DROP TABLE plans", "but no table plans"),
+])
+def test_rows_or_tables_the_daemon_cannot_read_are_refused_with_one_line(
+        tmp_path: Path, damage: str, names: str) -> None:
+    # a hand-edited store passes quick_check; its rows failed with a traceback at start
+    from hetpilot.daemon.records import JobRecord
+
+    state = tmp_path / "s"
+    state.mkdir()
+    store = SqliteStore(state / "state.db")
+    store.create_job(JobRecord(job_id="j1", owner="o", name="t", state="running",
+                               global_batch=8, microbatch_size=4, schedules=("1f1b",),
+                               budgets={}, V=10.0, slot_s=1.0, model_json=""))
+    store.close()
+    db = sqlite3.connect(state / "state.db")
+    db.execute(damage)
+    db.commit()
+    db.close()
+    before = (state / "state.db").read_bytes()
+    error = _one_error(_daemon(state))
+    assert str(state / "state.db") in error and names in error, error
+    assert (state / "state.db").read_bytes() == before
