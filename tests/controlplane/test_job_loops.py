@@ -85,8 +85,13 @@ def test_eight_jobs_submitted_at_once_all_step(tmp_path: Path) -> None:
                 ids = list(pool.map(submit, range(8)))
             first = _wait_slots(stub, ids, 3)
             assert min(first.values()) >= 3, f"loops stuck: {first}"
-            time.sleep(1.5)  # and they keep stepping
+            # and they keep stepping: every loop makes another slot (polled, since the
+            # eight share one planning process, and a loaded CI machine slows each round)
+            deadline = time.monotonic() + 30
             later = _slots(stub, ids)
+            while not all(later[j] > first[j] for j in ids) and time.monotonic() < deadline:
+                time.sleep(0.3)
+                later = _slots(stub, ids)
             assert all(later[j] > first[j] for j in ids), f"loops stopped: {first} -> {later}"
             for j in ids:
                 info = stub.GetJob(job_pb2.GetJobRequest(job_id=j), metadata=OWNER_MD)
