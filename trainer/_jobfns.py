@@ -188,6 +188,32 @@ def pytree_tiny() -> dict[str, Any]:
     return _job(layers, x, y, nn.functional.mse_loss)
 
 
+class Pack(nn.Module):
+    """Sequences to the ``PackedSequence`` an RNN takes (lengths 5, 4, 3, ... by sample)."""
+
+    def forward(self, x: torch.Tensor) -> Any:
+        lengths = 5 - torch.arange(x.shape[0]) % 3
+        return nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True,
+                                                 enforce_sorted=False)
+
+
+class LastHidden(nn.Module):
+    """An RNN's (packed output, last hidden state) to the last layer's hidden state."""
+
+    def forward(self, out: Any) -> torch.Tensor:
+        return out[1][-1]
+
+
+def packed_tiny() -> dict[str, Any]:
+    """A ``PackedSequence`` (a namedtuple of data, batch sizes and sort indices; its
+    constructor refuses ``None`` data) crossing cuts into and out of a bidirectional GRU."""
+    torch.manual_seed(6)
+    gen = torch.Generator().manual_seed(6)
+    x, y = torch.randn(48, 5, 3, generator=gen), torch.randn(48, 4, generator=gen)
+    return _job([Pack(), nn.GRU(3, 4, batch_first=True, bidirectional=True), LastHidden()],
+                x, y, nn.functional.mse_loss)
+
+
 class Shifted(nn.Module):
     """A trainable Linear plus a frozen offset vector (``requires_grad=False``)."""
 

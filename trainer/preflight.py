@@ -405,9 +405,9 @@ def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | N
 
 def _other_float(value: Any, dtype: torch.dtype) -> str | None:
     """The dtype of a floating tensor leaf of ``value`` that is not ``dtype``, if any."""
-    found: list[str] = []
-    map_tensors(lambda t: found.append(str(t.dtype).removeprefix("torch."))
-                if t.is_floating_point() and t.dtype != dtype else None, value)
+    # read the leaves, not map over them: a rebuilt PackedSequence refuses None as its data
+    found = [str(t.dtype).removeprefix("torch.") for t in flatten(value)[0]
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype]
     return found[0] if found else None
 
 

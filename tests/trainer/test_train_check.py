@@ -81,6 +81,7 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
         ("buffers_tiny", 3),  # a -inf causal mask, a quantizer's +-inf observer and zero point
         ("dictskip_tiny", 4),  # layers storing skips in the dict they were given, recomputed
         ("teacher_tiny", 3),  # a layer of frozen parameters; the factory filters them out
+        ("packed_tiny", 3),  # a PackedSequence (variable lengths) into and out of a GRU
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
