@@ -466,7 +466,10 @@ class StageRunner:
         first, last = self.prev_rank is None, self.next_rank is None
         total = 0.0
         pending: list[tuple[Any, torch.Tensor]] = []
-        modes = [layer.training for layer in self.layers]
+        # every module's own mode, not the layers': train(mode) on a layer would also put a
+        # submodule the job keeps in eval mode (a frozen BatchNorm) back in training
+        modes = [(module, module.training) for layer in self.layers
+                 for module in layer.modules()]
         for layer in self.layers:
             layer.eval()
         try:
@@ -491,6 +494,6 @@ class StageRunner:
             for work, _ in pending:
                 work.wait()
         finally:
-            for layer, mode in zip(self.layers, modes, strict=True):
-                layer.train(mode)
+            for module, mode in modes:
+                module.training = mode
         return total

@@ -160,3 +160,21 @@ def test_reading_a_tree_spec_raises_no_deprecation_warning() -> None:
         warnings.simplefilter("error", FutureWarning)
         _register_spec_types(spec)
     assert len(leaves) == 3
+
+
+def test_evaluation_keeps_a_submodule_the_job_froze_in_eval_mode() -> None:
+    # fine-tuning with frozen BatchNorm statistics: the layer trains, its BatchNorm stays in
+    # eval mode; restoring the layer's own mode after evaluation put the BatchNorm back
+    # in training, so its running statistics moved from then on
+    torch.manual_seed(0)
+    bn = nn.BatchNorm1d(4).eval()
+    layer = nn.Sequential(nn.Linear(3, 4), bn)
+    runner = StageRunner([layer], prev_rank=None, next_rank=None, recompute=False,
+                         loss_fn=nn.functional.mse_loss, loss_scale=1.0,
+                         device=torch.device("cpu"))
+    x, y = torch.randn(4, 3), torch.randn(4, 4)
+    runner.evaluate([4], lambda k: x, lambda k: y, nn.functional.mse_loss)
+    assert layer.training and not bn.training
+    before = bn.running_mean.clone()
+    runner.run([(False, 0), (True, 0)], lambda k: x, lambda k: y)
+    assert torch.equal(bn.running_mean, before)
