@@ -184,9 +184,12 @@ def run(args: argparse.Namespace) -> int:
 
         from .profile import profile_model
 
-        model = profile_model(spec["layers"], spec["sample"],
-                              name=args.name or args.model.rpartition(":")[2],
-                              dtype=getattr(torch, args.dtype) if args.dtype else None)
+        try:
+            model = profile_model(spec["layers"], spec["sample"],
+                                  name=args.name or args.model.rpartition(":")[2],
+                                  dtype=getattr(torch, args.dtype) if args.dtype else None)
+        except (TypeError, ValueError, RuntimeError) as exc:  # the job's layers, as built
+            return _fail(f"--model: cannot profile {args.model}: {exc}")
         text = json.dumps(model, indent=1)
         if args.out:
             Path(args.out).write_text(text + "\n")

@@ -123,9 +123,18 @@ def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> lis
     Deep-copying a ``torch.jit.script``-ed module clones its parameters inside the autograd
     graph (non-leaf tensors with a ``CloneBackward`` function), which an optimizer refuses
     ("can't optimize a non-leaf Tensor") and which never get a ``.grad``: such copies are
-    detached in place here, keeping each parameter's ``requires_grad``."""
+    detached in place here, keeping each parameter's ``requires_grad``.
+
+    The weight that ``torch.nn.utils.weight_norm`` (the hook API, common in vocoders) keeps
+    as a plain attribute is a non-leaf tensor, which ``deepcopy`` refuses; its hook computes
+    it again before every forward, so the copy takes it detached. Any other non-leaf
+    tensor attribute is refused by name."""
     import copy
 
+    memo = {} if memo is None else memo
+    for i, spec in enumerate(specs):
+        if isinstance(spec, nn.Module):
+            _detach_hook_computed(spec, i, memo)
     copies = copy.deepcopy(list(specs), memo)
     for spec, dup in zip(specs, copies, strict=True):
         if not isinstance(spec, nn.Module):
@@ -136,6 +145,27 @@ def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> lis
                 q.detach_()
                 q.requires_grad_(p.requires_grad)
     return copies
+
+
+def _detach_hook_computed(layer: nn.Module, index: int, memo: dict[int, Any]) -> None:
+    """Put detached copies of ``weight_norm``'s computed weights into a deepcopy ``memo``
+    (see :func:`copy_layers`); raise ValueError naming any other non-leaf tensor attribute."""
+    from torch.nn.utils.weight_norm import WeightNorm
+
+    for path, module in layer.named_modules():
+        computed = {hook.name for hook in module._forward_pre_hooks.values()
+                    if isinstance(hook, WeightNorm)}
+        for attr, value in vars(module).items():
+            if not (isinstance(value, torch.Tensor) and not value.is_leaf):
+                continue
+            if attr not in computed:
+                where = f"{path}.{attr}" if path else attr
+                raise ValueError(
+                    f"layers: item {index} ({type(layer).__name__}): attribute {where!r} is "
+                    "a tensor computed from the parameters (not a leaf), which cannot be "
+                    "copied to the ranks; compute it in forward, or use "
+                    "torch.nn.utils.parametrize")
+            memo.setdefault(id(value), value.detach())
 
 
 def place_loss(loss_fn: Any, device: torch.device | None, dtype: torch.dtype | None) -> Any:

@@ -143,3 +143,35 @@ def test_seeded_draws_repeat_and_leave_the_generator_where_it_was() -> None:
     assert torch.equal(torch.rand(4), expected)  # as if the blocks had not run
     assert len(set(keys)) == 2 and all(0 <= k < 2**63 for k in keys)
     assert microbatch_seed(0, 1, 2, 1, 3, 0) != keys[0]  # another group draws otherwise
+
+
+def test_copies_of_an_old_weight_norm_layer_compute_what_it_computes() -> None:
+    # torch.nn.utils.weight_norm (the hook API) keeps `weight` as a non-leaf attribute,
+    # which deepcopy refuses: train-check and profile crashed on vocoder-style layers
+    import copy
+
+    from hetpilot.trainer.runtime import copy_layers
+    from torch import nn
+
+    torch.manual_seed(0)
+    layer = nn.utils.weight_norm(nn.Linear(3, 4))
+    dup = copy_layers([layer])[0]
+    x = torch.randn(2, 3)
+    assert torch.equal(dup(x), layer(x))
+    assert {n for n, _ in dup.named_parameters()} == {"bias", "weight_g", "weight_v"}
+    with torch.no_grad():
+        dup.weight_g.mul_(2)  # the copy's own parameters drive its weight
+    assert not torch.allclose(dup(x), layer(x))
+    assert dup.weight_v.grad is None and dup.weight_g.is_leaf
+    with pytest.raises(RuntimeError):  # what copy_layers gets around
+        copy.deepcopy(layer)
+
+
+def test_a_layer_keeping_a_computed_tensor_is_refused_naming_it() -> None:
+    from hetpilot.trainer.runtime import copy_layers
+    from torch import nn
+
+    layer = nn.Linear(3, 4)
+    layer.scaled = layer.weight * 2  # type: ignore[assignment]
+    with pytest.raises(ValueError, match=r"layers: item 1 \(Linear\): attribute 'scaled'"):
+        copy_layers([nn.Identity(), layer])
