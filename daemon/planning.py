@@ -12,6 +12,15 @@ the store holds. One process, one call at a time, in order: the planner's
 memo tables serve every job, and with more jobs than it can keep up with each
 loop still gets its turn (FIFO) rather than some starving.
 
+Two lanes, each such a process. A job whose solves take long (a model of a
+thousand layers on tens of devices: 35 s a step on a 2-core VM) would hold up
+every other job's loop behind it for as long as each of its solves takes, so it
+plans in the **heavy** lane: from its first step when its size says so
+(layers x devices above ``HEAVY_SIZE``), and from the step after any solve that
+took longer than ``HEAVY_S``; it goes back to the light lane after a solve
+under ``LIGHT_S``. A job changing lanes is rebuilt there from its stored state,
+as after a restart. The heavy lane's process starts when a job first needs it.
+
 A stop does not wait for a solve under way: the process is killed.
 """
 
@@ -19,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import multiprocessing
 import os
 import resource
@@ -59,6 +69,8 @@ class StepResult:
     warnings: tuple[str, ...]
     state: dict[str, Any]
     """The controller's to_state() after the step."""
+    solve_s: float = 0.0
+    """Seconds the step took in the planning process (not counting its wait there)."""
 
 
 # -- in the planning process ------------------------------------------------------
@@ -98,6 +110,7 @@ def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: b
     from .control import make_controller
     from .core import parse_model
 
+    started = time.perf_counter()
     ctrl = None if reset else _CONTROLLERS.get(job_id)
     if ctrl is None:
         _CONTROLLERS.pop(job_id, None)
@@ -121,7 +134,7 @@ def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: b
         costs={k: float(v) for k, v in decision.costs.items()},
         queues={k: float(v) for k, v in decision.queues.items()},
         switch_cost_s=float(decision.switch_cost_s), warnings=tuple(decision.warnings),
-        state=ctrl.to_state())
+        state=ctrl.to_state(), solve_s=time.perf_counter() - started)
 
 
 def _forget(job_id: str) -> None:
@@ -157,59 +170,126 @@ async def _await(future: Future[T]) -> T:
     return await done
 
 
-class PlannerProcess:
-    """The planning process seen from the daemon's event loop; started on first use."""
+HEAVY_S = 2.0
+"""A job whose solve took longer than this plans in the heavy lane from its next step."""
+LIGHT_S = 0.5
+"""A heavy job whose solve took less than this goes back to the light lane."""
+HEAVY_SIZE = 4096
+"""Layers x devices from which a job plans in the heavy lane from its first step (its
+solve time is not known yet): 1024 layers on 32 devices took 35 s a step, 64 on 32
+about 2 s, on a 2-core VM."""
 
-    def __init__(self, memory_mb: int = 0) -> None:
-        self.memory_mb = memory_mb
-        self.generation = 0
-        """Bumped each time a process starts: controllers of an older one are gone."""
-        self._pool: ProcessPoolExecutor | None = None
 
-    def _executor(self) -> ProcessPoolExecutor:
-        if self._pool is None:
+def _size(rec: JobRecord, cluster: Cluster) -> int:
+    """Layers x devices: what a solve's time grows with."""
+    import json
+
+    try:
+        layers = len(json.loads(rec.model_json).get("layers", ())) if rec.model_json else 0
+    except (ValueError, AttributeError):
+        layers = 0
+    return layers * len(cluster.devices)
+
+
+class _Lane:
+    """One planning process (started on first use) and the generation of its controllers."""
+
+    def __init__(self, name: str, memory_mb: int, generations: itertools.count[int]) -> None:
+        self.name, self.memory_mb, self._generations = name, memory_mb, generations
+        self.generation = -1
+        """The running process's generation (unique over lanes and restarts)."""
+        self.pool: ProcessPoolExecutor | None = None
+
+    def executor(self) -> ProcessPoolExecutor:
+        if self.pool is None:
             # spawn, not fork: the daemon has grpc and sqlite threads a fork would copy
-            self._pool = ProcessPoolExecutor(
+            self.pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_start, initargs=(self.memory_mb,))
-            self.generation += 1
-        return self._pool
+            self.generation = next(self._generations)
+        return self.pool
 
-    async def step(self, job_id: str, rec: JobRecord, state: Mapping[str, Any] | None,
-                   generation: int, budgets: tuple[dict[str, float], float] | None,
-                   cluster: Cluster) -> tuple[StepResult, int]:
-        """One controller step of the job, and the process generation that now holds its
-        controller. The controller is rebuilt from ``state`` unless ``generation`` (what
-        the last step returned; -1 to force it) is the running process's.
-
-        Raises what the step raised (PlanningError, ValidationError, MemoryError, ...)
-        or PlannerCrashed when the process died; the next call starts a new one."""
-        pool = self._executor()
-        current = self.generation
-        try:
-            result = await _await(pool.submit(_step, job_id, rec, state, generation != current,
-                                              budgets, cluster))
-            return result, current
-        except BrokenProcessPool:
-            if self._pool is pool:
-                self._pool = None
-                pool.shutdown(wait=False, cancel_futures=True)
-            raise PlannerCrashed(
-                "the planning process died during this step (over its memory limit, "
-                f"{self.memory_mb} MB, or killed); it is being restarted") from None
+    def crashed(self, pool: ProcessPoolExecutor) -> None:
+        if self.pool is pool:
+            self.pool = None
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def forget(self, job_id: str) -> None:
-        """Drop the job's controller (the job ended); nothing to do when none runs."""
-        if self._pool is not None:
+        if self.pool is not None:
             with contextlib.suppress(BrokenProcessPool, RuntimeError):  # nothing kept then
-                self._pool.submit(_forget, job_id)
+                self.pool.submit(_forget, job_id)
 
     def close(self) -> None:
-        """Stop at once: a solve under way is abandoned and its process killed."""
-        pool, self._pool = self._pool, None
+        pool, self.pool = self.pool, None
         if pool is None:
             return
         for proc in list(getattr(pool, "_processes", {}).values()):  # no public accessor
             if proc.is_alive():
                 proc.kill()
         pool.shutdown(wait=False)  # its calls then fail with BrokenProcessPool
+
+
+class PlannerProcess:
+    """The planning processes (a light and a heavy lane, module docstring) seen from the
+    daemon's event loop; each started on first use."""
+
+    def __init__(self, memory_mb: int = 0) -> None:
+        self.memory_mb = memory_mb
+        generations = itertools.count(1)
+        self._lanes = {name: _Lane(name, memory_mb, generations) for name in ("light", "heavy")}
+        self._heavy: dict[str, bool] = {}
+        """Each job's lane after its last step (True: heavy); absent before its first."""
+        self._lane_of: dict[str, str] = {}
+        """The lane holding each job's controller."""
+
+    @property
+    def generation(self) -> int:
+        """The light lane's process generation (bumped each time one starts)."""
+        return self._lanes["light"].generation
+
+    def lane(self, job_id: str) -> str | None:
+        """The lane ("light", "heavy") that stepped the job last (None: not yet)."""
+        return self._lane_of.get(job_id)
+
+    async def step(self, job_id: str, rec: JobRecord, state: Mapping[str, Any] | None,
+                   generation: int, budgets: tuple[dict[str, float], float] | None,
+                   cluster: Cluster) -> tuple[StepResult, int]:
+        """One controller step of the job, and the process generation that now holds its
+        controller. The controller is rebuilt from ``state`` unless ``generation`` (what
+        the last step returned; -1 to force it) is the running process's of its lane.
+
+        Raises what the step raised (PlanningError, ValidationError, MemoryError, ...)
+        or PlannerCrashed when the process died; the next call starts a new one."""
+        heavy = self._heavy.get(job_id)
+        if heavy is None:
+            heavy = _size(rec, cluster) >= HEAVY_SIZE
+        lane = self._lanes["heavy" if heavy else "light"]
+        previous = self._lane_of.get(job_id)
+        if previous is not None and previous != lane.name:
+            self._lanes[previous].forget(job_id)  # rebuilt from the stored state there
+        self._lane_of[job_id] = lane.name
+        pool = lane.executor()
+        current = lane.generation
+        try:
+            result = await _await(pool.submit(_step, job_id, rec, state, generation != current,
+                                              budgets, cluster))
+        except BrokenProcessPool:
+            lane.crashed(pool)
+            raise PlannerCrashed(
+                "the planning process died during this step (over its memory limit, "
+                f"{self.memory_mb} MB, or killed); it is being restarted") from None
+        self._heavy[job_id] = (result.solve_s > LIGHT_S) if heavy else (
+            result.solve_s > HEAVY_S)
+        return result, current
+
+    def forget(self, job_id: str) -> None:
+        """Drop the job's controller (the job ended); nothing to do when none runs."""
+        self._heavy.pop(job_id, None)
+        lane = self._lane_of.pop(job_id, None)
+        if lane is not None:
+            self._lanes[lane].forget(job_id)
+
+    def close(self) -> None:
+        """Stop at once: a solve under way is abandoned and its process killed."""
+        for lane in self._lanes.values():
+            lane.close()

@@ -1,0 +1,80 @@
+"""The daemon's planning lanes: a job whose solves are long does not hold up the others'
+(daemon/planning.py; the daemon fuzz campaign of 2026-11-24 found two jobs at the
+documented limits stopping every other job's slots for minutes)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+from hetpilot.daemon import planning
+from hetpilot.daemon.planning import PlannerProcess
+from hetpilot.daemon.records import JobRecord
+from hetpilot.planner.serde import cluster_from_dict
+
+pytestmark = [pytest.mark.timeout(240), pytest.mark.slow]
+MODEL = json.loads((Path(__file__).resolve().parents[2] / "examples" / "model.json").read_text())
+CLUSTER = cluster_from_dict({
+    "devices": [{"id": f"h{h}:{i}", "host": f"h{h}", "tflops": 50.0, "memory_gb": 24.0}
+                for h in range(4) for i in range(8)],
+    "network": {"intra_host_gbps": 100.0, "inter_host_gbps": 25.0}})
+
+
+def _job(job_id: str, layers: int) -> JobRecord:
+    model = {**MODEL, "layers": [dict(MODEL["layers"][1], name=f"l{i}") for i in range(layers)]}
+    return JobRecord(job_id=job_id, owner="o", name=job_id, state="running", global_batch=64,
+                     microbatch_size=1, schedules=("1f1b", "gpipe"), budgets={}, V=10.0,
+                     slot_s=0.5, model_json=json.dumps(model))
+
+
+def test_a_small_job_plans_while_a_large_one_solves() -> None:
+    big, small = _job("big", 256), _job("small", 4)  # 256 x 32 devices: heavy from the start
+
+    async def run() -> tuple[list[str], PlannerProcess]:
+        planner = PlannerProcess()
+        done: list[str] = []
+        gens = {"big": -1, "small": -1}
+
+        async def step(rec: JobRecord) -> None:
+            _, gens[rec.job_id] = await planner.step(rec.job_id, rec, None, gens[rec.job_id],
+                                                     None, CLUSTER)
+            done.append(rec.job_id)
+
+        try:
+            await step(small)  # the light lane's process is up and warm
+            done.clear()
+            await asyncio.gather(step(big), step(small), step(small))
+            return done, planner
+        finally:
+            planner.close()
+
+    done, planner = asyncio.run(run())
+    assert planner.lane("big") == "heavy" and planner.lane("small") == "light"
+    assert done == ["small", "small", "big"], done  # the small job's slots did not wait
+
+
+def test_a_job_moves_lanes_by_its_solve_time_and_keeps_its_controller_state(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    rec = _job("j", 4)
+
+    async def run() -> list[tuple[str | None, int]]:
+        planner = PlannerProcess()
+        seen: list[tuple[str | None, int]] = []
+        gen, state = -1, None
+        try:
+            for heavy_s in (0.0, 1e9, 1e9):
+                monkeypatch.setattr(planning, "HEAVY_S", heavy_s)
+                monkeypatch.setattr(planning, "LIGHT_S", 1e9 if heavy_s > 1 else 0.0)
+                out, gen = await planner.step("j", rec, state, gen, None, CLUSTER)
+                state = out.state
+                seen.append((planner.lane("j"), out.slot))
+            return seen
+        finally:
+            planner.close()
+
+    # any solve is "long" (HEAVY_S 0): the next step is heavy; then any is "short"
+    seen = asyncio.run(run())
+    assert [lane for lane, _ in seen] == ["light", "heavy", "light"]
+    assert [slot for _, slot in seen] == [0, 1, 2]  # rebuilt from the state in each lane
