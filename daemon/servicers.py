@@ -23,7 +23,7 @@ from hetpilot.v1 import (
     trainer_pb2_grpc,
 )
 
-from . import convert
+from . import convert, paging
 from .auth import Authenticator
 from .core import ControlPlane
 from .decode import RateLimitedLog
@@ -36,7 +36,7 @@ from .errors import (
     TooLarge,
 )
 from .nodes import node_views
-from .records import JobView
+from .records import JOB_CANCELLED, JobView
 
 __all__ = ["AgentServicer", "ClusterServicer", "JobServicer", "TrainerServicer", "status_of"]
 
@@ -139,8 +139,20 @@ class JobServicer(job_pb2_grpc.JobServiceServicer):
     @_unary
     async def ListJobs(self, request: job_pb2.ListJobsRequest,
                        context: grpc.aio.ServicerContext) -> job_pb2.ListJobsResponse:
-        jobs = self.plane.list_jobs(self._owner(context), request.include_cancelled)
-        return job_pb2.ListJobsResponse(jobs=[self._info(p) for p in jobs])
+        views = self.plane.list_jobs(self._owner(context), include_cancelled=True)
+        if request.page_token:
+            ids = [v.job.job_id for v in views]
+            if request.page_token not in ids:
+                raise ValidationError("page_token", "not a job of this listing: pass a "
+                                      "next_page_token as it was answered")
+            views = views[ids.index(request.page_token) + 1:]
+        if not request.include_cancelled:
+            views = [v for v in views if v.job.state != JOB_CANCELLED]
+        infos = [self._info(v) for v in views]
+        n = paging.fitting([i.ByteSize() for i in infos],
+                           paging.budget(self.plane.config.max_message_bytes))
+        return job_pb2.ListJobsResponse(
+            jobs=infos[:n], next_page_token=infos[n - 1].job_id if n < len(infos) else "")
 
     @_unary
     async def CancelJob(self, request: job_pb2.CancelJobRequest,
@@ -321,7 +333,22 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         md = context.invocation_metadata()
         owner = None if self.auth.is_cluster(md) else self.auth.owner(md)
         nodes, links = node_views(self.plane, owner, request.links)
-        return convert.nodes_to_proto(nodes, links, int(time.time() * 1000))
+        if request.page_token:
+            nodes = [n for n in nodes if n.agent.host > request.page_token]  # name order
+        resp = convert.nodes_to_proto(nodes, links, int(time.time() * 1000))
+        by_host: dict[str, list[cluster_pb2.LinkStatus]] = {}
+        for link in resp.links:
+            by_host.setdefault(link.from_host, []).append(link)
+        sizes = [node.ByteSize() + sum(x.ByteSize() + 6 for x in by_host.get(node.host, ()))
+                 for node in resp.nodes]
+        n = paging.fitting(sizes, paging.budget(self.plane.config.max_message_bytes))
+        if n < len(resp.nodes):
+            kept = resp.nodes[:n]
+            hosts = {node.host for node in kept}
+            resp = cluster_pb2.ListNodesResponse(
+                nodes=kept, links=[x for x in resp.links if x.from_host in hosts],
+                unix_ms=resp.unix_ms, next_page_token=kept[-1].host)
+        return resp
 
     @_unary
     async def DrainHost(self, request: cluster_pb2.DrainHostRequest,

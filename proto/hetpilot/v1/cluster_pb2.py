@@ -25,31 +25,31 @@ _sym_db = _symbol_database.Default()
 from hetpilot.v1 import common_pb2 as hetpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetpilot/v1/cluster.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"!\n\x10ListNodesRequest\x12\r\n\x05links\x18\x01 \x01(\x08\"g\n\x08JobSpeed\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nmicrobatch\x18\x04 \x01(\r\x12\x18\n\x10measured_unix_ms\x18\x05 \x01(\x03\"\x8d\x03\n\x0c\x44\x65viceStatus\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.hetpilot.v1.DeviceKind\x12\x10\n\x08\x65mulated\x18\x04 \x01(\x08\x12\x0e\n\x06tflops\x18\x05 \x01(\x01\x12\x13\n\x0bprobe_dtype\x18\x06 \x01(\t\x12\x13\n\x0bprobe_shape\x18\x07 \x01(\t\x12\x16\n\x0eplanned_tflops\x18\x08 \x01(\x01\x12\x16\n\x0ememory_free_gb\x18\t \x01(\x01\x12\x17\n\x0fmemory_total_gb\x18\n \x01(\x01\x12\x13\n\x0butilization\x18\x0b \x01(\x01\x12\x16\n\x0e\x63olocated_load\x18\x0c \x01(\x01\x12\x1b\n\x13\x63olocated_processes\x18\r \x01(\r\x12\x16\n\x0eprice_per_hour\x18\x0e \x01(\x01\x12\x13\n\x0bpower_watts\x18\x0f \x01(\x01\x12)\n\njob_speeds\x18\x10 \x03(\x0b\x32\x15.hetpilot.v1.JobSpeed\"\x87\x02\n\x08NodeInfo\x12\x0c\n\x04host\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.hetpilot.v1.NodeState\x12\x1b\n\x13state_since_unix_ms\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0flast_seen_age_s\x18\x05 \x01(\x01\x12\x1a\n\x12registered_unix_ms\x18\x06 \x01(\x03\x12\x15\n\rprobe_address\x18\x07 \x01(\t\x12\x14\n\x0c\x64rain_reason\x18\x08 \x01(\t\x12*\n\x07\x64\x65vices\x18\t \x03(\x0b\x32\x19.hetpilot.v1.DeviceStatus\x12\x0c\n\x04jobs\x18\n \x03(\t\"N\n\nLinkStatus\x12\x11\n\tfrom_host\x18\x01 \x01(\t\x12\x0f\n\x07to_host\x18\x02 \x01(\t\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x0e\n\x06rtt_us\x18\x04 \x01(\x01\"r\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.hetpilot.v1.NodeInfo\x12&\n\x05links\x18\x02 \x03(\x0b\x32\x17.hetpilot.v1.LinkStatus\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\"0\n\x10\x44rainHostRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\x11ResumeHostRequest\x12\x0c\n\x04host\x18\x01 \x01(\t*h\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x13\n\x0fNODE_STATE_DOWN\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x32\xe4\x01\n\x0e\x43lusterService\x12J\n\tListNodes\x12\x1d.hetpilot.v1.ListNodesRequest\x1a\x1e.hetpilot.v1.ListNodesResponse\x12\x41\n\tDrainHost\x12\x1d.hetpilot.v1.DrainHostRequest\x1a\x15.hetpilot.v1.NodeInfo\x12\x43\n\nResumeHost\x12\x1e.hetpilot.v1.ResumeHostRequest\x1a\x15.hetpilot.v1.NodeInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetpilot/v1/cluster.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"5\n\x10ListNodesRequest\x12\r\n\x05links\x18\x01 \x01(\x08\x12\x12\n\npage_token\x18\x02 \x01(\t\"g\n\x08JobSpeed\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\r\n\x05\x64type\x18\x03 \x01(\t\x12\x12\n\nmicrobatch\x18\x04 \x01(\r\x12\x18\n\x10measured_unix_ms\x18\x05 \x01(\x03\"\x8d\x03\n\x0c\x44\x65viceStatus\x12\x11\n\tdevice_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.hetpilot.v1.DeviceKind\x12\x10\n\x08\x65mulated\x18\x04 \x01(\x08\x12\x0e\n\x06tflops\x18\x05 \x01(\x01\x12\x13\n\x0bprobe_dtype\x18\x06 \x01(\t\x12\x13\n\x0bprobe_shape\x18\x07 \x01(\t\x12\x16\n\x0eplanned_tflops\x18\x08 \x01(\x01\x12\x16\n\x0ememory_free_gb\x18\t \x01(\x01\x12\x17\n\x0fmemory_total_gb\x18\n \x01(\x01\x12\x13\n\x0butilization\x18\x0b \x01(\x01\x12\x16\n\x0e\x63olocated_load\x18\x0c \x01(\x01\x12\x1b\n\x13\x63olocated_processes\x18\r \x01(\r\x12\x16\n\x0eprice_per_hour\x18\x0e \x01(\x01\x12\x13\n\x0bpower_watts\x18\x0f \x01(\x01\x12)\n\njob_speeds\x18\x10 \x03(\x0b\x32\x15.hetpilot.v1.JobSpeed\"\x87\x02\n\x08NodeInfo\x12\x0c\n\x04host\x18\x01 \x01(\t\x12%\n\x05state\x18\x02 \x01(\x0e\x32\x16.hetpilot.v1.NodeState\x12\x1b\n\x13state_since_unix_ms\x18\x03 \x01(\x03\x12\r\n\x05\x61live\x18\x04 \x01(\x08\x12\x17\n\x0flast_seen_age_s\x18\x05 \x01(\x01\x12\x1a\n\x12registered_unix_ms\x18\x06 \x01(\x03\x12\x15\n\rprobe_address\x18\x07 \x01(\t\x12\x14\n\x0c\x64rain_reason\x18\x08 \x01(\t\x12*\n\x07\x64\x65vices\x18\t \x03(\x0b\x32\x19.hetpilot.v1.DeviceStatus\x12\x0c\n\x04jobs\x18\n \x03(\t\"N\n\nLinkStatus\x12\x11\n\tfrom_host\x18\x01 \x01(\t\x12\x0f\n\x07to_host\x18\x02 \x01(\t\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\x12\x0e\n\x06rtt_us\x18\x04 \x01(\x01\"\x8b\x01\n\x11ListNodesResponse\x12$\n\x05nodes\x18\x01 \x03(\x0b\x32\x15.hetpilot.v1.NodeInfo\x12&\n\x05links\x18\x02 \x03(\x0b\x32\x17.hetpilot.v1.LinkStatus\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\x12\x17\n\x0fnext_page_token\x18\x04 \x01(\t\"0\n\x10\x44rainHostRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\"!\n\x11ResumeHostRequest\x12\x0c\n\x04host\x18\x01 \x01(\t*h\n\tNodeState\x12\x1a\n\x16NODE_STATE_UNSPECIFIED\x10\x00\x12\x11\n\rNODE_STATE_UP\x10\x01\x12\x13\n\x0fNODE_STATE_DOWN\x10\x02\x12\x17\n\x13NODE_STATE_DRAINING\x10\x03\x32\xe4\x01\n\x0e\x43lusterService\x12J\n\tListNodes\x12\x1d.hetpilot.v1.ListNodesRequest\x1a\x1e.hetpilot.v1.ListNodesResponse\x12\x41\n\tDrainHost\x12\x1d.hetpilot.v1.DrainHostRequest\x1a\x15.hetpilot.v1.NodeInfo\x12\x43\n\nResumeHost\x12\x1e.hetpilot.v1.ResumeHostRequest\x1a\x15.hetpilot.v1.NodeInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetpilot.v1.cluster_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_NODESTATE']._serialized_start=1155
-  _globals['_NODESTATE']._serialized_end=1259
+  _globals['_NODESTATE']._serialized_start=1201
+  _globals['_NODESTATE']._serialized_end=1305
   _globals['_LISTNODESREQUEST']._serialized_start=68
-  _globals['_LISTNODESREQUEST']._serialized_end=101
-  _globals['_JOBSPEED']._serialized_start=103
-  _globals['_JOBSPEED']._serialized_end=206
-  _globals['_DEVICESTATUS']._serialized_start=209
-  _globals['_DEVICESTATUS']._serialized_end=606
-  _globals['_NODEINFO']._serialized_start=609
-  _globals['_NODEINFO']._serialized_end=872
-  _globals['_LINKSTATUS']._serialized_start=874
-  _globals['_LINKSTATUS']._serialized_end=952
-  _globals['_LISTNODESRESPONSE']._serialized_start=954
-  _globals['_LISTNODESRESPONSE']._serialized_end=1068
-  _globals['_DRAINHOSTREQUEST']._serialized_start=1070
-  _globals['_DRAINHOSTREQUEST']._serialized_end=1118
-  _globals['_RESUMEHOSTREQUEST']._serialized_start=1120
-  _globals['_RESUMEHOSTREQUEST']._serialized_end=1153
-  _globals['_CLUSTERSERVICE']._serialized_start=1262
-  _globals['_CLUSTERSERVICE']._serialized_end=1490
+  _globals['_LISTNODESREQUEST']._serialized_end=121
+  _globals['_JOBSPEED']._serialized_start=123
+  _globals['_JOBSPEED']._serialized_end=226
+  _globals['_DEVICESTATUS']._serialized_start=229
+  _globals['_DEVICESTATUS']._serialized_end=626
+  _globals['_NODEINFO']._serialized_start=629
+  _globals['_NODEINFO']._serialized_end=892
+  _globals['_LINKSTATUS']._serialized_start=894
+  _globals['_LINKSTATUS']._serialized_end=972
+  _globals['_LISTNODESRESPONSE']._serialized_start=975
+  _globals['_LISTNODESRESPONSE']._serialized_end=1114
+  _globals['_DRAINHOSTREQUEST']._serialized_start=1116
+  _globals['_DRAINHOSTREQUEST']._serialized_end=1164
+  _globals['_RESUMEHOSTREQUEST']._serialized_start=1166
+  _globals['_RESUMEHOSTREQUEST']._serialized_end=1199
+  _globals['_CLUSTERSERVICE']._serialized_start=1308
+  _globals['_CLUSTERSERVICE']._serialized_end=1536
 # @@protoc_insertion_point(module_scope)

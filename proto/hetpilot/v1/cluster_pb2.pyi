@@ -58,16 +58,22 @@ class ListNodesRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     LINKS_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     links: _builtins.bool
     """Also return the measured links between hosts."""
+    page_token: _builtins.str
+    """A previous answer's next_page_token: the hosts after those it listed. Empty: from
+    the first.
+    """
     def __init__(
         self,
         *,
         links: _builtins.bool = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -280,13 +286,18 @@ class ListNodesResponse(_message.Message):
     NODES_FIELD_NUMBER: _builtins.int
     LINKS_FIELD_NUMBER: _builtins.int
     UNIX_MS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     unix_ms: _builtins.int
     """The daemon's clock when it answered."""
+    next_page_token: _builtins.str
+    """Not empty: more hosts follow; ask again with it as page_token."""
     @_builtins.property
-    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeInfo]: ...
+    def nodes(self) -> _containers.RepeatedCompositeFieldContainer[Global___NodeInfo]:
+        """In host name order, as many as fit in one message."""
+
     @_builtins.property
     def links(self) -> _containers.RepeatedCompositeFieldContainer[Global___LinkStatus]:
-        """Only with ListNodesRequest.links."""
+        """Only with ListNodesRequest.links: the links measured from this answer's hosts."""
 
     def __init__(
         self,
@@ -294,10 +305,11 @@ class ListNodesResponse(_message.Message):
         nodes: _abc.Iterable[Global___NodeInfo] | None = ...,
         links: _abc.Iterable[Global___LinkStatus] | None = ...,
         unix_ms: _builtins.int = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links", "nodes", b"nodes", "unix_ms", b"unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["links", b"links", "next_page_token", b"next_page_token", "nodes", b"nodes", "unix_ms", b"unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

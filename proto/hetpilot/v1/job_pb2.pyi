@@ -620,16 +620,22 @@ class ListJobsRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     INCLUDE_CANCELLED_FIELD_NUMBER: _builtins.int
+    PAGE_TOKEN_FIELD_NUMBER: _builtins.int
     include_cancelled: _builtins.bool
     """Cancelled jobs are left out unless set (SUCCEEDED and FAILED ones are listed)."""
+    page_token: _builtins.str
+    """A previous answer's next_page_token: the jobs after those it listed. Empty: from
+    the first.
+    """
     def __init__(
         self,
         *,
         include_cancelled: _builtins.bool = ...,
+        page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_cancelled", b"include_cancelled"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["include_cancelled", b"include_cancelled", "page_token", b"page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -640,16 +646,22 @@ class ListJobsResponse(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     JOBS_FIELD_NUMBER: _builtins.int
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _builtins.int
+    next_page_token: _builtins.str
+    """Not empty: more jobs follow; ask again with it as page_token."""
     @_builtins.property
-    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobInfo]: ...
+    def jobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___JobInfo]:
+        """In submission order, as many as fit in one message."""
+
     def __init__(
         self,
         *,
         jobs: _abc.Iterable[Global___JobInfo] | None = ...,
+        next_page_token: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["jobs", b"jobs", "next_page_token", b"next_page_token"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
