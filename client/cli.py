@@ -52,6 +52,7 @@ from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
 from hetpilot.entry import Entry
+from hetpilot.tomlconfig import ConfigError, check_types
 
 from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
 from .tables import Column, print_table, terminal_width
@@ -67,8 +68,14 @@ EXIT = {
 _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
           job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_SUCCEEDED: "succeeded",
           job_pb2.JOB_STATE_FAILED: "failed", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
-_JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
-             "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts", "entry"}
+_JOB_TYPES: dict[str, Any] = {
+    "name": str, "model": str, "profile_on_attach": bool, "global_batch": int,
+    "microbatch_size": int, "schedule": str | list[str], "budgets": dict[str, float],
+    "V": float, "slot_s": float, "slot_iterations": int, "allowed_hosts": list[str]}
+"""Each key of a job file and its TOML type, checked before any value is used
+(``allowed_hosts = "gpu01"`` is not the hosts g, p, u, 0, 1, nor "no" true);
+``[entry]`` is :class:`Entry`'s to check."""
+_JOB_KEYS = {*_JOB_TYPES, "entry"}
 _LAUNCH_STATE = {job_pb2.HOST_LAUNCH_STATE_ORDERED: "ordered",
                  job_pb2.HOST_LAUNCH_STATE_RUNNING: "running",
                  job_pb2.HOST_LAUNCH_STATE_EXITED: "exited",
@@ -137,9 +144,13 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     unknown = set(data) - _JOB_KEYS
     if unknown:
         raise InputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        check_types(_JOB_TYPES, data, str(path))
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
     model_json = ""
     if "model" in data:
-        model_path = (path.parent / str(data["model"])).resolve()
+        model_path = (path.parent / data["model"]).resolve()
         try:
             model_json = model_path.read_text()
         except OSError as exc:
@@ -163,15 +174,15 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     try:
         sched = data.get("schedule", [])
         return job_pb2.SubmitJobRequest(
-            name=str(data.get("name", path.stem)), model_json=model_json,
-            profile_on_attach=bool(data.get("profile_on_attach", False)),
+            name=data.get("name", path.stem), model_json=model_json,
+            profile_on_attach=data.get("profile_on_attach", False),
             global_batch=int(data["global_batch"]), microbatch_size=int(data["microbatch_size"]),
             schedules=[sched] if isinstance(sched, str) and sched != "any"
             else [] if sched == "any" else list(sched),
             budgets={str(k): float(v) for k, v in data.get("budgets", {}).items()},
             v=float(data.get("V", 0.0)), slot_s=float(data.get("slot_s", 0.0)),
             slot_iterations=int(data.get("slot_iterations", 0)),
-            allowed_hosts=[str(h) for h in data.get("allowed_hosts", [])],
+            allowed_hosts=data.get("allowed_hosts", []),
             request_id=uuid.uuid4().hex,
             entry=None if entry is None else job_pb2.JobEntry(
                 module=entry.module, command=list(entry.command), args=list(entry.args),

@@ -1,0 +1,61 @@
+"""The job owner's CLI (``hetpilot submit|jobs|job|watch|...``) refuses bad input
+before it calls: exit 2 and one line naming the key, flag or file (fuzz campaign
+findings); no daemon is needed for any of it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from hetpilot.client.cli import InputError, job_request_from_toml
+
+from hetpilot.cli import main
+
+from .helpers import model_json
+
+NOWHERE = "127.0.0.1:1"
+"""A daemon address nothing answers: a call made by mistake fails with exit 5, not 2."""
+
+
+def _job(tmp_path: Path, extra: str = "") -> Path:
+    """A good job file (and its model.json) in ``tmp_path``, with ``extra`` lines."""
+    (tmp_path / "model.json").write_text(model_json())
+    job = tmp_path / "job.toml"
+    job.write_text('model = "model.json"\nglobal_batch = 64\nmicrobatch_size = 4\n' + extra)
+    return job
+
+
+def _exit(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """``hetpilot ARGV``'s exit code and its stderr."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = int(stop.code or 0)
+    return code, capsys.readouterr().err
+
+
+def test_job_file_values_of_the_wrong_toml_type_are_refused_by_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job(tmp_path, 'name = "n"\nprofile_on_attach = false\nallowed_hosts = ["gpu01"]\n')
+    req = job_request_from_toml(job)
+    assert (req.name, req.profile_on_attach, list(req.allowed_hosts)) == ("n", False, ["gpu01"])
+    bad = {'allowed_hosts = "gpu01"': "allowed_hosts: must be a list of strings",
+           'allowed_hosts = ["a", 1]': "allowed_hosts: must be a list of strings",
+           'profile_on_attach = "no"': "profile_on_attach: must be true or false",
+           "profile_on_attach = 1": "profile_on_attach: must be true or false",
+           "name = 5": "name: must be a string",
+           "model = 5": "model: must be a string",
+           "global_batch = 64.5": "global_batch: must be an integer",
+           'slot_s = "60"': "slot_s: must be a number",
+           "schedule = 1": "schedule: must be a string (in quotes) or a list of strings",
+           'budgets = { price_per_hour = "20" }': "budgets: must be a table of numbers"}
+    base = {"model": '"model.json"', "global_batch": "64", "microbatch_size": "4"}
+    path = tmp_path / "bad.toml"
+    for line, message in bad.items():
+        key = line.split(" = ")[0]
+        path.write_text("".join(f"{k} = {v}\n" for k, v in base.items() if k != key) + line)
+        with pytest.raises(InputError) as err:
+            job_request_from_toml(path)
+        assert f"{path}.{message}" in str(err.value), (line, str(err.value))
+        code, stderr = _exit(["submit", str(path), "--daemon", NOWHERE], capsys)
+        assert code == 2 and f"{path}.{message}" in stderr, (line, code, stderr)
