@@ -52,6 +52,7 @@ from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
 from hetpilot.entry import Entry
+from hetpilot.flags import integer, seconds
 from hetpilot.tomlconfig import ConfigError, check_types
 
 from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
@@ -94,7 +95,8 @@ def common_arguments(parser: argparse.ArgumentParser, token_help: str = "your be
     parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
     parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
     parser.add_argument("--key-file", default="")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    parser.add_argument("--timeout", type=seconds(), default=10.0,
+                        help="deadline per call, seconds (finite, > 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -113,19 +115,19 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("job_id")
     elif name == "watch":
         parser.add_argument("job_id")
-        parser.add_argument("--after", type=int, default=0, metavar="VERSION",
+        parser.add_argument("--after", type=integer(), default=0, metavar="VERSION",
                             help="start after this plan version")
-        parser.add_argument("--count", type=int, default=0,
+        parser.add_argument("--count", type=integer(), default=0,
                             help="exit after this many versions (0: until the job ends)")
-        parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+        parser.add_argument("--interval", type=seconds(), default=2.0, metavar="SECONDS",
                             help="how often to fetch the job's training progress (loss)")
     elif name == "logs":
         parser.add_argument("job_id")
-        parser.add_argument("--rank", type=int, default=None, metavar="R",
+        parser.add_argument("--rank", type=integer(0, 2**32 - 1), default=None, metavar="R",
                             help="only global rank R's lines (else every host's whole output)")
         parser.add_argument("--follow", "-f", action="store_true",
                             help="keep printing new output until the job has ended")
-        parser.add_argument("--reconnect-for", type=float, default=60.0, metavar="SECONDS",
+        parser.add_argument("--reconnect-for", type=seconds(zero=True), default=60.0, metavar="SECONDS",
                             help="--follow: how long to keep reconnecting to a daemon that "
                                  "went away (restarts), resuming after the last line printed; "
                                  "then give up with exit 5 (default 60)")
@@ -538,8 +540,6 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
     ``--json`` prints one line per plan version (it has "version") and, whenever the
     progress changes, a line ``{"job_id": ..., "progress": {"loss": ..., "loss_step": ...,
     "loss_unix_ms": ..., "eval_metric": ..., "eval_step": ...}}`` (no "version")."""
-    if args.interval <= 0:
-        raise InputError(f"--interval: must be > 0, got {args.interval:g}")
     seen = 0
     info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
                        timeout=args.timeout)
@@ -647,11 +647,6 @@ def _logs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -
     doubling to 2 s), resuming each host after the last line printed (each message's
     ``end_offset``, sent back in ``resume_from``), so no line is printed twice or
     missed; after ``--reconnect-for`` seconds without reaching it: exit 5."""
-    if args.rank is not None and not 0 <= args.rank < 2**32:
-        raise InputError(f"--rank: must be an integer >= 0, got {args.rank}")
-    if not (args.reconnect_for >= 0 and args.reconnect_for < 1e9):
-        raise InputError(f"--reconnect-for: must be a number of seconds >= 0, got "
-                         f"{args.reconnect_for}")
     printed: dict[str, int] = {}
     """host -> offset in its output after the last line printed."""
     out = sys.stdout

@@ -59,3 +59,29 @@ def test_job_file_values_of_the_wrong_toml_type_are_refused_by_key(
         assert f"{path}.{message}" in str(err.value), (line, str(err.value))
         code, stderr = _exit(["submit", str(path), "--daemon", NOWHERE], capsys)
         assert code == 2 and f"{path}.{message}" in stderr, (line, code, stderr)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["jobs", "--timeout", "nan"], "--timeout"), (["jobs", "--timeout", "inf"], "--timeout"),
+    (["jobs", "--timeout", "0"], "--timeout"), (["jobs", "--timeout", "-1"], "--timeout"),
+    (["watch", "j", "--after", "-1"], "--after"), (["watch", "j", "--count", "-5"], "--count"),
+    (["watch", "j", "--interval", "nan"], "--interval"),
+    (["watch", "j", "--after", str(2**63)], "--after"),
+    (["logs", "j", "--rank", "-1"], "--rank"), (["logs", "j", "--rank", str(2**32)], "--rank"),
+    (["logs", "j", "--reconnect-for", "inf"], "--reconnect-for"),
+    (["nodes", "--timeout", "nan"], "--timeout"),
+    (["agent", "--stop-grace", "nan"], "--stop-grace"),
+    (["agent", "--launch-retention", "-1"], "--launch-retention"),
+    (["agent", "--link-probe-interval", "0"], "--link-probe-interval"),
+    (["train", "--model", "m:f", "--timeout", "0"], "--timeout"),
+    (["train", "--model", "m:f", "--slot-seconds", "inf"], "--slot-seconds"),
+    (["train", "--model", "m:f", "--emulate-slowdown", "nan"], "--emulate-slowdown"),
+    (["train", "--model", "m:f", "--checkpoint-every", "-1"], "--checkpoint-every"),
+    (["train-check", "--timeout", "nan"], "--timeout"),
+])
+def test_numeric_flags_are_refused_when_parsed_naming_the_flag(
+        argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    code, stderr = _exit([*argv, "--daemon", NOWHERE] if argv[0] != "train-check" else argv,
+                         capsys)
+    assert code == 2, stderr
+    assert f"argument {flag}: must be" in stderr and stderr.count("\n") == 1, stderr
