@@ -55,7 +55,7 @@ from hetpilot.entry import Entry
 from hetpilot.flags import integer, seconds
 from hetpilot.tomlconfig import ConfigError, check_types
 
-from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
+from .channel import TOKEN_ENV, Endpoint, metadata, open_sync, read_token_file
 from .tables import Column, print_table, terminal_width
 
 __all__ = ["EXIT", "add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
@@ -405,7 +405,7 @@ def call(args: argparse.Namespace, command: Callable[[grpc.Channel, Md], int]) -
     wrong to an exit code with one line on stderr."""
     token = ""
     try:
-        ep = Endpoint.from_env(args.daemon, Path(args.token_file).read_text().strip()
+        ep = Endpoint.from_env(args.daemon, read_token_file(args.token_file)
                                if args.token_file else None, ca_file=args.ca_file,
                                cert_file=args.cert_file, key_file=args.key_file)
         token = ep.token

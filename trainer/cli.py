@@ -288,12 +288,15 @@ def launched_defaults(args: argparse.Namespace) -> str | None:
 
 
 def _endpoint(args: argparse.Namespace) -> Any:
-    from hetpilot.client.channel import Endpoint
+    from hetpilot.client.channel import Endpoint, check_token, read_token_file
 
     if args.token_file:
-        token = Path(args.token_file).read_text().strip()
+        token = read_token_file(args.token_file)
     else:
-        token = os.environ.get("HETPILOT_CLUSTER_TOKEN", os.environ.get("HETPILOT_TOKEN", ""))
+        name = "HETPILOT_CLUSTER_TOKEN" if "HETPILOT_CLUSTER_TOKEN" in os.environ \
+            else "HETPILOT_TOKEN"
+        token = os.environ.get(name, "").strip()
+        check_token(token, f"${name}")
     return Endpoint.from_env(args.daemon, token, ca_file=args.ca_file,
                              cert_file=args.cert_file, key_file=args.key_file)
 

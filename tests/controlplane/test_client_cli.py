@@ -7,10 +7,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hetpilot.agents.config import AgentConfig, ConfigError
+from hetpilot.client.channel import read_token_file
 from hetpilot.client.cli import InputError, job_request_from_toml
 
 from hetpilot.cli import main
 
+from .conftest import OWNER_TOKEN, RunningDaemon
 from .helpers import model_json
 
 NOWHERE = "127.0.0.1:1"
@@ -85,3 +88,27 @@ def test_numeric_flags_are_refused_when_parsed_naming_the_flag(
                          capsys)
     assert code == 2, stderr
     assert f"argument {flag}: must be" in stderr and stderr.count("\n") == 1, stderr
+
+
+def test_a_token_file_gives_its_first_non_empty_line_to_every_client(
+        tmp_path: Path, daemon: RunningDaemon, capsys: pytest.CaptureFixture[str]) -> None:
+    """The rule of the daemon's own token files; a second line (a comment) was sent too,
+    and the daemon answered INTERNAL "Invalid metadata" (exit 1)."""
+    token = tmp_path / "owner.token"
+    token.write_text(f"\n  {OWNER_TOKEN}  \n# alice's token, made on the head node\n")
+    assert read_token_file(token) == OWNER_TOKEN
+    code, stderr = _exit(["jobs", "--json", "--daemon", daemon.address,
+                          "--token-file", str(token)], capsys)
+    assert code == 0, stderr
+    agent = AgentConfig(daemon=daemon.address, host="h", token_file=str(token))
+    assert agent.cluster_token() == OWNER_TOKEN
+    header = "the token has a character a gRPC header cannot carry"
+    for content, problem in ((b"\n \n", "holds no token"), (b"tok\x01en\n", header),
+                             ("tok\u00e9n\n".encode(), header),
+                             (b"\xff\xfetoken\n", "not UTF-8 text")):
+        token.write_bytes(content)
+        code, stderr = _exit(["jobs", "--daemon", daemon.address, "--token-file", str(token)],
+                             capsys)
+        assert code == 2 and f"--token-file {token}: {problem}" in stderr, (content, stderr)
+        with pytest.raises(ConfigError, match=f"token_file {token}: {problem}"):
+            agent.cluster_token()
