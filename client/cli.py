@@ -137,10 +137,18 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="price_per_hour=20, power_watts=900, V=5 (V=auto: the learned default)")
 
 
+def _utf8(path: Path) -> str:
+    """The file's text; InputError naming it when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(_utf8(path))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InputError(f"{path}: {exc}") from None
     unknown = set(data) - _JOB_KEYS
@@ -154,9 +162,11 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     if "model" in data:
         model_path = (path.parent / data["model"]).resolve()
         try:
-            model_json = model_path.read_text()
+            model_json = _utf8(model_path)
         except OSError as exc:
             raise InputError(f"{path}: model: cannot read {model_path}: {exc.strerror}") from None
+        except InputError as exc:
+            raise InputError(f"{path}: model: {exc}") from None
     elif not data.get("profile_on_attach", False):
         raise InputError(f"{path}: set model = \"model.json\" or profile_on_attach = true")
     try:  # the planner's own checks and field-named messages (spec v1 section 3)

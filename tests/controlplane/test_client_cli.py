@@ -112,3 +112,14 @@ def test_a_token_file_gives_its_first_non_empty_line_to_every_client(
         assert code == 2 and f"--token-file {token}: {problem}" in stderr, (content, stderr)
         with pytest.raises(ConfigError, match=f"token_file {token}: {problem}"):
             agent.cluster_token()
+
+
+def test_a_job_or_model_file_that_is_not_utf8_is_refused_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    job = _job(tmp_path)
+    (tmp_path / "model.json").write_bytes(b'{"layers": "\xff"}')
+    code, stderr = _exit(["submit", str(job), "--daemon", NOWHERE], capsys)
+    assert code == 2 and f"{job}: model: {tmp_path / 'model.json'}: not UTF-8" in stderr, stderr
+    job.write_bytes(b"\xff\xfename = 1\n")
+    code, stderr = _exit(["submit", str(job), "--daemon", NOWHERE], capsys)
+    assert code == 2 and f"{job}: not UTF-8 text" in stderr, stderr
