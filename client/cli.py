@@ -56,7 +56,7 @@ from hetpilot.flags import integer, seconds
 from hetpilot.tomlconfig import ConfigError, check_types
 
 from .channel import TOKEN_ENV, Endpoint, metadata, open_sync, read_token_file
-from .tables import Column, print_table, terminal_width
+from .tables import Column, print_table, safe, terminal_width, text
 
 __all__ = ["EXIT", "add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
 
@@ -350,7 +350,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"job {j.job_id}", show_header=False)
+    table = Table(title=text(f"job {j.job_id}"), show_header=False)
     emu = set(j.emulated_devices)
     rows = [("name", j.name), ("owner", j.owner), ("state", _STATE.get(j.state, "?")),
             *([("reason", j.reason)] if j.reason else []),
@@ -375,7 +375,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             *_launch_rows(j),
             ("warnings", "; ".join(j.warnings) or "-")]
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, text(v))
     Console(width=terminal_width()).print(table)
 
 
@@ -403,7 +403,7 @@ def _launch_rows(j: job_pb2.JobInfo) -> list[tuple[str, str]]:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"hetpilot: error: {message}", file=sys.stderr)
+    print(f"hetpilot: error: {safe(message)}", file=sys.stderr)
     return code
 
 
@@ -442,7 +442,7 @@ def _submit(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     print(json.dumps(_job_dict(info)) if args.json else info.job_id)
     if not args.json:  # e.g. allowed_hosts naming a host no agent registered as
         for warning in info.warnings:
-            print(f"hetpilot: warning: {warning}", file=sys.stderr)
+            print(f"hetpilot: warning: {safe(warning)}", file=sys.stderr)
     return 0
 
 
@@ -469,7 +469,7 @@ def _job(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) ->
 def _cancel(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
     info = stub.CancelJob(job_pb2.CancelJobRequest(job_id=args.job_id), metadata=md,
                           timeout=args.timeout)
-    print(json.dumps(_job_dict(info)) if args.json else f"{info.job_id} cancelled")
+    print(json.dumps(_job_dict(info)) if args.json else safe(f"{info.job_id} cancelled"))
     return 0
 
 
@@ -482,7 +482,8 @@ def _budget(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     if args.json:
         print(json.dumps(_job_dict(info)))
     else:
-        print(f"{info.job_id}: budgets {dict(info.budgets)}, V {f'{info.v:g}' if info.v else 'learned'}")
+        print(safe(f"{info.job_id}: budgets {dict(info.budgets)}, "
+                   f"V {f'{info.v:g}' if info.v else 'learned'}"))
     return 0
 
 
@@ -568,12 +569,12 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
         from rich.table import Table
 
         assert live is not None
-        table = Table(title=f"job {args.job_id}: plan versions",
-                      caption=_progress_line(info), caption_justify="left")
+        table = Table(title=text(f"job {args.job_id}: plan versions"),
+                      caption=text(_progress_line(info)), caption_justify="left")
         for col in ("version", "slot", "iter s", "cost / budget", "devices", "groups"):
             table.add_column(col)
         for row in table_rows[-20:]:
-            table.add_row(*row)
+            table.add_row(*map(text, row))
         live.update(table, refresh=True)
 
     def show_progress(new: job_pb2.JobInfo) -> None:
@@ -600,8 +601,8 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
                _fmt_costs(pv.costs, info.budgets),
                str(sum(len(g["stages"]) for g in plan["groups"])), str(len(plan["groups"])))
         if plain:
-            print(f"plan v{row[0]}  slot {row[1]}  iteration {row[2]} s  cost {row[3]}  "
-                  f"devices {row[4]}  groups {row[5]}", flush=True)
+            print(safe(f"plan v{row[0]}  slot {row[1]}  iteration {row[2]} s  cost {row[3]}  "
+                       f"devices {row[4]}  groups {row[5]}"), flush=True)
             return
         table_rows.append(row)
         render()

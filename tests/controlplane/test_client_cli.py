@@ -4,12 +4,16 @@ findings); no daemon is needed for any of it."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 from hetpilot.agents.config import AgentConfig, ConfigError
+from hetpilot.client import cli
 from hetpilot.client.channel import read_token_file
 from hetpilot.client.cli import InputError, job_request_from_toml
+from hetpilot.client.nodes import print_nodes
+from hetpilot.v1 import cluster_pb2, job_pb2
 
 from hetpilot.cli import main
 
@@ -123,3 +127,32 @@ def test_a_job_or_model_file_that_is_not_utf8_is_refused_naming_it(
     job.write_bytes(b"\xff\xfename = 1\n")
     code, stderr = _exit(["submit", str(job), "--daemon", NOWHERE], capsys)
     assert code == 2 and f"{job}: not UTF-8 text" in stderr, stderr
+
+
+EVIL = "\x1b[2J\x1b]0;owned\x07ok\x00\u202e[link=http://x]y[/link]"
+"""Clears the screen, sets the window title, a NUL, reverses the text, rich markup."""
+
+
+def _shown(out: str) -> None:
+    """What a renderer printed of EVIL: escaped, nothing a terminal would act on."""
+    assert not re.search("[\x00-\x08\x0b-\x1f\x7f\u202e]", out), repr(out)
+    assert r"\x1b[2J\x1b]0;owned\x07ok\x00\u202e[link=http://x]y[/link]" in out.replace(
+        "\n", ""), out
+
+
+def test_names_reasons_and_warnings_are_printed_with_control_characters_escaped(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", "400")
+    job = job_pb2.JobInfo(job_id="j1", name=EVIL, owner="alice", reason=EVIL,
+                          state=job_pb2.JOB_STATE_FAILED, warnings=[EVIL])
+    cli._print_jobs([job], width=400)
+    _shown(capsys.readouterr().out)
+    cli._print_job(job)
+    _shown(capsys.readouterr().out)
+    nodes = cluster_pb2.ListNodesResponse(nodes=[cluster_pb2.NodeInfo(
+        host="h", drain_reason=EVIL, state=cluster_pb2.NODE_STATE_DRAINING,
+        devices=[cluster_pb2.DeviceStatus(device_id="h:0", name=EVIL)])])
+    print_nodes(nodes, links=False, width=400)
+    _shown(capsys.readouterr().out)
+    assert cli._fail(f"INVALID_ARGUMENT: {EVIL}", 2) == 2
+    _shown(capsys.readouterr().err)
