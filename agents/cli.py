@@ -12,6 +12,8 @@ import os
 import signal
 import sys
 
+from hetpilot.flags import seconds
+
 from .config import ConfigError, load_agent_config, parse_emulate
 
 __all__ = ["add_arguments", "run"]
@@ -31,17 +33,17 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--emulate-file", metavar="FILE",
                         help="EMULATED conditions (JSON, re-read before every report): device "
                              "TFLOP/s and host links to report instead of measured ones")
-    parser.add_argument("--link-probe-interval", type=float, metavar="S")
+    parser.add_argument("--link-probe-interval", type=seconds(), metavar="S")
     parser.add_argument("--state-dir", metavar="DIR",
                         help="launch records and output (default: $STATE_DIRECTORY, else "
                              "~/.local/state/hetpilot/agent-HOST)")
     parser.add_argument("--no-launch", action="store_true",
                         help="never start job ranks here (the daemon then launches jobs with "
                              "an entry point on other hosts only)")
-    parser.add_argument("--stop-grace", type=float, metavar="S",
+    parser.add_argument("--stop-grace", type=seconds(), metavar="S",
                         help="seconds between SIGTERM and SIGKILL when a launch is stopped "
                              "(default 10)")
-    parser.add_argument("--launch-retention", type=float, metavar="S",
+    parser.add_argument("--launch-retention", type=seconds(zero=True), metavar="S",
                         help="seconds a launch's directory is kept after it ended and the "
                              "daemon acknowledged its exit and output (default 86400)")
     parser.add_argument("--log-level", default="INFO")

@@ -145,7 +145,12 @@ class AgentConfig:
     def cluster_token(self) -> str:
         if self.token or not self.token_file:
             return self.token
-        return Path(self.token_file).read_text().strip().splitlines()[0]
+        from hetpilot.client.channel import read_token_file
+
+        try:
+            return read_token_file(self.token_file, "token_file")
+        except ValueError as exc:  # not UTF-8, empty, not a header value
+            raise ConfigError(str(exc)) from None
 
 
 def parse_emulate(text: str) -> EmulatedDevice:

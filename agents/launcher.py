@@ -392,6 +392,11 @@ class Launcher:
         self._launches[launch_id] = state
         state.save()  # before anything starts: a crash from here on never starts it again
         devices = list(order.devices)
+        first = order.module or (order.command[0] if order.command else "")
+        if not first or first.startswith("-"):  # never one of torchrun's own options
+            self._ended(state, CANNOT_START, f"entry {first[:60]!r} is not a module or a "
+                                             "command (empty, or starts with '-')")
+            return True
         cwd = order.workdir or str(directory)
         if not os.path.isdir(cwd):
             self._ended(state, CANNOT_START, f"workdir {cwd} is not a directory on {self.host}")

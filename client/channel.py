@@ -14,7 +14,8 @@ import grpc
 
 from hetpilot.addresses import check_address
 
-__all__ = ["ADDRESS_ENV", "Endpoint", "channel_options", "metadata", "open_aio", "open_sync"]
+__all__ = ["ADDRESS_ENV", "Endpoint", "channel_options", "check_token", "metadata", "open_aio",
+           "open_sync", "read_token_file"]
 
 ADDRESS_ENV = "HETPILOT_ADDRESS"
 TOKEN_ENV = "HETPILOT_TOKEN"
@@ -68,8 +69,10 @@ class Endpoint:
         if not addr:
             raise ValueError(f"no daemon address: pass --daemon or set {ADDRESS_ENV}")
         check_address(addr, "--daemon" if address else ADDRESS_ENV)
-        return cls(address=addr, token=token if token is not None
-                   else os.environ.get(TOKEN_ENV, ""), **tls)
+        if token is None:
+            token = os.environ.get(TOKEN_ENV, "").strip()
+            check_token(token, f"${TOKEN_ENV}")
+        return cls(address=addr, token=token, **tls)
 
     def credentials(self) -> grpc.ChannelCredentials | None:
         if not self.ca_file:
@@ -78,6 +81,32 @@ class Endpoint:
             root_certificates=Path(self.ca_file).read_bytes(),
             private_key=Path(self.key_file).read_bytes() if self.key_file else None,
             certificate_chain=Path(self.cert_file).read_bytes() if self.cert_file else None)
+
+
+def read_token_file(path: str | Path, what: str = "--token-file") -> str:
+    """The token in a token file: its first non-empty line, stripped (the rule of the
+    daemon's own token files, so a second line, e.g. a comment, is not sent). ValueError
+    (naming ``what`` and the file) for a file that is not UTF-8, holds no token, or a
+    token that cannot go in gRPC metadata; OSError when it cannot be read."""
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{what} {path}: not UTF-8 text ({exc.reason} at byte "
+                         f"{exc.start})") from None
+    token = next((line.strip() for line in text.splitlines() if line.strip()), "")
+    if not token:
+        raise ValueError(f"{what} {path}: holds no token (empty)")
+    check_token(token, f"{what} {path}")
+    return token
+
+
+def check_token(token: str, source: str) -> None:
+    """A bearer token goes in gRPC metadata: printable ASCII only (else every call fails
+    with INTERNAL "Invalid metadata"); ValueError naming ``source``."""
+    bad = next((c for c in token if not " " <= c <= "~"), None)
+    if bad is not None:
+        raise ValueError(f"{source}: the token has a character a gRPC header cannot carry "
+                         f"({bad!r}); tokens are printable ASCII")
 
 
 def metadata(token: str) -> tuple[tuple[str, str], ...]:

@@ -52,9 +52,11 @@ from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
 from hetpilot.entry import Entry
+from hetpilot.flags import integer, seconds
+from hetpilot.tomlconfig import ConfigError, check_types
 
-from .channel import TOKEN_ENV, Endpoint, metadata, open_sync
-from .tables import Column, print_table, terminal_width
+from .channel import TOKEN_ENV, Endpoint, metadata, open_sync, read_token_file
+from .tables import Column, print_table, safe, terminal_width, text
 
 __all__ = ["EXIT", "add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
 
@@ -67,8 +69,14 @@ EXIT = {
 _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
           job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_SUCCEEDED: "succeeded",
           job_pb2.JOB_STATE_FAILED: "failed", job_pb2.JOB_STATE_UNSPECIFIED: "?"}
-_JOB_KEYS = {"name", "model", "profile_on_attach", "global_batch", "microbatch_size",
-             "schedule", "budgets", "V", "slot_s", "slot_iterations", "allowed_hosts", "entry"}
+_JOB_TYPES: dict[str, Any] = {
+    "name": str, "model": str, "profile_on_attach": bool, "global_batch": int,
+    "microbatch_size": int, "schedule": str | list[str], "budgets": dict[str, float],
+    "V": float, "slot_s": float, "slot_iterations": int, "allowed_hosts": list[str]}
+"""Each key of a job file and its TOML type, checked before any value is used
+(``allowed_hosts = "gpu01"`` is not the hosts g, p, u, 0, 1, nor "no" true);
+``[entry]`` is :class:`Entry`'s to check."""
+_JOB_KEYS = {*_JOB_TYPES, "entry"}
 _LAUNCH_STATE = {job_pb2.HOST_LAUNCH_STATE_ORDERED: "ordered",
                  job_pb2.HOST_LAUNCH_STATE_RUNNING: "running",
                  job_pb2.HOST_LAUNCH_STATE_EXITED: "exited",
@@ -87,7 +95,8 @@ def common_arguments(parser: argparse.ArgumentParser, token_help: str = "your be
     parser.add_argument("--ca-file", default="", help="PEM CA of the daemon (turns TLS on)")
     parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS)")
     parser.add_argument("--key-file", default="")
-    parser.add_argument("--timeout", type=float, default=10.0, help="deadline per call, seconds")
+    parser.add_argument("--timeout", type=seconds(), default=10.0,
+                        help="deadline per call, seconds (finite, > 0)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -106,19 +115,19 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("job_id")
     elif name == "watch":
         parser.add_argument("job_id")
-        parser.add_argument("--after", type=int, default=0, metavar="VERSION",
+        parser.add_argument("--after", type=integer(), default=0, metavar="VERSION",
                             help="start after this plan version")
-        parser.add_argument("--count", type=int, default=0,
+        parser.add_argument("--count", type=integer(), default=0,
                             help="exit after this many versions (0: until the job ends)")
-        parser.add_argument("--interval", type=float, default=2.0, metavar="SECONDS",
+        parser.add_argument("--interval", type=seconds(), default=2.0, metavar="SECONDS",
                             help="how often to fetch the job's training progress (loss)")
     elif name == "logs":
         parser.add_argument("job_id")
-        parser.add_argument("--rank", type=int, default=None, metavar="R",
+        parser.add_argument("--rank", type=integer(0, 2**32 - 1), default=None, metavar="R",
                             help="only global rank R's lines (else every host's whole output)")
         parser.add_argument("--follow", "-f", action="store_true",
                             help="keep printing new output until the job has ended")
-        parser.add_argument("--reconnect-for", type=float, default=60.0, metavar="SECONDS",
+        parser.add_argument("--reconnect-for", type=seconds(zero=True), default=60.0, metavar="SECONDS",
                             help="--follow: how long to keep reconnecting to a daemon that "
                                  "went away (restarts), resuming after the last line printed; "
                                  "then give up with exit 5 (default 60)")
@@ -128,22 +137,36 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="price_per_hour=20, power_watts=900, V=5 (V=auto: the learned default)")
 
 
+def _utf8(path: Path) -> str:
+    """The file's text; InputError naming it when it is not UTF-8."""
+    try:
+        return path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+
+
 def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     path = Path(path)
     try:
-        data = tomllib.loads(path.read_text())
+        data = tomllib.loads(_utf8(path))
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise InputError(f"{path}: {exc}") from None
     unknown = set(data) - _JOB_KEYS
     if unknown:
         raise InputError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
+    try:
+        check_types(_JOB_TYPES, data, str(path))
+    except ConfigError as exc:
+        raise InputError(str(exc)) from None
     model_json = ""
     if "model" in data:
-        model_path = (path.parent / str(data["model"])).resolve()
+        model_path = (path.parent / data["model"]).resolve()
         try:
-            model_json = model_path.read_text()
+            model_json = _utf8(model_path)
         except OSError as exc:
             raise InputError(f"{path}: model: cannot read {model_path}: {exc.strerror}") from None
+        except InputError as exc:
+            raise InputError(f"{path}: model: {exc}") from None
     elif not data.get("profile_on_attach", False):
         raise InputError(f"{path}: set model = \"model.json\" or profile_on_attach = true")
     try:  # the planner's own checks and field-named messages (spec v1 section 3)
@@ -163,15 +186,15 @@ def job_request_from_toml(path: str | Path) -> job_pb2.SubmitJobRequest:
     try:
         sched = data.get("schedule", [])
         return job_pb2.SubmitJobRequest(
-            name=str(data.get("name", path.stem)), model_json=model_json,
-            profile_on_attach=bool(data.get("profile_on_attach", False)),
+            name=data.get("name", path.stem), model_json=model_json,
+            profile_on_attach=data.get("profile_on_attach", False),
             global_batch=int(data["global_batch"]), microbatch_size=int(data["microbatch_size"]),
             schedules=[sched] if isinstance(sched, str) and sched != "any"
             else [] if sched == "any" else list(sched),
             budgets={str(k): float(v) for k, v in data.get("budgets", {}).items()},
             v=float(data.get("V", 0.0)), slot_s=float(data.get("slot_s", 0.0)),
             slot_iterations=int(data.get("slot_iterations", 0)),
-            allowed_hosts=[str(h) for h in data.get("allowed_hosts", [])],
+            allowed_hosts=data.get("allowed_hosts", []),
             request_id=uuid.uuid4().hex,
             entry=None if entry is None else job_pb2.JobEntry(
                 module=entry.module, command=list(entry.command), args=list(entry.args),
@@ -327,7 +350,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title=f"job {j.job_id}", show_header=False)
+    table = Table(title=text(f"job {j.job_id}"), show_header=False)
     emu = set(j.emulated_devices)
     rows = [("name", j.name), ("owner", j.owner), ("state", _STATE.get(j.state, "?")),
             *([("reason", j.reason)] if j.reason else []),
@@ -352,7 +375,7 @@ def _print_job(j: job_pb2.JobInfo) -> None:
             *_launch_rows(j),
             ("warnings", "; ".join(j.warnings) or "-")]
     for k, v in rows:
-        table.add_row(k, v)
+        table.add_row(k, text(v))
     Console(width=terminal_width()).print(table)
 
 
@@ -380,7 +403,7 @@ def _launch_rows(j: job_pb2.JobInfo) -> list[tuple[str, str]]:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"hetpilot: error: {message}", file=sys.stderr)
+    print(f"hetpilot: error: {safe(message)}", file=sys.stderr)
     return code
 
 
@@ -392,7 +415,7 @@ def call(args: argparse.Namespace, command: Callable[[grpc.Channel, Md], int]) -
     wrong to an exit code with one line on stderr."""
     token = ""
     try:
-        ep = Endpoint.from_env(args.daemon, Path(args.token_file).read_text().strip()
+        ep = Endpoint.from_env(args.daemon, read_token_file(args.token_file)
                                if args.token_file else None, ca_file=args.ca_file,
                                cert_file=args.cert_file, key_file=args.key_file)
         token = ep.token
@@ -419,7 +442,7 @@ def _submit(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     print(json.dumps(_job_dict(info)) if args.json else info.job_id)
     if not args.json:  # e.g. allowed_hosts naming a host no agent registered as
         for warning in info.warnings:
-            print(f"hetpilot: warning: {warning}", file=sys.stderr)
+            print(f"hetpilot: warning: {safe(warning)}", file=sys.stderr)
     return 0
 
 
@@ -446,7 +469,7 @@ def _job(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) ->
 def _cancel(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
     info = stub.CancelJob(job_pb2.CancelJobRequest(job_id=args.job_id), metadata=md,
                           timeout=args.timeout)
-    print(json.dumps(_job_dict(info)) if args.json else f"{info.job_id} cancelled")
+    print(json.dumps(_job_dict(info)) if args.json else safe(f"{info.job_id} cancelled"))
     return 0
 
 
@@ -459,7 +482,8 @@ def _budget(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
     if args.json:
         print(json.dumps(_job_dict(info)))
     else:
-        print(f"{info.job_id}: budgets {dict(info.budgets)}, V {f'{info.v:g}' if info.v else 'learned'}")
+        print(safe(f"{info.job_id}: budgets {dict(info.budgets)}, "
+                   f"V {f'{info.v:g}' if info.v else 'learned'}"))
     return 0
 
 
@@ -527,8 +551,6 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
     ``--json`` prints one line per plan version (it has "version") and, whenever the
     progress changes, a line ``{"job_id": ..., "progress": {"loss": ..., "loss_step": ...,
     "loss_unix_ms": ..., "eval_metric": ..., "eval_step": ...}}`` (no "version")."""
-    if args.interval <= 0:
-        raise InputError(f"--interval: must be > 0, got {args.interval:g}")
     seen = 0
     info = stub.GetJob(job_pb2.GetJobRequest(job_id=args.job_id), metadata=md,
                        timeout=args.timeout)
@@ -547,12 +569,12 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
         from rich.table import Table
 
         assert live is not None
-        table = Table(title=f"job {args.job_id}: plan versions",
-                      caption=_progress_line(info), caption_justify="left")
+        table = Table(title=text(f"job {args.job_id}: plan versions"),
+                      caption=text(_progress_line(info)), caption_justify="left")
         for col in ("version", "slot", "iter s", "cost / budget", "devices", "groups"):
             table.add_column(col)
         for row in table_rows[-20:]:
-            table.add_row(*row)
+            table.add_row(*map(text, row))
         live.update(table, refresh=True)
 
     def show_progress(new: job_pb2.JobInfo) -> None:
@@ -579,8 +601,8 @@ def _watch(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) 
                _fmt_costs(pv.costs, info.budgets),
                str(sum(len(g["stages"]) for g in plan["groups"])), str(len(plan["groups"])))
         if plain:
-            print(f"plan v{row[0]}  slot {row[1]}  iteration {row[2]} s  cost {row[3]}  "
-                  f"devices {row[4]}  groups {row[5]}", flush=True)
+            print(safe(f"plan v{row[0]}  slot {row[1]}  iteration {row[2]} s  cost {row[3]}  "
+                       f"devices {row[4]}  groups {row[5]}"), flush=True)
             return
         table_rows.append(row)
         render()
@@ -636,11 +658,6 @@ def _logs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -
     doubling to 2 s), resuming each host after the last line printed (each message's
     ``end_offset``, sent back in ``resume_from``), so no line is printed twice or
     missed; after ``--reconnect-for`` seconds without reaching it: exit 5."""
-    if args.rank is not None and not 0 <= args.rank < 2**32:
-        raise InputError(f"--rank: must be an integer >= 0, got {args.rank}")
-    if not (args.reconnect_for >= 0 and args.reconnect_for < 1e9):
-        raise InputError(f"--reconnect-for: must be a number of seconds >= 0, got "
-                         f"{args.reconnect_for}")
     printed: dict[str, int] = {}
     """host -> offset in its output after the last line printed."""
     out = sys.stdout

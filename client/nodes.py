@@ -26,7 +26,7 @@ from google.protobuf.json_format import MessageToDict
 from hetpilot.v1 import cluster_pb2, cluster_pb2_grpc, common_pb2
 
 from .cli import Md, call, common_arguments
-from .tables import Column, fit, print_table, terminal_width
+from .tables import Column, fit, print_table, safe, terminal_width
 
 __all__ = ["add_arguments", "run"]
 
@@ -199,7 +199,7 @@ def _drain_or_resume(channel: grpc.Channel, md: Md, args: argparse.Namespace) ->
     if args.json:
         print(json.dumps(_plain(MessageToDict(node, preserving_proto_field_name=True))))
     else:
-        print(text)
+        print(safe(text))
     return 0
 
 

@@ -11,17 +11,36 @@ column gets a fixed width, so rich has nothing left to squeeze.
 
 from __future__ import annotations
 
+import re
 import shutil
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
-__all__ = ["Column", "fit", "print_table", "terminal_width"]
+__all__ = ["Column", "fit", "print_table", "safe", "terminal_width"]
 
 _MIN_SHRUNK = 6
 """A free-text column is cut to no fewer characters than this (or its header)."""
 _WANTED = 24
 """Characters of free text a column is given before lower-priority columns come in."""
+
+
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u2028-\u202e\u2066-\u2069]")
+"""Characters a terminal acts on, or that reorder or hide text: C0, DEL, C1, bidi."""
+
+
+def safe(value: str) -> str:
+    """``text`` to print on a terminal: each control character written as Python does
+    (``\\x1b``, ``\\n``, ``\\u202e``). For every value another user, a job's code or an agent
+    chose (names, reasons, warnings, hosts): ``\\x1b[2J`` would clear the screen."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], value)
+
+
+def text(value: str) -> Any:
+    """A table cell: ``safe``, and plain text (rich would read ``[link=...]`` as markup)."""
+    from rich.text import Text
+
+    return Text(safe(value))
 
 
 @dataclass(frozen=True)
@@ -93,17 +112,20 @@ def print_table(title: str, columns: Sequence[Column], rows: Sequence[Sequence[s
     from rich.table import Table
 
     width = width or terminal_width()
+    rows = [[safe(cell) for cell in row] for row in rows]  # measured as they will print
+    columns = [Column(safe(c.header), c.priority, c.shrink, c.justify) for c in columns]
     kept, widths = fit(columns, rows, width)
     dropped = [c.header for i, c in enumerate(columns) if i not in kept]
     notes = [caption] if caption else []
     if dropped:
         notes.append(f"left out to fit {width} columns: {', '.join(dropped)} (--json has all)")
-    table = Table(title=title, caption="; ".join(notes) or None, caption_justify="left")
+    table = Table(title=text(title), caption=text("; ".join(notes)) if notes else None,
+                  caption_justify="left")
     for i, w in zip(kept, widths, strict=True):
         col = columns[i]
-        table.add_column(col.header, width=w, no_wrap=True, justify=col.justify,
+        table.add_column(text(col.header), width=w, no_wrap=True, justify=col.justify,
                          overflow="ellipsis" if col.shrink else "fold")
     for row in rows:
-        table.add_row(*(row[i] for i in kept))
+        table.add_row(*(text(row[i]) for i in kept))
     Console(width=width).print(table)
     return dropped

@@ -23,7 +23,9 @@ training script usually is, and ``module = "hetpilot"`` with ``args =
 daemon and its token in the environment the agent gives it; ``command`` covers
 everything else (a shell script, another interpreter). torchrun's own options
 are the daemon's to choose (rendezvous, node count, ranks per node from the
-devices), except the restart budget, which is the job's.
+devices), except the restart budget, which is the job's. So the first word after
+torchrun's options (``module``, ``command[0]``) never starts with '-': torchrun
+would parse ``command = ["--nproc-per-node=8", ...]`` as its own option.
 
 This module imports neither grpc nor torch.
 """
@@ -120,6 +122,9 @@ class Entry:
                 raise ValidationError(f"{path}.module", f"must be a dotted module name "
                                                         f"(mypkg.train), got {module[:60]!r}")
         cmd = _strings(command, f"{path}.command", empty_items=False) if command else ()
+        if cmd and cmd[0].startswith("-"):  # torchrun would take it as one of its own options
+            raise ValidationError(f"{path}.command[0]", f"must not start with '-' (torchrun "
+                                  f"would read it as its own option), got {cmd[0][:60]!r}")
         env: dict[str, str] = {}
         raw_env = data.get("env", {})
         if not isinstance(raw_env, Mapping):

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import dataclasses
 import tomllib
+import types
 import typing
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ConfigError", "build", "read_tables", "table"]
+__all__ = ["ConfigError", "build", "check_types", "read_tables", "table"]
 
 
 class ConfigError(ValueError):
@@ -48,15 +49,25 @@ def build(cls: type, data: dict[str, Any], path: str) -> Any:
     unknown = set(data) - names
     if unknown:
         raise ConfigError(f"{path}: unknown key(s) {', '.join(sorted(unknown))}")
-    hints = typing.get_type_hints(cls)
-    for key, value in data.items():
-        want = _type_problem(hints[key], value)
-        if want is not None:
-            raise ConfigError(f"{path}.{key}: must be {want}, got {value!r}")
+    check_types(typing.get_type_hints(cls), data, path)
     try:
         return cls(**data)
     except TypeError as exc:
         raise ConfigError(f"{path}: {exc}") from None
+
+
+_PLURAL = {str: "strings (in quotes)", int: "integers", float: "numbers", bool: "true/false"}
+
+
+def check_types(types: dict[str, Any], data: dict[str, Any], path: str) -> None:
+    """Each key of ``data`` that ``types`` names must have a value of that TOML type
+    (bool, int, float, str, ``list[str]``, ``dict[str, T]``, unions of these); the error
+    names ``path.key``. A string is not taken as a list of its letters, nor "no" as true."""
+    for key, value in data.items():
+        if key in types:
+            want = _type_problem(types[key], value)
+            if want is not None:
+                raise ConfigError(f"{path}.{key}: must be {want}, got {value!r}")
 
 
 def _type_problem(tp: Any, value: Any) -> str | None:
@@ -71,10 +82,17 @@ def _type_problem(tp: Any, value: Any) -> str | None:
     if tp is str:
         return None if isinstance(value, str) else "a string (in quotes)"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        wants = [_type_problem(a, value) for a in args]
+        return None if None in wants else " or ".join(w for w in wants if w)
+    if origin is list:
+        ok = isinstance(value, list) and all(_type_problem(args[0], v) is None for v in value)
+        return None if ok else f"a list of {_PLURAL.get(args[0], 'values')}"
     if origin is dict:
         ok = isinstance(value, dict) and all(
             isinstance(k, str) and _type_problem(args[1], v) is None for k, v in value.items())
-        return None if ok else "a table of name = \"string\" entries"
+        return None if ok else ("a table of name = \"string\" entries" if args[1] is str
+                                else f"a table of {_PLURAL.get(args[1], 'values')}")
     if origin is tuple:
         return None if isinstance(value, tuple) else "a list"
     if dataclasses.is_dataclass(tp):

@@ -17,6 +17,8 @@ from typing import Any
 from hetpilot.agents.cpustat import meminfo_gb
 from hetpilot.planner.errors import ValidationError
 
+from hetpilot.flags import integer, number, seconds
+
 __all__ = ["add_arguments", "run"]
 
 DTYPES = ("float32", "float64", "bfloat16", "float16")
@@ -33,11 +35,11 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--job", default=None, metavar="MODULE:FN",
                             help="your job function (as for `hetpilot train --model`); default: "
                                  "a small tanh MLP")
-        parser.add_argument("--iterations", type=int, default=2, metavar="K",
+        parser.add_argument("--iterations", type=integer(1), default=2, metavar="K",
                             help="iterations per random plan")
-        parser.add_argument("--ranks", type=int, default=2, metavar="N")
-        parser.add_argument("--seed", type=int, default=0)
-        parser.add_argument("--tolerance", type=float, default=None,
+        parser.add_argument("--ranks", type=integer(2), default=2, metavar="N")
+        parser.add_argument("--seed", type=integer(), default=0)
+        parser.add_argument("--tolerance", type=number(), default=None,
                             help="largest difference allowed: absolute, default 1e-9 "
                                  "(float64, beyond each tensor's rounding-noise floor: "
                                  "docs/trainer.md); under --dtype bfloat16/float16 the relative "
@@ -52,7 +54,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                                  "gloo (NCCL refuses two ranks on one GPU; activations and "
                                  "gradients are staged through host memory), and the "
                                  "one-process references compute on the same GPU; default cpu")
-        parser.add_argument("--timeout", type=float, default=300.0, metavar="S",
+        parser.add_argument("--timeout", type=seconds(), default=300.0, metavar="S",
                             help="give up (exit 1) after this many seconds")
         return
     parser.add_argument("--model", required=True, metavar="MODULE:FN",
@@ -80,9 +82,9 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cert-file", default="", help="client certificate (mutual TLS); "
                         "default $HETPILOT_CERT_FILE")
     parser.add_argument("--key-file", default="", help="default $HETPILOT_KEY_FILE")
-    parser.add_argument("--timeout", type=float, default=5.0, metavar="S",
+    parser.add_argument("--timeout", type=seconds(), default=5.0, metavar="S",
                         help="deadline per daemon call")
-    parser.add_argument("--plan-wait", type=float, default=300.0, metavar="S",
+    parser.add_argument("--plan-wait", type=seconds(), default=300.0, metavar="S",
                         help="how long to wait for the daemon's first plan")
     parser.add_argument("--no-profile", action="store_true",
                         help="do not send the model profile on Attach (--daemon)")
@@ -91,15 +93,15 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                              "between the ranks, for the daemon, nor correct the times from "
                              "the stage timings (--daemon; it then plans with the agents' "
                              "matmul and link probes)")
-    parser.add_argument("--epochs", type=int, default=1,
+    parser.add_argument("--epochs", type=integer(1), default=1,
                         help="epochs to train (default 1: a pre-training run has one)")
-    parser.add_argument("--steps", type=int, default=None, metavar="N",
+    parser.add_argument("--steps", type=integer(1), default=None, metavar="N",
                         help="stop after N optimizer steps in all (counted across resumes)")
-    parser.add_argument("--slot-iterations", type=int, default=None, metavar="N",
+    parser.add_argument("--slot-iterations", type=integer(0, 2**32 - 1), default=None, metavar="N",
                         help="report (and close a measurement slot) every N iterations; "
                              "default: the daemon job's slot, else every epoch. New plans are "
                              "taken before any iteration, whatever the slot")
-    parser.add_argument("--slot-seconds", type=float, default=None, metavar="T",
+    parser.add_argument("--slot-seconds", type=seconds(zero=True), default=None, metavar="T",
                         help="report every T seconds (rank 0's clock); default: the daemon "
                              "job's slot_s when it counts no iterations")
     parser.add_argument("--dtype", choices=DTYPES, default=None,
@@ -113,11 +115,11 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                              "{rank} and {local_rank} are replaced")
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="save here at the end of every epoch (and see --checkpoint-every)")
-    parser.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+    parser.add_argument("--checkpoint-every", type=integer(), default=0, metavar="N",
                         help="also save every N steps, at the end of the slot reaching them")
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint if present")
     parser.add_argument("--report", metavar="FILE.jsonl", help="append per-slot measurements")
-    parser.add_argument("--emulate-slowdown", type=float, default=1.0, metavar="F",
+    parser.add_argument("--emulate-slowdown", type=number(above=True, what="factor"), default=1.0, metavar="F",
                         help="EMULATION: make this rank F times slower (sleeps); off by default")
     parser.add_argument("--emulate-tflops", default=None, metavar="T[,T...]",
                         help="EMULATION (target-time): each op lasts its FLOPs at T TFLOP/s, "
@@ -289,12 +291,15 @@ def launched_defaults(args: argparse.Namespace) -> str | None:
 
 
 def _endpoint(args: argparse.Namespace) -> Any:
-    from hetpilot.client.channel import Endpoint
+    from hetpilot.client.channel import Endpoint, check_token, read_token_file
 
     if args.token_file:
-        token = Path(args.token_file).read_text().strip()
+        token = read_token_file(args.token_file)
     else:
-        token = os.environ.get("HETPILOT_CLUSTER_TOKEN", os.environ.get("HETPILOT_TOKEN", ""))
+        name = "HETPILOT_CLUSTER_TOKEN" if "HETPILOT_CLUSTER_TOKEN" in os.environ \
+            else "HETPILOT_TOKEN"
+        token = os.environ.get(name, "").strip()
+        check_token(token, f"${name}")
     return Endpoint.from_env(args.daemon, token, ca_file=args.ca_file,
                              cert_file=args.cert_file, key_file=args.key_file)
 

@@ -262,6 +262,8 @@ def test_bad_entries_and_reports_are_refused_by_field(d: RunningDaemon) -> None:
     for entry, field in ((_entry(module=""), "entry"),
                          (_entry(command=["x"]), "entry"),
                          (_entry(module="not a module"), "entry.module"),
+                         (_entry(module="", command=["--nproc-per-node=3", "echo"]),
+                          "entry.command[0]"),
                          (_entry(env={"HETPILOT_JOB_ID": "x"}), "entry.env.HETPILOT_JOB_ID"),
                          (_entry(workdir="rel/dir"), "entry.workdir"),
                          (_entry(ranks_per_host=65), "entry.ranks_per_host")):

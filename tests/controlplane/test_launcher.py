@@ -136,6 +136,12 @@ def test_exit_status_is_read_back_after_a_restart_and_failures_say_why(tmp_path:
     (ended.dir / "launch.json").write_text(json.dumps(data))
     lost = _launcher(tmp_path).get("L1")
     assert lost is not None and lost.exit_code == EXIT_UNKNOWN and "lost" in lost.reason
+    # an order whose entry would be one of torchrun's own options (an older daemon's):
+    # refused here too, never started
+    assert launcher.start(_order("L3", module="", command=["--max-restarts=9", "x"]), {})
+    refused = launcher.get("L3")
+    assert refused is not None and refused.exit_code == 127 and "'-'" in refused.reason
+    assert refused.pid == 0 and refused.proc is None
     # a workdir that is not there: reported as a start that failed, at once
     assert launcher.start(_order("L2", workdir=str(tmp_path / "nowhere")), {})
     failed = launcher.get("L2")
@@ -166,6 +172,8 @@ def test_job_file_entry_is_checked_by_field(tmp_path: Path) -> None:
         '[entry]\nmodule = "pkg.mod:main"': "entry.module: must be a dotted module name",
         '[entry]\ncommand = "train.sh"': "entry.command: must be a list of strings",
         '[entry]\ncommand = ["x", 3]': "entry.command[1]: must be a string",
+        '[entry]\ncommand = ["--nproc-per-node=8", "x"]': "entry.command[0]: must not start",
+        '[entry]\nmodule = "-m"': "entry.module: must be a dotted module name",
         '[entry]\nmodule = "m"\nargs = "--x"': "entry.args: must be a list of strings",
         '[entry]\nmodule = "m"\nranks_per_host = 1.5': "entry.ranks_per_host: must be an integer",
         '[entry]\nmodule = "m"\nhosts = -1': "entry.hosts: must be an integer in [0, 1024]",
