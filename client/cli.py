@@ -447,12 +447,20 @@ def _submit(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace)
 
 
 def _jobs(stub: job_pb2_grpc.JobServiceStub, md: Md, args: argparse.Namespace) -> int:
-    resp = stub.ListJobs(job_pb2.ListJobsRequest(include_cancelled=args.all), metadata=md,
-                         timeout=args.timeout)
+    jobs: list[job_pb2.JobInfo] = []
+    token = ""
+    while True:  # the daemon answers as many as fit in one message, then a page token
+        resp = stub.ListJobs(job_pb2.ListJobsRequest(include_cancelled=args.all,
+                                                     page_token=token),
+                             metadata=md, timeout=args.timeout)
+        jobs += resp.jobs
+        token = resp.next_page_token
+        if not token:
+            break
     if args.json:
-        print(json.dumps([_job_dict(j) for j in resp.jobs]))
+        print(json.dumps([_job_dict(j) for j in jobs]))
     else:
-        _print_jobs(list(resp.jobs))
+        _print_jobs(jobs)
     return 0
 
 

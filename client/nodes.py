@@ -175,8 +175,18 @@ def print_nodes(resp: cluster_pb2.ListNodesResponse, links: bool,
 
 
 def _nodes(channel: grpc.Channel, md: Md, args: argparse.Namespace) -> int:
-    resp = cluster_pb2_grpc.ClusterServiceStub(channel).ListNodes(
-        cluster_pb2.ListNodesRequest(links=args.links), metadata=md, timeout=args.timeout)
+    stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+    resp = cluster_pb2.ListNodesResponse()
+    token = ""
+    while True:  # the daemon answers as many hosts as fit in one message, then a token
+        page = stub.ListNodes(cluster_pb2.ListNodesRequest(links=args.links, page_token=token),
+                              metadata=md, timeout=args.timeout)
+        resp.nodes.extend(page.nodes)
+        resp.links.extend(page.links)
+        resp.unix_ms = page.unix_ms
+        token = page.next_page_token
+        if not token:
+            break
     if args.json:
         print(json.dumps(_plain(MessageToDict(resp, preserving_proto_field_name=True))))
     else:

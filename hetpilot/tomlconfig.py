@@ -59,13 +59,13 @@ def build(cls: type, data: dict[str, Any], path: str) -> Any:
 _PLURAL = {str: "strings (in quotes)", int: "integers", float: "numbers", bool: "true/false"}
 
 
-def check_types(types: dict[str, Any], data: dict[str, Any], path: str) -> None:
-    """Each key of ``data`` that ``types`` names must have a value of that TOML type
+def check_types(expected: dict[str, Any], data: dict[str, Any], path: str) -> None:
+    """Each key of ``data`` that ``expected`` names must have a value of that TOML type
     (bool, int, float, str, ``list[str]``, ``dict[str, T]``, unions of these); the error
     names ``path.key``. A string is not taken as a list of its letters, nor "no" as true."""
     for key, value in data.items():
-        if key in types:
-            want = _type_problem(types[key], value)
+        if key in expected:
+            want = _type_problem(expected[key], value)
             if want is not None:
                 raise ConfigError(f"{path}.{key}: must be {want}, got {value!r}")
 
@@ -95,6 +95,6 @@ def _type_problem(tp: Any, value: Any) -> str | None:
                                 else f"a table of {_PLURAL.get(args[1], 'values')}")
     if origin is tuple:
         return None if isinstance(value, tuple) else "a list"
-    if dataclasses.is_dataclass(tp):
+    if isinstance(tp, type) and dataclasses.is_dataclass(tp):
         return None if isinstance(value, tp) else "a table"
     return None
