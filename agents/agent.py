@@ -181,6 +181,9 @@ class Agent:
             except Exception as exc:  # never crash on the daemon: log, back off, reconnect
                 code = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
                         else type(exc).__name__)
+                if (isinstance(exc, grpc.aio.AioRpcError)
+                        and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                    code += f" ({exc.details()})"  # refused as is: say why
                 log.warning("daemon %s: %s; retrying in %.1fs", self.config.daemon, code, backoff)
             finally:
                 await channel.close(grace=None)

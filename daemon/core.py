@@ -452,11 +452,24 @@ class ControlPlane:
     # -- agents -------------------------------------------------------------
 
     def register(self, agent: AgentRecord) -> tuple[tuple[str, str], ...]:
+        known = self._agents.get(agent.host)
+        if (known is not None and known.probe_address != agent.probe_address
+                and agent.host in self._up):
+            # another machine under a name in use (a cloned VM, a mistyped --host): its
+            # reports would stand for the first's, and the launches they do not list
+            # would count as exited. An agent restarted on the same machine keeps its
+            # probe address; one that moved is taken once the first is down.
+            heard = (_now_ms() - self._heard_ms.get(agent.host, _now_ms())) / 1000
+            raise FailedPrecondition(
+                f"host {agent.host!r} is registered by a live agent with probe address "
+                f"{known.probe_address or '(none)'} (heard {heard:.1f} s ago), not "
+                f"{agent.probe_address or '(none)'}: give this agent another --host, or stop "
+                f"the other (it is down {self.config.heartbeat_timeout_s:g} s after its "
+                "last report)")
         agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
                             devices=agent.devices, registered_ms=int(time.time() * 1000),
                             launches=agent.launches)
         self.store.put_agent(agent)
-        known = self._agents.get(agent.host)
         # a re-register of the same host, address and devices changes no one's peers
         changed = known is None or replace(known, registered_ms=0) != replace(
             agent, registered_ms=0)

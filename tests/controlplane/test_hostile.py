@@ -12,7 +12,14 @@ from collections.abc import Iterator
 import grpc
 import pytest
 from hetpilot.client.channel import metadata
-from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
+from hetpilot.v1 import (
+    agent_pb2,
+    agent_pb2_grpc,
+    cluster_pb2,
+    cluster_pb2_grpc,
+    job_pb2,
+    job_pb2_grpc,
+)
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon
 from .helpers import model_json, register_request, submit_request
@@ -128,3 +135,24 @@ def test_timings_with_versions_past_int64_are_invalid(daemon: RunningDaemon) -> 
         request = trainer_pb2.StageTimingsReport(job_id=job.job_id, rank=0, **{field: 2**63})
         assert field in _refused(trainer.ReportStageTimings, request,
                                  metadata(job.trainer_token))
+
+
+def test_a_second_machine_under_a_live_hosts_name_is_refused(daemon: RunningDaemon) -> None:
+    # a cloned VM or a mistyped --host: its reports would stand for the first agent's,
+    # and the first's running launches, missing from them, would count as exited
+    ch = daemon.channel()
+    agents = agent_pb2_grpc.AgentServiceStub(ch)
+    agents.Register(register_request("gpu1", probe="10.0.0.1:7071"), metadata=CLUSTER_MD,
+                    timeout=T)
+    with pytest.raises(grpc.RpcError) as err:
+        agents.Register(register_request("gpu1", probe="10.0.0.2:7071"), metadata=CLUSTER_MD,
+                        timeout=T)
+    assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    details = err.value.details() or ""
+    assert "'gpu1'" in details and "10.0.0.1:7071" in details and "10.0.0.2:7071" in details
+    nodes = cluster_pb2_grpc.ClusterServiceStub(ch).ListNodes(cluster_pb2.ListNodesRequest(),
+                                                             metadata=CLUSTER_MD, timeout=T)
+    assert [(n.host, n.probe_address) for n in nodes.nodes] == [("gpu1", "10.0.0.1:7071")]
+    # the same machine's agent restarting registers again
+    agents.Register(register_request("gpu1", probe="10.0.0.1:7071"), metadata=CLUSTER_MD,
+                    timeout=T)
