@@ -378,6 +378,10 @@ class _OnJobParameters:
         back = {id(o): p for o, p in zip(originals, params, strict=True)}
         for group in optim.param_groups:
             group["params"] = [back.get(id(q), q) for q in group["params"]]
+        # and in the optimizer's own attributes: a wrapper clipping the gradient norm over
+        # the list it was given (``self.params``) clipped the originals, which have no
+        # gradients here, so its coupling went unseen and it was not refused
+        _repoint(optim, back, depth=2)
         return optim
 
     def dense_copies(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
@@ -386,6 +390,36 @@ class _OnJobParameters:
         for p, q in zip(params, out, strict=True):
             self.origin[id(q)] = (q, self._original(p))
         return out
+
+
+def _repoint(obj: Any, back: dict[int, nn.Parameter], depth: int) -> None:
+    """Point the parameters an optimizer keeps in its attributes (lists, tuples, dicts of
+    them; an optimizer it wraps, ``depth`` levels down) at their copies in ``back`` (by
+    the original's id). Lists and dicts change in place, so what shares them still does."""
+    def mapped(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return back.get(id(value), value)
+        if isinstance(value, list):
+            value[:] = [mapped(v) for v in value]
+        elif isinstance(value, tuple) and not hasattr(value, "_fields"):
+            return tuple(mapped(v) for v in value)
+        elif isinstance(value, dict):
+            for k in list(value):
+                value[k] = mapped(value[k])
+        elif depth > 0 and isinstance(value, torch.optim.Optimizer):
+            _repoint(value, back, depth - 1)
+        return value
+
+    try:
+        attributes = list(vars(obj).items())
+    except TypeError:  # no __dict__
+        return
+    for name, value in attributes:
+        if name in ("param_groups", "state", "defaults") or name.startswith("__"):
+            continue
+        new = mapped(value)
+        if new is not value:
+            object.__setattr__(obj, name, new)
 
 
 def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | None,

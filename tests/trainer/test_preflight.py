@@ -236,6 +236,35 @@ def test_an_optimizer_coupling_the_layers_parameters_is_refused() -> None:
         assert _run(spec) == []
 
 
+class ListClipSGD(torch.optim.SGD):
+    """The usual wrapper: SGD clipping the gradient norm over the list it was given, kept in
+    an attribute (and, for good measure, in a wrapped optimizer's attribute too)."""
+
+    def __init__(self, params: Any, **kw: Any) -> None:
+        self.params = list(params)
+        super().__init__(self.params, **kw)
+        self.inner = torch.optim.SGD(self.params, lr=0.0)
+        self.inner.mine = tuple(self.params)  # type: ignore[attr-defined]
+
+    def step(self, closure: Any = None) -> Any:
+        mine = self.inner.mine  # type: ignore[attr-defined]
+        assert all(a is b for a, b in zip(mine, self.param_groups[0]["params"], strict=True))
+        torch.nn.utils.clip_grad_norm_(self.params, 0.01)
+        return super().step(closure)
+
+
+def test_a_clip_over_the_parameter_list_an_optimizer_keeps_is_refused() -> None:
+    # preflight built the optimizer on the job's own parameters and pointed only its
+    # param_groups at the copies it steps: the wrapper clipped the originals, which had no
+    # gradients, so the clip went unseen (train-check FAILed naming a weight, and
+    # `hetpilot train` clipped each layer apart)
+    spec = _spec([nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 2)])
+    spec["optimizer"] = lambda ps: ListClipSGD(ps, lr=0.1)
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: one optimizer over all the "
+                                              r"layers' parameters steps them to other values"):
+        _run(spec)
+
+
 class WarmupSGD(torch.optim.SGD):
     """SGD with a linear lr warm-up counted in a Python attribute (not in its state_dict)."""
 
