@@ -130,7 +130,7 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)
         notes = []
         if microbatch < spec["global_batch"]:
-            note = _mean_note(spec, microbatch, seed)
+            note = _mean_note(spec, microbatch, seed) or _gradient_note(spec, microbatch, seed)
             if note is not None:
                 notes.append(note)
     return notes
@@ -767,6 +767,64 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
             "negatives). Every plan trains on the weighted sum, as gradient accumulation "
             "does, so the objective depends on the microbatch size; "
             "train-check compares like with like. See docs/trainer.md, 'Loss'.")
+
+
+def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
+    """The gradients of the first global batch's mean loss taken as one batch against the
+    ``m/B``-weighted sum of its microbatches' gradients (float64, layers in eval mode), for
+    a loss that is a mean (:func:`_mean_note` found nothing). They differ when a backward
+    depends on the microbatch: ``Embedding(scale_grad_by_freq=True)`` divides each row's
+    gradient by its count in the microbatch. None when they agree, or when the model does
+    not run in float64 or take the whole batch at once."""
+    b, data = spec["global_batch"], spec["dataset"]
+
+    def batch(start: int, stop: int, which: int) -> Any:
+        return _batch(data, range(start, stop), which, torch.float64, None, seed)
+
+    try:
+        layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
+        loss = _loss(spec, torch.float64)
+        for layer in layers:
+            layer.eval()
+        params = [(i, name, p) for i, layer in enumerate(layers)
+                  for name, p in layer.named_parameters() if p.requires_grad]
+
+        def grads(spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+            for _, _, p in params:
+                p.grad = None
+            for start, stop in spans:
+                x = batch(start, stop, 0)
+                for layer in layers:
+                    x = layer(x)
+                ((stop - start) / b * loss(x, batch(start, stop, 1))).backward()
+            return [torch.zeros_like(p) if p.grad is None else
+                    p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
+                    for _, _, p in params]
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            whole = grads([(0, b)])
+            parts = grads([(k, k + m) for k in range(0, b, m)])
+    except Exception:  # a model that runs only in its own dtype, or on m samples at a time
+        return None
+    if not params:
+        return None
+    scale = max(1.0, max(float(g.abs().max()) if g.numel() else 0.0 for g in whole))
+    diffs = [float((g - h).abs().max()) if g.numel() else 0.0
+             for g, h in zip(whole, parts, strict=True)]
+    worst = max(range(len(diffs)), key=diffs.__getitem__)
+    if diffs[worst] <= MEAN_TOLERANCE * scale:
+        return None
+    i, name, _ = params[worst]
+    return (f"the gradients depend on how samples are grouped into microbatches: for item "
+            f"{i} ({type(layers[i]).__name__}) {name!r} the first global batch's gradient "
+            f"taken as one batch and the sum of its microbatches' gradients differ by "
+            f"{diffs[worst]:.3g} (layers in eval mode), although the loss is a mean over "
+            "samples (a backward that normalises over the batch, such as "
+            "Embedding(scale_grad_by_freq=True), which divides a row's gradient by its "
+            f"count in the microbatch). Every plan trains on microbatches of {m}, so training "
+            "depends on the microbatch size; train-check compares like with like. See "
+            "docs/trainer.md, 'Loss'.")
 
 
 def _concat(values: Sequence[Any]) -> Any:

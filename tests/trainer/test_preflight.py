@@ -400,6 +400,28 @@ def test_a_head_comparing_the_samples_of_a_microbatch_gets_a_note() -> None:
                 microbatch=6) == []  # one microbatch per global batch: nothing to compare
 
 
+def test_a_backward_depending_on_the_microbatch_gets_a_note() -> None:
+    """``Embedding(scale_grad_by_freq=True)`` divides each row's gradient by its count in
+    the microbatch: the loss is a mean, the forward per sample, but the gradients of a
+    global batch differ from the sum of its microbatches' (train-check passed it without a
+    word, its reference taking the same microbatches)."""
+    gen = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 6, (12, 5), generator=gen), torch.randn(12, 4, generator=gen)
+    data = torch.utils.data.TensorDataset(ids, y)
+
+    class Mean(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h.mean(1)
+
+    notes = _run(_spec([nn.Embedding(6, 4, scale_grad_by_freq=True), Mean(), nn.Linear(4, 4)],
+                       dataset=data))
+    assert len(notes) == 1 and "gradients depend on how samples are grouped" in notes[0]
+    assert "item 0 (Embedding) 'weight'" in notes[0]
+    assert _run(_spec([nn.Embedding(6, 4), Mean(), nn.Linear(4, 4)], dataset=data)) == []
+    assert _run(_spec([nn.Embedding(6, 4, scale_grad_by_freq=True), Mean(), nn.Linear(4, 4)],
+                      dataset=data), microbatch=6) == []  # one microbatch: the same
+
+
 def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() -> None:
     """``nn.CrossEntropyLoss(weight=w)`` holds a float32 buffer: the loss module is cast to
     the run's dtype as the layers are (it used to be refused in a float64 check, the kernel
