@@ -104,6 +104,11 @@ def check_batch(global_batch: int, microbatch_size: int) -> None:
                               f"{MAX_MICROBATCHES}: raise microbatch_size")
 
 
+def _machine(probe_address: str) -> str:
+    """The host part of a probe address (``10.0.0.1:7071`` -> ``10.0.0.1``)."""
+    return probe_address.rpartition(":")[0] if ":" in probe_address else probe_address
+
+
 def _now_ms() -> int:
     return int(time.time() * 1000)
 
@@ -453,12 +458,13 @@ class ControlPlane:
 
     def register(self, agent: AgentRecord) -> tuple[tuple[str, str], ...]:
         known = self._agents.get(agent.host)
-        if (known is not None and known.probe_address != agent.probe_address
-                and agent.host in self._up):
+        if (known is not None and agent.host in self._up
+                and _machine(known.probe_address) != _machine(agent.probe_address)):
             # another machine under a name in use (a cloned VM, a mistyped --host): its
             # reports would stand for the first's, and the launches they do not list
             # would count as exited. An agent restarted on the same machine keeps its
-            # probe address; one that moved is taken once the first is down.
+            # probe address's host (its port may change); one that moved to another
+            # address is taken once the first is down.
             heard = (_now_ms() - self._heard_ms.get(agent.host, _now_ms())) / 1000
             raise FailedPrecondition(
                 f"host {agent.host!r} is registered by a live agent with probe address "
