@@ -709,6 +709,20 @@ def _refuse_shared_updates(layers: Sequence[nn.Module], before: Sequence[torch.T
                                 "updated buffers: give each place its own module")
 
 
+def _eval_float64(spec: dict[str, Any], seed: int) -> tuple[list[nn.Module], Any, Any]:
+    """For the notes' comparisons: copies of the layers in float64 and eval mode, the loss
+    cast alike, and ``batch(start, stop, which)``: the inputs (0) or targets (1) of samples
+    ``start..stop`` as the ranks read them, in float64."""
+    layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
+    for layer in layers:
+        layer.eval()
+
+    def batch(start: int, stop: int, which: int) -> Any:
+        return _batch(spec["dataset"], range(start, stop), which, torch.float64, None, seed)
+
+    return layers, _loss(spec, torch.float64), batch
+
+
 def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     """The loss of the first global batch's outputs and targets against the ``m/B``-weighted
     sum of its microbatches' losses, on the same outputs (each microbatch's forward, float64,
@@ -717,16 +731,9 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     similarities, ``m x m`` logits as CLIP's head does): the forward of the first two
     microbatches as one against the mean of their losses, the model and loss together. None
     when they agree, or when the model does not run in float64."""
-    b, data = spec["global_batch"], spec["dataset"]
-
-    def batch(start: int, stop: int, which: int) -> Any:
-        return _batch(data, range(start, stop), which, torch.float64, None, seed)
-
+    b = spec["global_batch"]
     try:
-        layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
-        loss = _loss(spec, torch.float64)
-        for layer in layers:
-            layer.eval()
+        layers, loss, batch = _eval_float64(spec, seed)
 
         def forward(x: Any) -> Any:
             for layer in layers:
@@ -776,16 +783,9 @@ def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     depends on the microbatch: ``Embedding(scale_grad_by_freq=True)`` divides each row's
     gradient by its count in the microbatch. None when they agree, or when the model does
     not run in float64 or take the whole batch at once."""
-    b, data = spec["global_batch"], spec["dataset"]
-
-    def batch(start: int, stop: int, which: int) -> Any:
-        return _batch(data, range(start, stop), which, torch.float64, None, seed)
-
+    b = spec["global_batch"]
     try:
-        layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
-        loss = _loss(spec, torch.float64)
-        for layer in layers:
-            layer.eval()
+        layers, loss, batch = _eval_float64(spec, seed)
         params = [(i, name, p) for i, layer in enumerate(layers)
                   for name, p in layer.named_parameters() if p.requires_grad]
 

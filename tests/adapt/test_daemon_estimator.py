@@ -38,13 +38,18 @@ def _synthetic() -> Recorded:
                     np.arange(n), np.zeros(n, dtype=bool), np.zeros(n, dtype=int))
 
 
-def _plane() -> ControlPlane:
+def _adapter(trees: int = 20) -> Adapter:
     # all features at each split: the synthetic rule has one informative feature of many
-    est = SlowdownEstimator(_synthetic(), n_estimators=20, refit_every=4, background=False,
+    est = SlowdownEstimator(_synthetic(), n_estimators=trees, refit_every=4, background=False,
                             max_features=1.0, min_samples_leaf=3)
     adapter = Adapter(est, default_workload=Workload(gflop=1.0, param_mb=1.0, act_mb=1.0,
                                                      out_mb=1.0))
     assert adapter.wait_ready(60)
+    return adapter
+
+
+def _plane() -> ControlPlane:
+    adapter = _adapter()
     plane = ControlPlane(MemoryStore(), DaemonConfig(state_dir="/tmp"), adapter=adapter)
     for host in ("h0", "h1"):
         plane.register(AgentRecord(host=host, probe_address="", devices=(
@@ -107,11 +112,7 @@ def test_a_subnormal_stage_time_is_ignored_and_does_not_poison_later_timings() -
     # A stage time of 5e-324 s is finite and >= 0, so the servicer takes it; as the
     # device's calibration it made every later slowdown infinite, and every prediction
     # for that device failed (the daemon fuzz campaign of 2026-11-24).
-    est = SlowdownEstimator(_synthetic(), n_estimators=10, refit_every=4, background=False,
-                            max_features=1.0, min_samples_leaf=3)
-    adapter = Adapter(est, default_workload=Workload(gflop=1.0, param_mb=1.0, act_mb=1.0,
-                                                     out_mb=1.0))
-    assert adapter.wait_ready(60)
+    adapter = _adapter(10)
     layers = json.loads((ROOT / "examples" / "model.json").read_text())["layers"]
     from hetpilot.planner.serde import model_from_dict
 

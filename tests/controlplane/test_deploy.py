@@ -4,6 +4,7 @@ speaks sd_notify (READY, WATCHDOG, STOPPING) and stops cleanly on SIGTERM."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
@@ -59,28 +60,23 @@ def test_config_validation(tmp_path: Path) -> None:
     ("[auth.owner_tokens]\nalice = 12345678\n", "auth.owner_tokens: must be a table"),
     ("[tls]\ncert_file = 1\nkey_file = 2\n", "tls.cert_file: must be a string"),
     ("[daemon]\n[daemon.auth]\nallow_unauthenticated = true\n", "daemon.auth: give it as"),
-])
-def test_daemon_config_values_of_the_wrong_type_are_refused_by_name(
-        tmp_path: Path, text: str, message: str) -> None:
-    cfg = tmp_path / "d.toml"
-    cfg.write_text(text)
-    with pytest.raises(ConfigError, match=message.replace(".", r"\.")):
-        load_daemon_config(cfg)
-
-
-@pytest.mark.parametrize(("text", "message"), [
+    # the agent's config, by the same rule
     ('[agent]\nlaunch = "no"\n', "agent.launch: must be true or false"),
     ('[agent]\nlink_probe_bytes = "4MB"\n', "agent.link_probe_bytes: must be an integer"),
-    ('[[emulate]]\ntflops = "5"\nmemory_gb = 1\n', r"emulate\[0\]\.tflops: must be a number"),
+    ('[[emulate]]\ntflops = "5"\nmemory_gb = 1\n', "emulate[0].tflops: must be a number"),
     ("emulate = 3\n", "emulate: must be"),
     ("[agent]\nemulate = 3\n", "agent.emulate: give each device"),
 ])
-def test_agent_config_values_of_the_wrong_type_are_refused_by_name(
+def test_config_values_of_the_wrong_type_are_refused_by_name(
         tmp_path: Path, text: str, message: str) -> None:
-    cfg = tmp_path / "a.toml"
+    cfg = tmp_path / "c.toml"
     cfg.write_text(text)
-    with pytest.raises(AgentConfigError, match=message):
-        load_agent_config(cfg, daemon="head:7070")
+    agent = "[agent]" in text or "emulate" in text
+    with pytest.raises(AgentConfigError if agent else ConfigError, match=re.escape(message)):
+        if agent:
+            load_agent_config(cfg, daemon="head:7070")
+        else:
+            load_daemon_config(cfg)
 
 
 def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
