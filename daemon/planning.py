@@ -12,14 +12,17 @@ the store holds. One process, one call at a time, in order: the planner's
 memo tables serve every job, and with more jobs than it can keep up with each
 loop still gets its turn (FIFO) rather than some starving.
 
-Two lanes, each such a process. A job whose solves take long (a model of a
+Lanes, each such a process. A job whose solves take long (a model of a
 thousand layers on tens of devices: 35 s a step on a 2-core VM) would hold up
-every other job's loop behind it for as long as each of its solves takes, so it
-plans in the **heavy** lane: from its first step when its size says so
-(layers x devices above ``HEAVY_SIZE``), and from the step after any solve that
-took longer than ``HEAVY_S``; it goes back to the light lane after a solve
-under ``LIGHT_S``. A job changing lanes is rebuilt there from its stored state,
-as after a restart. The heavy lane's process starts when a job first needs it.
+every other job's loop behind it for as long as each of its solves takes, so
+jobs plan in lanes by the time their solves take: under ``LIMITS[0]`` (2 s), under
+``LIMITS[1]`` (20 s), and longer. A job starts in the lane its size says (layers x
+devices, ``SIZES``), moves up after a solve past its lane's limit and down after
+one under a quarter of the lower lane's. Only solves of a controller already built
+count: the first after a (re)build also fills the planner's memo tables and
+compiles its LP, several times a warm step. A job changing lanes is rebuilt there
+from its stored state, as after a restart. A lane's process starts when a job
+first needs it.
 
 A stop does not wait for a solve under way: the process is killed.
 """
@@ -170,14 +173,13 @@ async def _await(future: Future[T]) -> T:
     return await done
 
 
-HEAVY_S = 2.0
-"""A job whose solve took longer than this plans in the heavy lane from its next step."""
-LIGHT_S = 0.5
-"""A heavy job whose solve took less than this goes back to the light lane."""
-HEAVY_SIZE = 4096
-"""Layers x devices from which a job plans in the heavy lane from its first step (its
-solve time is not known yet): 1024 layers on 32 devices took 35 s a step, 64 on 32
-about 2 s, on a 2-core VM."""
+LIMITS = (2.0, 20.0, float("inf"))
+"""The longest solve (seconds) each lane is for."""
+SIZES = (4096, 16384)
+"""Layers x devices from which a job starts in the second and third lane (its solve time
+is not known yet): 1024 layers on 32 devices took 35 s a step, 256 on 32 about 3 s, 64 on
+32 about 2 s cold, on a 2-core VM."""
+LANES = ("light", "heavy", "heaviest")
 
 
 def _size(rec: JobRecord, cluster: Cluster) -> int:
@@ -189,6 +191,16 @@ def _size(rec: JobRecord, cluster: Cluster) -> int:
     except (ValueError, AttributeError):
         layers = 0
     return layers * len(cluster.devices)
+
+
+def _lane_for(solve_s: float, index: int) -> int:
+    """The lane after a warm solve of ``solve_s`` in lane ``index``: up to the first whose
+    limit it is within once past its own; down to that lane only under a quarter of its
+    limit (a solve near a limit does not make the job flap between two lanes)."""
+    fits = next(i for i, limit in enumerate(LIMITS) if solve_s <= limit)
+    if fits > index or (fits < index and solve_s < LIMITS[fits] / 4):
+        return fits
+    return index
 
 
 class _Lane:
@@ -236,9 +248,10 @@ class PlannerProcess:
     def __init__(self, memory_mb: int = 0) -> None:
         self.memory_mb = memory_mb
         generations = itertools.count(1)
-        self._lanes = {name: _Lane(name, memory_mb, generations) for name in ("light", "heavy")}
-        self._heavy: dict[str, bool] = {}
-        """Each job's lane after its last step (True: heavy); absent before its first."""
+        self._lanes = {name: _Lane(name, memory_mb, generations) for name in LANES}
+        self._next: dict[str, int] = {}
+        """The lane (index into LANES) each job's next step goes to; absent before its
+        first."""
         self._lane_of: dict[str, str] = {}
         """The lane holding each job's controller."""
 
@@ -248,7 +261,7 @@ class PlannerProcess:
         return self._lanes["light"].generation
 
     def lane(self, job_id: str) -> str | None:
-        """The lane ("light", "heavy") that stepped the job last (None: not yet)."""
+        """The lane (one of LANES) that stepped the job last (None: not yet)."""
         return self._lane_of.get(job_id)
 
     async def step(self, job_id: str, rec: JobRecord, state: Mapping[str, Any] | None,
@@ -260,31 +273,32 @@ class PlannerProcess:
 
         Raises what the step raised (PlanningError, ValidationError, MemoryError, ...)
         or PlannerCrashed when the process died; the next call starts a new one."""
-        heavy = self._heavy.get(job_id)
-        if heavy is None:
-            heavy = _size(rec, cluster) >= HEAVY_SIZE
-        lane = self._lanes["heavy" if heavy else "light"]
+        index = self._next.get(job_id)
+        if index is None:
+            size = _size(rec, cluster)
+            index = sum(size >= bound for bound in SIZES)
+        lane = self._lanes[LANES[index]]
         previous = self._lane_of.get(job_id)
         if previous is not None and previous != lane.name:
             self._lanes[previous].forget(job_id)  # rebuilt from the stored state there
         self._lane_of[job_id] = lane.name
         pool = lane.executor()
         current = lane.generation
+        cold = generation != current
         try:
-            result = await _await(pool.submit(_step, job_id, rec, state, generation != current,
-                                              budgets, cluster))
+            result = await _await(pool.submit(_step, job_id, rec, state, cold, budgets,
+                                              cluster))
         except BrokenProcessPool:
             lane.crashed(pool)
             raise PlannerCrashed(
                 "the planning process died during this step (over its memory limit, "
                 f"{self.memory_mb} MB, or killed); it is being restarted") from None
-        self._heavy[job_id] = (result.solve_s > LIGHT_S) if heavy else (
-            result.solve_s > HEAVY_S)
+        self._next[job_id] = index if cold else _lane_for(result.solve_s, index)
         return result, current
 
     def forget(self, job_id: str) -> None:
         """Drop the job's controller (the job ended); nothing to do when none runs."""
-        self._heavy.pop(job_id, None)
+        self._next.pop(job_id, None)
         lane = self._lane_of.pop(job_id, None)
         if lane is not None:
             self._lanes[lane].forget(job_id)

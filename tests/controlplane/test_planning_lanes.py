@@ -30,7 +30,7 @@ def _job(job_id: str, layers: int) -> JobRecord:
 
 
 def test_a_small_job_plans_while_a_large_one_solves() -> None:
-    big, small = _job("big", 256), _job("small", 4)  # 256 x 32 devices: heavy from the start
+    big, small = _job("big", 256), _job("small", 4)  # 256 x 32 devices: heavy at once
 
     async def run() -> tuple[list[str], PlannerProcess]:
         planner = PlannerProcess()
@@ -55,18 +55,19 @@ def test_a_small_job_plans_while_a_large_one_solves() -> None:
     assert done == ["small", "small", "big"], done  # the small job's slots did not wait
 
 
-def test_a_job_moves_lanes_by_its_solve_time_and_keeps_its_controller_state(
+def test_a_job_moves_lanes_by_its_warm_solve_times_and_keeps_its_controller_state(
         monkeypatch: pytest.MonkeyPatch) -> None:
     rec = _job("j", 4)
+    inf = float("inf")
 
     async def run() -> list[tuple[str | None, int]]:
         planner = PlannerProcess()
         seen: list[tuple[str | None, int]] = []
         gen, state = -1, None
         try:
-            for heavy_s in (0.0, 1e9, 1e9):
-                monkeypatch.setattr(planning, "HEAVY_S", heavy_s)
-                monkeypatch.setattr(planning, "LIGHT_S", 1e9 if heavy_s > 1 else 0.0)
+            # every solve "long" for the light lane, then every one "short"
+            for limits in ((0.0, 1e9, inf),) * 3 + ((1e9, 1e9, inf),) * 2:
+                monkeypatch.setattr(planning, "LIMITS", limits)
                 out, gen = await planner.step("j", rec, state, gen, None, CLUSTER)
                 state = out.state
                 seen.append((planner.lane("j"), out.slot))
@@ -74,7 +75,17 @@ def test_a_job_moves_lanes_by_its_solve_time_and_keeps_its_controller_state(
         finally:
             planner.close()
 
-    # any solve is "long" (HEAVY_S 0): the next step is heavy; then any is "short"
     seen = asyncio.run(run())
-    assert [lane for lane, _ in seen] == ["light", "heavy", "light"]
-    assert [slot for _, slot in seen] == [0, 1, 2]  # rebuilt from the state in each lane
+    # the first step builds the controller (cold: not counted); the second, warm, is past
+    # the light lane's limit; the third is cold again, in the heavy lane (rebuilt from the
+    # state); the fourth is short there, so the fifth is light again
+    assert [lane for lane, _ in seen] == ["light", "light", "heavy", "heavy", "light"]
+    assert [slot for _, slot in seen] == [0, 1, 2, 3, 4]
+
+
+def test_lane_rules() -> None:
+    assert planning._lane_for(0.1, 0) == 0
+    assert planning._lane_for(3.0, 0) == 1 and planning._lane_for(40.0, 0) == 2
+    assert planning._lane_for(1.9, 1) == 1  # under the light limit, but not by a quarter
+    assert planning._lane_for(0.4, 1) == 0 and planning._lane_for(0.4, 2) == 0
+    assert planning._lane_for(10.0, 2) == 2 and planning._lane_for(4.0, 2) == 1
