@@ -779,9 +779,11 @@ def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
 def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     """The gradients of the first global batch's mean loss taken as one batch against the
     ``m/B``-weighted sum of its microbatches' gradients (float64, layers in eval mode), for
-    a loss that is a mean (:func:`_mean_note` found nothing). They differ when a backward
-    depends on the microbatch: ``Embedding(scale_grad_by_freq=True)`` divides each row's
-    gradient by its count in the microbatch. None when they agree, or when the model does
+    a loss that is a mean (:func:`_mean_note` found nothing). They differ when the model
+    computes over the microbatch: in its forward (a layer centring by the microbatch's
+    mean, routing or quantising by it: the outputs differ too, and the note says so) or
+    only in its backward (``Embedding(scale_grad_by_freq=True)`` divides each row's
+    gradient by its count in the microbatch). None when they agree, or when the model does
     not run in float64 or take the whole batch at once."""
     b = spec["global_batch"]
     try:
@@ -789,22 +791,24 @@ def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
         params = [(i, name, p) for i, layer in enumerate(layers)
                   for name, p in layer.named_parameters() if p.requires_grad]
 
-        def grads(spans: Sequence[tuple[int, int]]) -> list[torch.Tensor]:
+        def grads(spans: Sequence[tuple[int, int]]) -> tuple[list[torch.Tensor], list[Any]]:
             for _, _, p in params:
                 p.grad = None
+            outs = []
             for start, stop in spans:
                 x = batch(start, stop, 0)
                 for layer in layers:
                     x = layer(x)
+                outs.append(map_tensors(lambda t: t.detach(), x))
                 ((stop - start) / b * loss(x, batch(start, stop, 1))).backward()
             return [torch.zeros_like(p) if p.grad is None else
                     p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
-                    for _, _, p in params]
+                    for _, _, p in params], outs
 
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            whole = grads([(0, b)])
-            parts = grads([(k, k + m) for k in range(0, b, m)])
+            whole, whole_out = grads([(0, b)])
+            parts, parts_out = grads([(k, k + m) for k in range(0, b, m)])
     except Exception:  # a model that runs only in its own dtype, or on m samples at a time
         return None
     if not params:
@@ -816,15 +820,36 @@ def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
     if diffs[worst] <= MEAN_TOLERANCE * scale:
         return None
     i, name, _ = params[worst]
-    return (f"the gradients depend on how samples are grouped into microbatches: for item "
-            f"{i} ({type(layers[i]).__name__}) {name!r} the first global batch's gradient "
-            f"taken as one batch and the sum of its microbatches' gradients differ by "
-            f"{diffs[worst]:.3g} (layers in eval mode), although the loss is a mean over "
-            "samples (a backward that normalises over the batch, such as "
-            "Embedding(scale_grad_by_freq=True), which divides a row's gradient by its "
-            f"count in the microbatch). Every plan trains on microbatches of {m}, so training "
-            "depends on the microbatch size; train-check compares like with like. See "
-            "docs/trainer.md, 'Loss'.")
+    where = (f"for item {i} ({type(layers[i]).__name__}) {name!r} the first global batch's "
+             "gradient taken as one batch and the sum of its microbatches' gradients differ "
+             f"by {diffs[worst]:.3g} (layers in eval mode)")
+    if _outputs_differ(whole_out[0], parts_out):
+        why = ("and so do its outputs: a layer computes over the microbatch in its forward "
+               "(centring or normalising by the microbatch's own statistics outside "
+               "BatchNorm, routing or quantising by them)")
+    else:
+        why = ("although its outputs and the loss, a mean over samples, agree: a backward "
+               "normalises over the microbatch (Embedding(scale_grad_by_freq=True) divides "
+               "a row's gradient by its count in the microbatch)")
+    return (f"the gradients depend on how samples are grouped into microbatches: {where}, "
+            f"{why}. Every plan trains on microbatches of {m}, so training depends on the "
+            "microbatch size; train-check compares like with like. See docs/trainer.md, "
+            "'Loss'.")
+
+
+def _outputs_differ(whole: Any, parts: Sequence[Any]) -> bool:
+    """Whether the whole batch's outputs differ from its microbatches' concatenated (False
+    when they do not concatenate)."""
+    try:
+        joined = _concat(parts)
+    except Exception:
+        return False
+    a, b = pytree.tree_leaves(whole), pytree.tree_leaves(joined)
+    return len(a) != len(b) or any(
+        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
+        and x.is_floating_point()
+        and float((x - y).abs().max()) > MEAN_TOLERANCE * max(1.0, float(x.abs().max()))
+        for x, y in zip(a, b, strict=False))
 
 
 def _concat(values: Sequence[Any]) -> Any:

@@ -420,6 +420,14 @@ def test_a_backward_depending_on_the_microbatch_gets_a_note() -> None:
     assert _run(_spec([nn.Embedding(6, 4), Mean(), nn.Linear(4, 4)], dataset=data)) == []
     assert _run(_spec([nn.Embedding(6, 4, scale_grad_by_freq=True), Mean(), nn.Linear(4, 4)],
                       dataset=data), microbatch=6) == []  # one microbatch: the same
+    assert "although its outputs and the loss, a mean over samples, agree" in notes[0]
+
+    class Centre(nn.Module):  # the forward computes over the microbatch (no train/eval)
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h - h.mean(0, keepdim=True)
+
+    notes = _run(_spec([nn.Linear(4, 4), Centre(), nn.Linear(4, 2)]))
+    assert len(notes) == 1 and "and so do its outputs: a layer computes" in notes[0]
 
 
 def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() -> None:
