@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import multiprocessing
 import os
 import resource
@@ -50,6 +51,7 @@ from .records import JobRecord
 __all__ = ["PlannerCrashed", "PlannerProcess", "StepResult"]
 
 T = TypeVar("T")
+log = logging.getLogger("hetpilot.daemon")
 
 
 class PlannerCrashed(RuntimeError):
@@ -242,8 +244,8 @@ class _Lane:
 
 
 class PlannerProcess:
-    """The planning processes (a light and a heavy lane, module docstring) seen from the
-    daemon's event loop; each started on first use."""
+    """The planning processes (one per lane, module docstring) seen from the daemon's
+    event loop; each started on first use."""
 
     def __init__(self, memory_mb: int = 0) -> None:
         self.memory_mb = memory_mb
@@ -294,6 +296,9 @@ class PlannerProcess:
                 "the planning process died during this step (over its memory limit, "
                 f"{self.memory_mb} MB, or killed); it is being restarted") from None
         self._next[job_id] = index if cold else _lane_for(result.solve_s, index)
+        if self._next[job_id] != index:
+            log.info("job %s: a solve took %.2f s; it plans in the %s lane from its next "
+                     "slot", job_id, result.solve_s, LANES[self._next[job_id]])
         return result, current
 
     def forget(self, job_id: str) -> None:
