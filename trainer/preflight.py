@@ -407,6 +407,8 @@ def _repoint(obj: Any, back: dict[int, nn.Parameter], depth: int) -> None:
             for k in list(value):
                 value[k] = mapped(value[k])
         elif depth > 0 and isinstance(value, torch.optim.Optimizer):
+            for group in value.param_groups:  # a wrapped optimizer steps its own groups
+                group["params"] = [back.get(id(q), q) for q in group["params"]]
             _repoint(value, back, depth - 1)
         return value
 
@@ -486,7 +488,11 @@ def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParame
     into a dense buffer, which SparseAdam refuses)."""
     if not loss.requires_grad:
         return
-    loss.backward()
+    try:
+        loss.backward()
+    except RuntimeError as exc:  # e.g. an in-place op on what the backward needs
+        raise bad("layers", f"the backward of one microbatch failed, as it would in one "
+                            f"process: {type(exc).__name__}: {exc}") from exc
     _refuse_coupled_steps(layers, factory, bad)
     _refuse_state_outside_state_dict(layers, factory, bad)
     seen: set[int] = set()

@@ -265,6 +265,45 @@ def test_a_clip_over_the_parameter_list_an_optimizer_keeps_is_refused() -> None:
         _run(spec)
 
 
+def test_a_wrapped_optimizers_groups_are_stepped_as_the_runtime_hands_them() -> None:
+    # an optimizer stepping inner optimizers of its own (SparseAdam for the sparse embedding,
+    # Adam for the rest): the inner ones kept the job's own parameters, which have no
+    # gradients in preflight, and the rank crashed on the dense gradient it was handed
+    emb = nn.Embedding(9, 4, sparse=True)
+
+    class Both(torch.optim.Optimizer):
+        def __init__(self, ps: Any) -> None:
+            ps = list(ps)
+            super().__init__(ps, {"lr": 0.01})
+            sparse = [p for p in ps if p is emb.weight]
+            dense = [p for p in ps if p is not emb.weight]
+            self.inner = ([torch.optim.SparseAdam(sparse)] if sparse else []) + (
+                [torch.optim.Adam(dense)] if dense else [])
+
+        def step(self, closure: Any = None) -> Any:
+            for inner in self.inner:
+                inner.step()
+
+    gen = torch.Generator().manual_seed(1)
+    ids, y = torch.randint(0, 9, (12, 3), generator=gen), torch.randn(12, 2, generator=gen)
+    spec = _spec([emb, nn.Flatten(), nn.Linear(12, 2)],
+                 dataset=torch.utils.data.TensorDataset(ids, y))
+    spec["optimizer"] = Both
+    with pytest.raises(ValidationError, match=r"\['optimizer'\]: its step failed on item 0's "
+                                              r"\(Embedding\) gradients .* \(dense, summed"):
+        _run(spec)
+
+
+def test_a_backward_failing_as_in_one_process_is_refused_naming_the_layers() -> None:
+    class HalveInPlace(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return h.mul_(0.5)  # what ReLU saved for its backward
+
+    with pytest.raises(ValidationError, match=r"\['layers'\]: the backward of one microbatch "
+                                              r"failed, as it would in one process"):
+        _run(_spec([nn.Linear(4, 4), nn.ReLU(), HalveInPlace(), nn.Linear(4, 2)]))
+
+
 class WarmupSGD(torch.optim.SGD):
     """SGD with a linear lr warm-up counted in a Python attribute (not in its state_dict)."""
 
