@@ -93,8 +93,11 @@ def _orphan_watch(parent: int) -> None:
     os._exit(0)
 
 
-def _start(memory_mb: int) -> None:
-    threading.Thread(target=_orphan_watch, args=(os.getppid(),), name="orphan-watch",
+def _start(memory_mb: int, parent: int) -> None:
+    # the daemon's pid as it gave it, not getppid() here: a daemon that ended while this
+    # process was still starting left it with init as its parent, which it then watched
+    # for ever (found as sleeping planning processes, hours old)
+    threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch",
                      daemon=True).start()
     if memory_mb > 0:
         limit = memory_mb * 1024 * 1024
@@ -219,7 +222,7 @@ class _Lane:
             # spawn, not fork: the daemon has grpc and sqlite threads a fork would copy
             self.pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=_start, initargs=(self.memory_mb,))
+                initializer=_start, initargs=(self.memory_mb, os.getpid()))
             self.generation = next(self._generations)
         return self.pool
 

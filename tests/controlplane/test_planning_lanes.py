@@ -89,3 +89,25 @@ def test_lane_rules() -> None:
     assert planning._lane_for(1.9, 1) == 1  # under the light limit, but not by a quarter
     assert planning._lane_for(0.4, 1) == 0 and planning._lane_for(0.4, 2) == 0
     assert planning._lane_for(10.0, 2) == 2 and planning._lane_for(4.0, 2) == 1
+
+
+def test_a_planning_process_whose_daemon_is_gone_ends_even_if_it_went_while_starting() -> None:
+    # the watch compared getppid() with getppid() taken as the process started: a daemon
+    # that ended before then left it watching init for ever (sleeping planning processes
+    # hours old were found on the test machine)
+    import os
+    import subprocess
+    import sys
+    import time
+
+    code = ("import sys, time; from hetpilot.daemon.planning import _start; "
+            "_start(0, int(sys.argv[1])); time.sleep(60)")
+    gone = subprocess.run([sys.executable, "-c", code, "999999999"], timeout=60)
+    assert gone.returncode == 0  # ended by the watch, long before its sleep
+    alive = subprocess.Popen([sys.executable, "-c", code, str(os.getpid())])
+    try:
+        time.sleep(3)
+        assert alive.poll() is None  # its daemon (this process) is here: it stays
+    finally:
+        alive.kill()
+        alive.wait(10)
