@@ -39,12 +39,14 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                             help="iterations per random plan")
         parser.add_argument("--ranks", type=integer(2), default=2, metavar="N")
         parser.add_argument("--seed", type=integer(), default=0)
-        parser.add_argument("--tolerance", type=number(), default=None,
+        parser.add_argument("--tolerance", type=number(-1e9), default=None,
                             help="largest difference allowed: absolute, default 1e-9 "
                                  "(float64, beyond each tensor's rounding-noise floor: "
                                  "docs/trainer.md); under --dtype bfloat16/float16 the relative "
                                  "difference from plain float32 (default 0.1 / 0.05; the "
-                                 "check against the same precision in one process keeps 0.5)")
+                                 "check against the same precision in one process keeps 0.5); "
+                                 "a negative one fails every comparison (to see what the "
+                                 "report names)")
         parser.add_argument("--dtype", choices=("float64", "bfloat16", "float16"),
                             default="float64",
                             help="float64: exact check; bfloat16/float16: the ranks run mixed "
