@@ -333,8 +333,10 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         md = context.invocation_metadata()
         owner = None if self.auth.is_cluster(md) else self.auth.owner(md)
         nodes, links = node_views(self.plane, owner, request.links)
-        if request.page_token:
-            nodes = [n for n in nodes if n.agent.host > request.page_token]  # name order
+        if request.page_token:  # name order; links go with the page of their host
+            nodes = [n for n in nodes if n.agent.host > request.page_token]
+            listed = {n.agent.host for n in nodes}
+            links = [(host, link) for host, link in links if host in listed]
         resp = convert.nodes_to_proto(nodes, links, int(time.time() * 1000))
         by_host: dict[str, list[cluster_pb2.LinkStatus]] = {}
         for link in resp.links:
