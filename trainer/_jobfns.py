@@ -845,11 +845,15 @@ def mobile_tiny() -> dict[str, Any]:
 class Drowsy(nn.Module):
     """A linear layer that sleeps ``sleep_s`` in each forward on rank 0 once the process has
     called forward on it (or a copy) ``after`` times: a device that slows down after the
-    job measured its layers on Attach, as another job arriving on it would make it."""
+    job measured its layers on Attach, as another job arriving on it would make it.
+
+    ``sleep_s`` is 16 ms: with 4 ms, a CI machine whose two cores were busy while the ranks
+    timed their layers at Attach measured them so slowly that rank 0's stage ran only 2.8x
+    its measurement (the test wants a slowdown it cannot mistake for noise)."""
 
     calls = 0
 
-    def __init__(self, width: int, after: int = 40, sleep_s: float = 0.004) -> None:
+    def __init__(self, width: int, after: int = 40, sleep_s: float = 0.016) -> None:
         super().__init__()
         self.fc, self.after, self.sleep_s = nn.Linear(width, width), after, sleep_s
 
