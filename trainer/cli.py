@@ -172,6 +172,9 @@ def run(args: argparse.Namespace) -> int:
                          f"{args.ranks * RANK_BYTES / 2**30:.1f} GiB (at least "
                          f"{RANK_BYTES // 2**20} MiB each); {available / 2**30:.1f} GiB is "
                          "available here")
+        from .forkserver import start_early
+
+        start_early()  # its torch import overlaps this process's own (check imports torch)
         from .check import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,

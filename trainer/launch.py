@@ -2,7 +2,7 @@
 
 Production jobs use ``torchrun``; this starts N real subprocesses on a free
 port with a hard deadline, so nothing that calls it can hang (forked from a
-server that imported torch once: :func:`_start_method`).
+server that imported torch once: :mod:`hetpilot.trainer.forkserver`).
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from .forkserver import start_method
 
 __all__ = ["free_port", "init_local", "spawn"]
 
@@ -41,24 +43,6 @@ def init_local(rank: int, world: int, port: int, timeout_s: float = 60.0) -> Non
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
     )
-
-
-PRELOAD = ["torch", "hetpilot.trainer.runtime"]
-"""What the fork server imports once, so that each rank starts without importing torch."""
-
-
-def _start_method() -> str:
-    """``forkserver`` where there is one (Linux), with torch and the runtime preloaded: each
-    rank forks from a process that imported them once (per calling process) instead of
-    importing them itself, about 2.5 s of CPU per rank here, which halved a 3-rank
-    train-check of a tiny job (7.5 to 3.9 s). The server has run no torch op, so forking
-    it is safe (no thread pool yet). Elsewhere ``spawn``."""
-    import multiprocessing
-
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return "spawn"
-    multiprocessing.set_forkserver_preload(PRELOAD)
-    return "forkserver"
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...],
@@ -115,7 +99,7 @@ def _root_cause(ctx: Any, failed: int) -> mp.ProcessRaisedException | None:
 def spawn(fn: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float) -> None:
     """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise if any fails or time runs out."""
     port = free_port()
-    method = _start_method()
+    method = start_method()
     ctx = mp.start_processes(
         _entry, args=(fn, world, port, args, dict(os.environ)), nprocs=world, join=False,
         start_method=method,
