@@ -843,31 +843,44 @@ def mobile_tiny() -> dict[str, Any]:
 
 
 class Drowsy(nn.Module):
-    """A linear layer that sleeps ``sleep_s`` in each forward on rank 0 once the process has
-    called forward on it (or a copy) ``after`` times: a device that slows down after the
-    job measured its layers on Attach, as another job arriving on it would make it.
+    """A linear layer on two unequal devices, one of which slows down after Attach.
 
-    ``sleep_s`` is 16 ms: with 4 ms, a CI machine whose two cores were busy while the ranks
-    timed their layers at Attach measured them so slowly that rank 0's stage ran only 2.8x
-    its measurement (the test wants a slowdown it cannot mistake for noise)."""
+    Rank 1 sleeps ``steady_s`` in every forward, Attach's measurement included: its device
+    is the slower one when the job starts, so the first plans put the work on rank 0. Rank
+    0 sleeps ``sleep_s`` in each forward once the process has called forward on it (or a
+    copy) ``after`` times: its device slows down after the job measured its layers, as
+    another job arriving on it would make it, and becomes the slower one by far.
+
+    Why these figures: Attach calls forward 9 times (the profile, the layer timing, the
+    preflight), so with ``after`` 12 the slowdown starts in the trainer's first slot, which
+    the calibration does not count. With two equal devices (and 40), a busy machine's
+    measurements decided where the first plans put the work: a plan on rank 1 alone left
+    rank 0 nothing to slow down in, in 3 runs of 6. ``sleep_s`` is 16 ms: with 4 ms, a CI
+    machine whose two cores were busy while the ranks timed their layers measured them so
+    slowly that rank 0's stage ran only 2.8x its measurement."""
 
     calls = 0
 
-    def __init__(self, width: int, after: int = 40, sleep_s: float = 0.016) -> None:
+    def __init__(self, width: int, after: int = 12, sleep_s: float = 0.016,
+                 steady_s: float = 0.002) -> None:
         super().__init__()
-        self.fc, self.after, self.sleep_s = nn.Linear(width, width), after, sleep_s
+        self.fc, self.after = nn.Linear(width, width), after
+        self.sleep_s, self.steady_s = sleep_s, steady_s
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         Drowsy.calls += 1
-        if Drowsy.calls > self.after and dist.is_initialized() and dist.get_rank() == 0:
+        rank = dist.get_rank() if dist.is_initialized() else None
+        if rank == 1:
+            time.sleep(self.steady_s)
+        elif rank == 0 and Drowsy.calls > self.after:
             time.sleep(self.sleep_s)
         return torch.tanh(self.fc(x))
 
 
 def drowsy_tiny() -> dict[str, Any]:
-    """Rank 0's device slows down 10x or more after Attach (:class:`Drowsy`): the stage
-    timings disagree with the layer times it measured, and the trainer corrects them
-    (:mod:`hetpilot.trainer.calibration`)."""
+    """Rank 0's device, the faster at Attach, slows down well past rank 1's after it
+    (:class:`Drowsy`): the stage timings disagree with the layer times it measured, and
+    the trainer corrects them (:mod:`hetpilot.trainer.calibration`)."""
     torch.manual_seed(26)
     gen = torch.Generator().manual_seed(26)
     x, y = torch.randn(64, 8, generator=gen), torch.randn(64, 2, generator=gen)

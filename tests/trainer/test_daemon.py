@@ -318,7 +318,8 @@ def test_source_finish_reports_the_outcome_unless_torchrun_restarts(
 @pytest.mark.timeout(120)
 def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
         daemon: Daemon, tmp_path: Path) -> None:
-    """Rank 0's device slows down 10x and more after Attach (``_jobfns:drowsy_tiny``): rank 0
+    """Rank 0's device, the faster at Attach, slows down 8x past rank 1's after it
+    (``_jobfns:drowsy_tiny``): rank 0
     sees its stage timings disagree with its layer times for three slots and sends them
     again, scaled; the daemon plans with the new ones and moves the job off that device.
     The job gives no ``sample``: the trainer profiles and times it on the dataset's first
@@ -329,7 +330,7 @@ def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
     assert daemon.job(job_id).model_name == "drowsy_tiny"
     factors = [float(line.split(" were ")[1].split("x ")[0]) for line in outs[0][1].splitlines()
                if line.startswith("hetpilot: rank 0's stage timings were")]
-    assert factors and max(factors) > 3, outs[0][1][-3000:]
+    assert factors and max(factors) > 3, outs[0][1][-3000:] + outs[0][0][-3000:]
     store = SqliteStore(daemon.state / "state.db")
     try:
         measured = {m.device_id: m for m in store.measurements(job_id)}
