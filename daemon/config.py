@@ -13,6 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from hetpilot.client.channel import check_token
+
 from hetpilot.addresses import check_address
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
@@ -70,10 +72,13 @@ class AuthConfig:
         for owner, token in self.owner_tokens.items():
             if not isinstance(token, str) or len(token) < 8:
                 raise ConfigError(f"auth.owner_tokens.{owner}: token must be >= 8 characters")
+            _check_header_safe(token, f"auth.owner_tokens.{owner}")
         if len(set(self.owner_tokens.values())) != len(self.owner_tokens):
             raise ConfigError("auth.owner_tokens: two owners share a token")
         if self.cluster_token and len(self.cluster_token) < 8:
             raise ConfigError("auth.cluster_token: must be >= 8 characters")
+        if self.cluster_token:
+            _check_header_safe(self.cluster_token, "auth.cluster_token")
 
     def resolved(self) -> AuthConfig:
         """Read the token files into the inline fields."""
@@ -81,9 +86,16 @@ class AuthConfig:
         if self.owner_tokens_file:
             try:
                 with open(self.owner_tokens_file, "rb") as fh:
-                    owners.update({str(k): str(v) for k, v in tomllib.load(fh).items()})
+                    read = tomllib.load(fh)
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(f"auth.owner_tokens_file: {exc}") from None
+            for owner, token in read.items():
+                where = f"auth.owner_tokens_file {self.owner_tokens_file}: {owner}"
+                if not isinstance(token, str):
+                    raise ConfigError(f"{where}: the token must be a string, got "
+                                      f"{type(token).__name__}")
+                _check_header_safe(token, where)
+                owners[owner] = token
         cluster = self.cluster_token
         if not cluster and self.cluster_token_file:
             try:
@@ -93,6 +105,7 @@ class AuthConfig:
             if not lines:
                 raise ConfigError(f"auth.cluster_token_file: {self.cluster_token_file} is empty")
             cluster = lines[0].strip()
+            _check_header_safe(cluster, f"auth.cluster_token_file {self.cluster_token_file}")
         # the checks of __post_init__ again, on the tokens read from the files
         resolved = replace(self, owner_tokens=owners, cluster_token=cluster,
                            owner_tokens_file="", cluster_token_file="")
@@ -100,6 +113,20 @@ class AuthConfig:
             raise ConfigError("auth: an owner token equals the cluster token (agents and "
                               "trainers would act as that owner); give each its own")
         return resolved
+
+
+def _check_header_safe(token: str, key: str) -> None:
+    """A token no client can send is refused when the daemon starts, naming ``key``: a
+    character outside printable ASCII (gRPC metadata cannot carry it, so every call with
+    it fails), or a space at either end (clients and the daemon strip what they send and
+    receive, so it would never match)."""
+    try:
+        check_token(token, key)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    if token != token.strip():
+        raise ConfigError(f"{key}: the token begins or ends with a space; clients strip "
+                          "it, so no call would match it")
 
 
 @dataclass(frozen=True, kw_only=True)

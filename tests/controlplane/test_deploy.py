@@ -17,7 +17,7 @@ import pytest
 from hetpilot.agents.config import ConfigError as AgentConfigError
 from hetpilot.agents.config import load_agent_config, parse_emulate
 from hetpilot.client.cli import job_request_from_toml
-from hetpilot.daemon.config import ConfigError, load_daemon_config
+from hetpilot.daemon.config import AuthConfig, ConfigError, load_daemon_config
 
 pytestmark = pytest.mark.timeout(60)
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
@@ -59,6 +59,11 @@ def test_config_validation(tmp_path: Path) -> None:
     ('[auth]\nowner_tokens = "x"\n', "auth.owner_tokens: must be a table"),
     ("[auth.owner_tokens]\nalice = 12345678\n", "auth.owner_tokens: must be a table"),
     ("[tls]\ncert_file = 1\nkey_file = 2\n", "tls.cert_file: must be a string"),
+    # a token no client could send (gRPC metadata is printable ASCII; clients strip it)
+    ('[auth]\ncluster_token = "clüstertoken"\n', "auth.cluster_token: the token has a character"),
+    ('[auth.owner_tokens]\nalice = "alice\\u001b[31mtoken"\n',
+     "auth.owner_tokens.alice: the token has a character a gRPC header cannot carry ('\\x1b')"),
+    ('[auth]\ncluster_token = "clustertoken "\n', "auth.cluster_token: the token begins or ends"),
     ("[daemon]\n[daemon.auth]\nallow_unauthenticated = true\n", "daemon.auth: give it as"),
     # the agent's config, by the same rule
     ('[agent]\nlaunch = "no"\n', "agent.launch: must be true or false"),
@@ -77,6 +82,26 @@ def test_config_values_of_the_wrong_type_are_refused_by_name(
             load_agent_config(cfg, daemon="head:7070")
         else:
             load_daemon_config(cfg)
+
+
+def test_tokens_read_from_files_are_checked_naming_the_file(tmp_path: Path) -> None:
+    """The token files' tokens get the inline tokens' checks when the daemon reads them
+    (``AuthConfig.resolved``), each naming its file; before, an owner file's integer
+    became a token and a non-ASCII one failed every call of its owner."""
+    owners = tmp_path / "owners.toml"
+    cluster = tmp_path / "cluster.token"
+    for text, message in [('alice = 12345678\n', "alice: the token must be a string, got int"),
+                          ('alice = "alicé-token"\n', "alice: the token has a character")]:
+        owners.write_text(text)
+        with pytest.raises(ConfigError, match=re.escape(f"{owners}: {message}")):
+            AuthConfig(owner_tokens_file=str(owners)).resolved()
+    cluster.write_text("tökenofthecluster\n")
+    with pytest.raises(ConfigError, match=re.escape(f"auth.cluster_token_file {cluster}: ")):
+        AuthConfig(cluster_token_file=str(cluster)).resolved()
+    owners.write_text('alice = "alice-token"\n')
+    cluster.write_text("cluster-token\n# a comment\n")
+    got = AuthConfig(owner_tokens_file=str(owners), cluster_token_file=str(cluster)).resolved()
+    assert got.owner_tokens == {"alice": "alice-token"} and got.cluster_token == "cluster-token"
 
 
 def test_a_config_file_that_is_not_utf8_is_refused_naming_it(tmp_path: Path) -> None:
