@@ -128,7 +128,13 @@ def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> lis
     The weight that ``torch.nn.utils.weight_norm`` (the hook API, common in vocoders) keeps
     as a plain attribute is a non-leaf tensor, which ``deepcopy`` refuses; its hook computes
     it again before every forward, so the copy takes it detached. Any other non-leaf
-    tensor attribute is refused by name."""
+    tensor attribute is refused by name.
+
+    ``deepcopy`` drops a parameter's own hooks (``Tensor.register_hook``,
+    ``register_post_accumulate_grad_hook``): each copy gets its original's again, so the
+    pre-flight and the profile run the backward the ranks run (a gradient clamp, a hook
+    that raises). A hook closing over the original parameter or module still acts on
+    those; only the hook objects are shared."""
     import copy
 
     memo = {} if memo is None else memo
@@ -144,7 +150,21 @@ def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> lis
             if not q.is_leaf:
                 q.detach_()
                 q.requires_grad_(p.requires_grad)
+            _copy_parameter_hooks(p, q)
     return copies
+
+
+def _copy_parameter_hooks(original: torch.Tensor, copy: torch.Tensor) -> None:
+    """Register ``original``'s gradient hooks on ``copy`` (see :func:`copy_layers`), once:
+    a parameter shared by several layers, or met again through a shared memo, already
+    has them."""
+    if original is copy or copy._backward_hooks or getattr(
+            copy, "_post_accumulate_grad_hooks", None):
+        return
+    for hook in (original._backward_hooks or {}).values():
+        copy.register_hook(hook)
+    for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
+        copy.register_post_accumulate_grad_hook(hook)
 
 
 def _detach_hook_computed(layer: nn.Module, index: int, memo: dict[int, Any]) -> None:

@@ -469,6 +469,25 @@ def test_a_backward_depending_on_the_microbatch_gets_a_note() -> None:
     assert len(notes) == 1 and "and so do its outputs: a layer computes" in notes[0]
 
 
+def test_parameter_hooks_run_in_the_preflight() -> None:
+    """A gradient hook on a parameter (``Tensor.register_hook``) is lost in a deep copy, and
+    the pre-flight runs copies: an element-wise clamp, which makes the gradient depend on
+    the microbatch, got no note, and a hook that raises reached the ranks as a traceback."""
+    clamped = nn.Linear(4, 4)
+    clamped.weight.register_hook(lambda g: g.clamp(-1e-3, 1e-3))
+    notes = _run(_spec([clamped, nn.Tanh(), nn.Linear(4, 2)]))
+    assert len(notes) == 1 and "gradients depend on how samples are grouped" in notes[0]
+    assert "item 0 (Linear) 'weight'" in notes[0]
+
+    def refuse(_: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("this hook refuses every gradient")
+
+    raising = nn.Linear(4, 2)
+    raising.bias.register_hook(refuse)
+    with pytest.raises(ValidationError, match=r"\['layers'\].*this hook refuses"):
+        _run(_spec([nn.Linear(4, 4), nn.Tanh(), raising]))
+
+
 def test_a_loss_module_is_cast_as_the_layers_and_class_weights_get_the_note() -> None:
     """``nn.CrossEntropyLoss(weight=w)`` holds a float32 buffer: the loss module is cast to
     the run's dtype as the layers are (it used to be refused in a float64 check, the kernel

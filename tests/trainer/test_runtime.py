@@ -167,6 +167,23 @@ def test_copies_of_an_old_weight_norm_layer_compute_what_it_computes() -> None:
         copy.deepcopy(layer)
 
 
+def test_copies_of_a_layer_keep_its_parameters_gradient_hooks() -> None:
+    # deepcopy drops them: the pre-flight and the profile ran a backward without the
+    # job's gradient clamp (so its note never came) or its raising hook
+    from hetpilot.trainer.runtime import copy_layers
+    from torch import nn
+
+    layer, accumulated = nn.Linear(3, 2), []
+    layer.weight.register_hook(lambda g: g.clamp(-0.01, 0.01))
+    layer.bias.register_post_accumulate_grad_hook(lambda p: accumulated.append(p.grad.clone()))
+    first, again = copy_layers([layer, layer])  # one layer twice: one copy, hooks once
+    assert first is again and len(first.weight._backward_hooks) == 1
+    first(torch.randn(4, 3) * 100).sum().backward()
+    assert first.weight.grad is not None and first.weight.grad.abs().max() <= 0.01
+    assert len(accumulated) == 1 and torch.equal(accumulated[0], first.bias.grad)
+    assert layer.weight.grad is None  # the original is left alone
+
+
 def test_a_layer_keeping_a_computed_tensor_is_refused_naming_it() -> None:
     from hetpilot.trainer.runtime import copy_layers
     from torch import nn
