@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The test command (README, .ci/run): set up .venv if needed, lint, type-check,
-# check generated protobuf code for drift, run the test suite.
+# The test command (README, .ci/run): set up .venv if needed, lint, check generated
+# protobuf code for drift, run the test suite with the type-check beside it.
 # Extra arguments go to pytest, e.g. scripts/test.sh -k planner -x
 #
 # The tests run on HETPILOT_TEST_WORKERS pytest-xdist workers (default 2; 0 runs them
@@ -14,11 +14,23 @@ export PATH="$PWD/$VENV/bin:$PATH"
 
 echo "== ruff"
 ruff check .
-echo "== mypy"
-bash scripts/typecheck.sh
 if [ -x scripts/gen_proto.sh ]; then
   echo "== protobuf drift"
   bash scripts/gen_proto.sh --check
 fi
-echo "== pytest"
-python -m pytest -n "${HETPILOT_TEST_WORKERS:-2}" "$@"
+# mypy (about a minute of one core) runs beside the tests; its report follows theirs
+mypy_log=$(mktemp)
+trap 'rm -f "$mypy_log"' EXIT
+bash scripts/typecheck.sh > "$mypy_log" 2>&1 &
+mypy_pid=$!
+echo "== pytest (mypy beside it)"
+tests=0
+python -m pytest -n "${HETPILOT_TEST_WORKERS:-2}" "$@" || tests=$?
+echo "== mypy"
+mypy=0
+wait "$mypy_pid" || mypy=$?
+cat "$mypy_log"
+if [ "$tests" -ne 0 ] || [ "$mypy" -ne 0 ]; then
+  echo "scripts/test.sh: failed (pytest exit $tests, mypy exit $mypy)" >&2
+  exit 1
+fi
