@@ -17,6 +17,13 @@ SPIN = ("import sys, time\nt = time.time()\nwhile time.time() - t < 1.0: pass\n"
         "print('done', flush=True)\nsys.stdin.read()")
 
 
+def _own_cpu_s() -> float:
+    """CPU seconds of this process, every thread (a test worker may keep threads of
+    earlier tests, e.g. gRPC's, which the meter counts as the reader's own)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
 def _spin_child(marker: str, meter: CpuMeter) -> tuple[float, float, CpuStats]:
     """Run a child whose command line carries ``marker`` busy for 1 s; read
     ``meter`` once it is done but still alive. Returns the child's CPU
@@ -42,9 +49,12 @@ def _cpus() -> int:
 
 
 def test_a_foreign_busy_process_is_colocated_load() -> None:
-    _, _, stats = _spin_child("some-other-job", CpuMeter(job_pattern="hetpilot-test-job-xyz"))
+    own = _own_cpu_s()
+    _, wall, stats = _spin_child("some-other-job", CpuMeter(job_pattern="hetpilot-test-job-xyz"))
+    own_share = (_own_cpu_s() - own) / (wall * _cpus())
     # all of the child's work is someone else's: only the reader's own time is taken out
-    assert stats.utilization - stats.colocated_load < 0.1
+    # (an absolute 0.1 failed once when both cores were busy: 1.0 against 0.899)
+    assert stats.utilization - stats.colocated_load < own_share + 0.1
     assert stats.colocated_load > 0.2 / _cpus()
 
 
