@@ -835,8 +835,10 @@ def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
                "BatchNorm, routing or quantising by them)")
     else:
         why = ("although its outputs and the loss, a mean over samples, agree: a backward "
-               "normalises over the microbatch (Embedding(scale_grad_by_freq=True) divides "
-               "a row's gradient by its count in the microbatch)")
+               "works on the microbatch's gradient as a whole (Embedding(scale_grad_by_freq="
+               "True) divides a row's gradient by its count in the microbatch; a gradient "
+               "hook that clamps or normalises sees one microbatch's gradient, not the "
+               "batch's)")
     return (f"the gradients depend on how samples are grouped into microbatches: {where}, "
             f"{why}. Every plan trains on microbatches of {m}, so training depends on the "
             "microbatch size; train-check compares like with like. See docs/trainer.md, "
