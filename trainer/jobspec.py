@@ -26,6 +26,16 @@ from hetpilot.planner.errors import ValidationError
 __all__ = ["TRAIN_KEYS", "load_job"]
 
 TRAIN_KEYS = ("layers", "loss", "optimizer", "dataset", "global_batch")
+OPTIONAL_KEYS = ("microbatch_size", "sample", "eval_dataset", "metric")
+"""The other keys a job function's dict may have (docs/trainer.md)."""
+
+HINTS = {
+    "scheduler": "have the optimizer factory return an optimizer whose step() also steps "
+                 "the scheduler and whose state_dict() holds both states, as layers move "
+                 "between ranks with their optimizer's state_dict (docs/trainer.md, "
+                 "'Optimizer')",
+}
+"""Why a key that users reach for is not one, and what to do instead."""
 
 
 def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> dict[str, Any]:
@@ -47,8 +57,28 @@ def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> d
     missing = [k for k in required if k not in spec]
     if missing:
         raise ValidationError(field, f"{target}() returned no {', '.join(map(repr, missing))}")
+    _check_keys(spec, f"{field}: {target}()")
     _check_values(spec, f"{field}: {target}()")
     return spec
+
+
+def _check_keys(spec: dict[str, Any], where: str) -> None:
+    """A key the trainer does not read is refused, naming it: a misspelt
+    ``micro_batch_size`` or a ``scheduler`` would otherwise be ignored without a word."""
+    import difflib
+
+    known = (*TRAIN_KEYS, *OPTIONAL_KEYS)
+    for key in spec:
+        if key in known:
+            continue
+        name = key if isinstance(key, str) else repr(key)
+        hint = HINTS.get(name.rstrip("s").removeprefix("lr_")) if isinstance(key, str) else None
+        if hint is None:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+            hint = f"did you mean {close[0]!r}?" if close else \
+                f"the keys are {', '.join(known)}"
+        raise ValidationError(f"{where}['{name}']",
+                              f"is not a key the trainer reads, so it would be ignored; {hint}")
 
 
 def _positive_int(value: Any) -> TypeGuard[int]:

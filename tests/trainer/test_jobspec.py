@@ -69,6 +69,9 @@ JOBS = textwrap.dedent('''
     def learned_loss(): return job(loss=Tempered())
     def frozen_loss(): return job(loss=Tempered(learn=False))
     def weighted_loss(): return job(loss=nn.CrossEntropyLoss(weight=torch.ones(2)))
+    def misspelt_micro(): return job(micro_batch_size=2)
+    def lr_scheduler(): return job(lr_scheduler=lambda opt: None)
+    def unknown_key(): return job(clip_norm=1.0)
 ''')
 
 
@@ -98,6 +101,10 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("function_layer", "layers", "takes an argument"),
     ("builtin_layer", "layers", "item 1 (_VariableFunctionsClass.tanh) takes an argument"),
     ("learned_loss", "loss", "Tempered has parameters that require grad (log_t)"),
+    # a key the trainer does not read was ignored without a word
+    ("misspelt_micro", "micro_batch_size", "would be ignored; did you mean 'microbatch_size'?"),
+    ("lr_scheduler", "lr_scheduler", "whose step() also steps the scheduler"),
+    ("unknown_key", "clip_norm", "the keys are layers, loss, optimizer, dataset"),
 ])
 def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
                                                words: str) -> None:
