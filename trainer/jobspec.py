@@ -14,6 +14,7 @@ This module imports no torch: the CLI loads jobs with it.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 import inspect
 import os
@@ -65,14 +66,12 @@ def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> d
 def _check_keys(spec: dict[str, Any], where: str) -> None:
     """A key the trainer does not read is refused, naming it: a misspelt
     ``micro_batch_size`` or a ``scheduler`` would otherwise be ignored without a word."""
-    import difflib
-
     known = (*TRAIN_KEYS, *OPTIONAL_KEYS)
     for key in spec:
         if key in known:
             continue
         name = key if isinstance(key, str) else repr(key)
-        hint = HINTS.get(name.rstrip("s").removeprefix("lr_")) if isinstance(key, str) else None
+        hint = HINTS.get(name.removeprefix("lr_").rstrip("s"))  # lr_scheduler, schedulers
         if hint is None:
             close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else \

@@ -154,17 +154,17 @@ def copy_layers(specs: Sequence[Any], memo: dict[int, Any] | None = None) -> lis
     return copies
 
 
-def _copy_parameter_hooks(original: torch.Tensor, copy: torch.Tensor) -> None:
-    """Register ``original``'s gradient hooks on ``copy`` (see :func:`copy_layers`), once:
-    a parameter shared by several layers, or met again through a shared memo, already
-    has them."""
-    if original is copy or copy._backward_hooks or getattr(
-            copy, "_post_accumulate_grad_hooks", None):
+def _copy_parameter_hooks(original: torch.Tensor, dup: torch.Tensor) -> None:
+    """Register ``original``'s gradient hooks on its copy ``dup`` (see :func:`copy_layers`),
+    once: a parameter shared by several layers, or met again through a shared memo,
+    already has them."""
+    if original is dup or dup._backward_hooks or getattr(
+            dup, "_post_accumulate_grad_hooks", None):
         return
     for hook in (original._backward_hooks or {}).values():
-        copy.register_hook(hook)
+        dup.register_hook(hook)
     for hook in (getattr(original, "_post_accumulate_grad_hooks", None) or {}).values():
-        copy.register_post_accumulate_grad_hook(hook)
+        dup.register_post_accumulate_grad_hook(hook)
 
 
 def _detach_hook_computed(layer: nn.Module, index: int, memo: dict[int, Any]) -> None:
