@@ -56,6 +56,7 @@ class Agent:
         self.reports_acked = 0
         self.connections = 0
         self._seq = 0
+        self._registration = ""  # RegisterResponse.registration, sent with each report
         self._cpu: CpuMeter | None = None  # a CPU host's load between reports
         self._md = metadata(config.cluster_token())
         # EMULATED conditions (off unless configured): see hetpilot.emulation
@@ -80,7 +81,7 @@ class Agent:
     def register_request(self) -> agent_pb2.RegisterRequest:
         return agent_pb2.RegisterRequest(
             host=self.config.host, probe_address=self.probe_address, agent_version="1",
-            launches=self.launcher is not None,
+            launches=self.launcher is not None, registration=self._registration,
             devices=[agent_pb2.DeviceInfo(
                 index=d.index, name=d.name, kind=_KIND[d.kind], tflops=d.tflops,
                 memory_gb=d.memory_total_gb, price_per_hour=d.price_per_hour,
@@ -118,7 +119,7 @@ class Agent:
             reason=why[:2000], rdzv_port_busy=port) for i, job, port, why in refusals]
         return agent_pb2.AgentReport(
             agent_id=self.config.host, seq=self._seq, unix_ms=int(time.time() * 1000),
-            launches=launches,
+            registration=self._registration, launches=launches,
             logs=[agent_pb2.LogChunk(launch_id=i, offset=o, data=d) for i, o, d in chunks],
             devices=[agent_pb2.DeviceReport(
                 index=d.index, tflops=tflops[d.index], memory_total_gb=d.memory_total_gb,
@@ -174,6 +175,7 @@ class Agent:
                 resp = await stub.Register(self.register_request(), metadata=self._md,
                                            timeout=self.config.call_timeout_s)
                 self._set_peers(resp.peers)
+                self._registration = resp.registration
                 self.connections += 1
                 log.info("registered with %s", self.config.daemon)
                 backoff = 0.2

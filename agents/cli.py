@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("no daemon address: pass --daemon or set HETPILOT_ADDRESS")
             config = load_agent_config(args.config, daemon=env, **flags)
         config.cluster_token()
+        from .launcher import lock_state_dir
+        # one agent process per state dir, held until this process ends
+        held = lock_state_dir(config.resolved_state_dir()) if config.launch else None
     except (ConfigError, OSError) as exc:
         print(f"hetpilot agent: error: {exc}", file=sys.stderr)
         return 2
@@ -81,5 +84,9 @@ def run(args: argparse.Namespace) -> int:
                 loop.add_signal_handler(sig, stop.set)
         await Agent(config).run(stop)
 
-    asyncio.run(main())
+    try:
+        asyncio.run(main())
+    finally:
+        if held is not None:
+            held.close()
     return 0

@@ -61,6 +61,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import logging
 import os
@@ -238,6 +239,38 @@ class LaunchState:
         state = cls(dir=directory, **{k: data[k] for k in cls._PERSISTED if k in data})
         state.tree = {int(k): int(v) for k, v in data.get("tree", {}).items()}
         return state
+
+
+class StateDirInUse(OSError):
+    """Another live agent process holds the state directory."""
+
+
+def lock_state_dir(state_dir: Path) -> Any:
+    """Hold ``<state_dir>/agent.lock`` (flock, released when this process ends) and
+    write our pid into it; :class:`StateDirInUse` if another process holds it.
+
+    Two agents on one state directory would both start each ordered launch (each
+    knows only the launch ids it read at its start) and report each other's as
+    unknown. The lock's file descriptor is not inherited by launches, which outlive
+    the agent and must not keep its successor out."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    handle = open(state_dir / "agent.lock", "a+")  # noqa: SIM115 (held for the process)
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        handle.seek(0)
+        holder = handle.read().strip()[:20] or "unknown"
+        handle.close()
+        if exc.errno not in (errno.EAGAIN, errno.EACCES):
+            raise
+        raise StateDirInUse(
+            f"state dir {state_dir}: another hetpilot agent (pid {holder}) uses it; stop "
+            "that agent, or give this one another --state-dir (and --host)") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(f"{os.getpid()}\n")
+    handle.flush()
+    return handle
 
 
 class Launcher:

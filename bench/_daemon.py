@@ -262,12 +262,13 @@ class EmulatedAgents:
             try:
                 async with grpc.aio.insecure_channel(address) as ch:
                     stub = agent_pb2_grpc.AgentServiceStub(ch)
-                    await stub.Register(register_request(host, self.devices, tflops),
-                                        metadata=md, timeout=10)
+                    reg = await stub.Register(register_request(host, self.devices, tflops),
+                                              metadata=md, timeout=10)
                     call = stub.Report(metadata=md)
                     while address == self.address:
                         seq += 1
-                        await call.write(report(host, seq, self.devices, tflops))
+                        await call.write(report(host, seq, self.devices, tflops,
+                                                registration=reg.registration))
                         ack = await asyncio.wait_for(call.read(), 10)
                         if ack is grpc.aio.EOF:  # type: ignore[attr-defined]
                             raise RuntimeError("report stream ended")

@@ -40,8 +40,9 @@ def _register(host: str) -> agent_pb2.RegisterRequest:
         for i in range(2)])
 
 
-def _report(host: str, seq: int) -> agent_pb2.AgentReport:
+def _report(host: str, seq: int, registration: str) -> agent_pb2.AgentReport:
     return agent_pb2.AgentReport(agent_id=host, seq=seq, unix_ms=int(time.time() * 1000),
+                                 registration=registration,
                                  devices=[agent_pb2.DeviceReport(index=str(i), tflops=50.0,
                                                                  memory_total_gb=80.0,
                                                                  memory_free_gb=60.0,
@@ -58,7 +59,8 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
     the first seconds after the registration storm from the steady state."""
     md = metadata(TOKEN)
     try:
-        await stub.Register(_register(host), metadata=md, timeout=60)
+        registration = (await stub.Register(_register(host), metadata=md,
+                                            timeout=60)).registration
     except grpc.aio.AioRpcError as exc:
         out["register_failed"].append(exc.code().name)
         return
@@ -73,7 +75,7 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
             t0 = time.perf_counter()
             sent_at = time.monotonic() - start
             out["sent"] += 1
-            await call.write(_report(host, seq))
+            await call.write(_report(host, seq, registration))
             ack = await asyncio.wait_for(call.read(), 10)
             if ack is grpc.aio.EOF or ack.seq != seq:
                 break

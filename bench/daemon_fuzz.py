@@ -460,6 +460,8 @@ class Fuzzer:
         self.sweep_total = 0
         self.sweep_left = 0
         self._leaves: dict[str, list[Leaf]] = {}
+        self.registrations: dict[str, str] = {}
+        """The latest registration of each fuzz host (valid reports and heartbeats carry it)."""
 
     # base requests: valid ones, given what exists now
     def base(self, rpc: Rpc) -> list[Message]:
@@ -486,9 +488,12 @@ class Fuzzer:
             return [register_request(rng.choice(FUZZ_HOSTS), 2)]
         if name.endswith("AgentService/Report"):
             host = rng.choice(FUZZ_HOSTS)
-            return [report(host, self._seq * 4 + i, 2) for i in range(rng.randint(1, 3))]
+            return [report(host, self._seq * 4 + i, 2, registration=self.registrations.get(
+                host, "")) for i in range(rng.randint(1, 3))]
         if name.endswith("AgentService/Heartbeat"):
-            return [agent_pb2.HeartbeatRequest(agent_id=rng.choice(FUZZ_HOSTS + EMU_HOSTS))]
+            host = rng.choice(FUZZ_HOSTS + EMU_HOSTS)
+            return [agent_pb2.HeartbeatRequest(agent_id=host,
+                                               registration=self.registrations.get(host, ""))]
         if name.endswith("TrainerService/Attach"):
             job = rng.choice(self.pending_jobs or valid_ids)
             return [trainer_pb2.AttachRequest(job_id=job, rank=0, world_size=1,
@@ -538,6 +543,12 @@ class Fuzzer:
         after: Callable[[bytes], None] | None = None
         if rpc.path.endswith("JobService/SubmitJob") and token_kind == "right":
             after = self._submitted
+        if rpc.path.endswith("AgentService/Register"):
+            host = msgs[target].host  # type: ignore[attr-defined]
+
+            def after(data: bytes, host: str = host) -> None:
+                self.registrations[host] = agent_pb2.RegisterResponse.FromString(
+                    data).registration
         req: Any = msgs[target]
         if rpc.path.endswith("TrainerService/Attach") and req.model_json:
             job = req.job_id

@@ -155,6 +155,11 @@ class ControlPlane:
         self.started_ms = _now_ms()
         self._since: dict[str, int] = dict.fromkeys(self._agents, self.started_ms)
         self._heard_ms: dict[str, int] = {}
+        # each host's latest registration (RegisterResponse.registration; lost on a
+        # restart, when every agent's stream breaks and it registers again) and the
+        # report streams open under each registration
+        self._registration: dict[str, str] = {}
+        self._streams: dict[tuple[str, str], int] = {}
         self.membership_epoch = 0
         self._peers_cache: dict[str, tuple[tuple[str, str], ...]] = {}
         self._ring: tuple[list[str], dict[str, int]] | None = None
@@ -456,7 +461,10 @@ class ControlPlane:
 
     # -- agents -------------------------------------------------------------
 
-    def register(self, agent: AgentRecord) -> tuple[tuple[str, str], ...]:
+    def register(self, agent: AgentRecord, previous: str = ""
+                 ) -> tuple[tuple[tuple[str, str], ...], str]:
+        """Register ``agent``: its peers and its new registration. ``previous`` is the
+        registration this agent process was given last (RegisterRequest.registration)."""
         known = self._agents.get(agent.host)
         if (known is not None and agent.host in self._up
                 and _machine(known.probe_address) != _machine(agent.probe_address)):
@@ -472,6 +480,19 @@ class ControlPlane:
                 f"{agent.probe_address or '(none)'}: give this agent another --host, or stop "
                 f"the other (it is down {self.config.heartbeat_timeout_s:g} s after its "
                 "last report)")
+        current = self._registration.get(agent.host, "")
+        if current and previous != current and self._streams.get((agent.host, current)):
+            heard = (_now_ms() - self._heard_ms.get(agent.host, 0)) / 1000
+            if heard < self.config.heartbeat_timeout_s:
+                # a second agent process under the same name on the same machine
+                # (another user's, another state directory): both would report the
+                # host, take its launch orders and count each other's launches as ended
+                raise FailedPrecondition(
+                    f"host {agent.host!r} has a connected agent (its report stream is open, "
+                    f"heard {heard:.1f} s ago): a second agent under the same name? Stop "
+                    "one, or give it another --host; a restarted agent is taken once the "
+                    f"old one's stream closes or {self.config.heartbeat_timeout_s:g} s "
+                    "after its last report")
         agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
                             devices=agent.devices, registered_ms=int(time.time() * 1000),
                             launches=agent.launches)
@@ -492,7 +513,8 @@ class ControlPlane:
         if changed:
             self._membership_changed()
         self.launches.try_pending()
-        return self.peers(agent.host)
+        registration = self._registration[agent.host] = uuid.uuid4().hex
+        return self.peers(agent.host), registration
 
     def _seen(self, host: str, joined: bool = False) -> None:
         self._last_seen[host] = self.clock()
@@ -505,10 +527,35 @@ class ControlPlane:
             self._membership_changed()
             self._wake_idle()
 
-    def report(self, report: AgentReport) -> tuple[tuple[str, str], ...]:
-        agent = self._agents.get(report.agent_id)
+    def _registered(self, host: str, registration: str) -> AgentRecord:
+        """The agent record of ``host``, if ``registration`` is its latest."""
+        agent = self._agents.get(host)
         if agent is None:
-            raise NotFound(f"agent {report.agent_id!r} is not registered")
+            raise NotFound(f"agent {host!r} is not registered")
+        current = self._registration.get(host)
+        if registration != current:
+            why = ("carries no registration (RegisterResponse.registration)" if not registration
+                   else "is under a registration the daemon does not know (it restarted)"
+                   if current is None else "is under an older registration: another Register "
+                   "of the host came since (a second agent under the same name?)")
+            raise FailedPrecondition(f"this message for host {host!r} {why}: register again")
+        return agent
+
+    def stream_opened(self, host: str, registration: str) -> None:
+        """A report stream began reporting ``host`` under ``registration``."""
+        key = (host, registration)
+        self._streams[key] = self._streams.get(key, 0) + 1
+
+    def stream_closed(self, host: str, registration: str) -> None:
+        key = (host, registration)
+        left = self._streams.get(key, 0) - 1
+        if left > 0:
+            self._streams[key] = left
+        else:
+            self._streams.pop(key, None)
+
+    def report(self, report: AgentReport, registration: str) -> tuple[tuple[str, str], ...]:
+        agent = self._registered(report.agent_id, registration)
         known = {d.index for d in agent.devices}
         for d in report.devices:
             if d.index not in known:
@@ -520,9 +567,8 @@ class ControlPlane:
         self.metrics.reports.inc()
         return self.peers(report.agent_id)
 
-    def heartbeat(self, agent_id: str) -> tuple[tuple[str, str], ...]:
-        if agent_id not in self._agents:
-            raise NotFound(f"agent {agent_id!r} is not registered")
+    def heartbeat(self, agent_id: str, registration: str) -> tuple[tuple[str, str], ...]:
+        self._registered(agent_id, registration)
         self._seen(agent_id)
         return self.peers(agent_id)
 

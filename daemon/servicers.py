@@ -230,39 +230,51 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                        context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
         agent = convert.agent_from_proto(request)
         self._as(agent.host, context)
-        peers = self.plane.register(agent)
+        peers, registration = self.plane.register(
+            agent, convert.label(request.registration, "registration"))
         cfg = self.plane.config
         return agent_pb2.RegisterResponse(
             agent_id=request.host, report_interval_s=cfg.report_interval_s,
-            heartbeat_timeout_s=cfg.heartbeat_timeout_s, peers=convert.peers_to_proto(peers))
+            heartbeat_timeout_s=cfg.heartbeat_timeout_s, peers=convert.peers_to_proto(peers),
+            registration=registration)
 
     @_stream
     async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
         epoch = -1
-        async for request in request_iterator:
-            report = convert.report_from_proto(request)
-            statuses = convert.launches_from_proto(request)
-            chunks = convert.log_chunks_from_proto(request)
-            self._as(report.agent_id, context)
-            peers = self.plane.report(report)
-            ack = agent_pb2.ReportAck(seq=request.seq)
-            if statuses or chunks or self.plane.launches.active():
-                starts, stops = await self.plane.launches.agent_report(
-                    report.agent_id, statuses, chunks)
-                ack.start.extend(convert.order_to_proto(o, self.job_token(o.launch.job_id))
-                                 for o in starts)
-                ack.stop.extend(stops)
-            if epoch != self.plane.membership_epoch:
-                epoch = self.plane.membership_epoch
-                ack.peers.extend(convert.peers_to_proto(peers))
-            yield ack
+        opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
+        try:
+            async for request in request_iterator:
+                report = convert.report_from_proto(request)
+                registration = convert.label(request.registration, "registration")
+                statuses = convert.launches_from_proto(request)
+                chunks = convert.log_chunks_from_proto(request)
+                self._as(report.agent_id, context)
+                peers = self.plane.report(report, registration)
+                if (report.agent_id, registration) not in opened:
+                    opened.add((report.agent_id, registration))
+                    self.plane.stream_opened(report.agent_id, registration)
+                ack = agent_pb2.ReportAck(seq=request.seq)
+                if statuses or chunks or self.plane.launches.active():
+                    starts, stops = await self.plane.launches.agent_report(
+                        report.agent_id, statuses, chunks)
+                    ack.start.extend(convert.order_to_proto(o, self.job_token(o.launch.job_id))
+                                     for o in starts)
+                    ack.stop.extend(stops)
+                if epoch != self.plane.membership_epoch:
+                    epoch = self.plane.membership_epoch
+                    ack.peers.extend(convert.peers_to_proto(peers))
+                yield ack
+        finally:  # the stream ended, or broke: it no longer speaks for its hosts
+            for host, registration in opened:
+                self.plane.stream_closed(host, registration)
 
     @_unary
     async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.HeartbeatResponse:
-        peers = self.plane.heartbeat(self._as(convert.name(request.agent_id, "agent_id"),
-                                              context))
+        peers = self.plane.heartbeat(
+            self._as(convert.name(request.agent_id, "agent_id"), context),
+            convert.label(request.registration, "registration"))
         return agent_pb2.HeartbeatResponse(peers=convert.peers_to_proto(peers))
 
 

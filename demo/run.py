@@ -186,7 +186,7 @@ cluster_token = "{cluster}"
             self.procs.start(f"agent-{h.name}", [
                 PY, "-m", "hetpilot", "agent", "--daemon", self.address, "--host", h.name,
                 "--probe-listen", "127.0.0.1:0", "--token-file", str(self.work / "cluster.token"),
-                "--emulate", spec, "--emulate-file", str(self.emu),
+                "--state-dir", str(self.work / f"agent-{h.name}"), "--emulate", spec, "--emulate-file", str(self.emu),
                 "--link-probe-interval", "600"])
         for name in (f"agent-{h.name}" for h in scenario.HOSTS):
             _wait(lambda: "registered with" in self.procs.log(name),  # noqa: B023 - waited here

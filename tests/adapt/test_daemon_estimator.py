@@ -48,13 +48,14 @@ def _adapter(trees: int = 20) -> Adapter:
     return adapter
 
 
-def _plane() -> ControlPlane:
+def _plane() -> tuple[ControlPlane, dict[str, str]]:
+    """A control plane with hosts h0 and h1, and their registrations."""
     adapter = _adapter()
     plane = ControlPlane(MemoryStore(), DaemonConfig(state_dir="/tmp"), adapter=adapter)
-    for host in ("h0", "h1"):
-        plane.register(AgentRecord(host=host, probe_address="", devices=(
-            DeviceInfo(index="0", name="cpu", kind="cpu", tflops=10.0, memory_gb=16.0),)))
-    return plane
+    regs = {host: plane.register(AgentRecord(host=host, probe_address="", devices=(
+        DeviceInfo(index="0", name="cpu", kind="cpu", tflops=10.0, memory_gb=16.0),)))[1]
+        for host in ("h0", "h1")}
+    return plane, regs
 
 
 def _report(host: str, load: float, seq: int = 1) -> AgentReport:
@@ -66,9 +67,9 @@ def _report(host: str, load: float, seq: int = 1) -> AgentReport:
 
 
 def test_observed_cluster_uses_predicted_speeds() -> None:
-    plane = _plane()
-    plane.report(_report("h0", 0.9))
-    plane.report(_report("h1", 0.0))
+    plane, regs = _plane()
+    plane.report(_report("h0", 0.9), regs["h0"])
+    plane.report(_report("h1", 0.0), regs["h1"])
     by = plane.observed_cluster().by_id
     # the forest predicts slowdown ~ 1 + 3 * 0.9 on h0, ~1 on h1
     assert by["h0:0"].tflops < 4.0
@@ -76,9 +77,9 @@ def test_observed_cluster_uses_predicted_speeds() -> None:
 
 
 def test_stage_timings_feed_the_estimator() -> None:
-    plane = _plane()
-    plane.report(_report("h0", 0.5))
-    plane.report(_report("h1", 0.0))
+    plane, regs = _plane()
+    plane.report(_report("h0", 0.5), regs["h0"])
+    plane.report(_report("h1", 0.0), regs["h1"])
     model_json = (ROOT / "examples" / "model.json").read_text()
     n_layers = len(json.loads(model_json)["layers"])
     rec = plane.store.create_job(JobRecord(

@@ -25,8 +25,11 @@ def register_request(host: str, n: int = 1, tflops: float = 50.0, memory_gb: flo
         for i in range(n)])
 
 
-def report(host: str, seq: int, n: int = 1, tflops: float = 50.0) -> agent_pb2.AgentReport:
+def report(host: str, seq: int, n: int = 1, tflops: float = 50.0,
+           registration: str = "") -> agent_pb2.AgentReport:
+    """A report of ``host``; ``registration`` is its Register's (RegisterResponse)."""
     return agent_pb2.AgentReport(agent_id=host, seq=seq, unix_ms=int(time.time() * 1000),
+                                 registration=registration,
                                  devices=[agent_pb2.DeviceReport(
                                      index=str(i), tflops=tflops, memory_total_gb=80.0,
                                      memory_free_gb=70.0, utilization=0.1, emulated=True)

@@ -21,8 +21,9 @@ def test_default_v_over_grpc_and_back(daemon: RunningDaemon) -> None:
     ch = daemon.channel()
     agents = agent_pb2_grpc.AgentServiceStub(ch)
     jobs = job_pb2_grpc.JobServiceStub(ch)
-    agents.Register(register_request("a", 2), metadata=CLUSTER_MD, timeout=T)
-    list(agents.Report(iter([report("a", 1, 2)]), metadata=CLUSTER_MD, timeout=T))
+    reg = agents.Register(register_request("a", 2), metadata=CLUSTER_MD, timeout=T)
+    list(agents.Report(iter([report("a", 1, 2, registration=reg.registration)]),
+                       metadata=CLUSTER_MD, timeout=T))
     info = jobs.SubmitJob(submit_request(v=0.0, budgets={"price_per_hour": 3.0}),
                           metadata=OWNER_MD, timeout=T)
     assert info.v == 0.0  # stored as "no V given", not replaced by a number

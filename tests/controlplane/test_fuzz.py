@@ -106,8 +106,11 @@ def test_register(fuzz_daemon: RunningDaemon, req: agent_pb2.RegisterRequest) ->
 @given(reqs=st.lists(report, min_size=1, max_size=3))
 def test_report_stream(fuzz_daemon: RunningDaemon, reqs: list[agent_pb2.AgentReport]) -> None:
     stub = agent_pb2_grpc.AgentServiceStub(fuzz_daemon.channel())
-    stub.Register(agent_pb2.RegisterRequest(host="fz", devices=[agent_pb2.DeviceInfo(
-        index="0", kind=1, tflops=1, memory_gb=1)]), metadata=CLUSTER_MD, timeout=5)
+    registration = stub.Register(agent_pb2.RegisterRequest(host="fz", devices=[
+        agent_pb2.DeviceInfo(index="0", kind=1, tflops=1, memory_gb=1)]), metadata=CLUSTER_MD,
+        timeout=5).registration
+    for req in reqs[:-1]:  # past the registration check, into the report's handling
+        req.registration = registration
     try:
         list(stub.Report(iter(reqs), metadata=CLUSTER_MD, timeout=5))
     except grpc.RpcError as exc:

@@ -89,6 +89,7 @@ class Cluster:
                     "--probe-listen", "127.0.0.1:0", "--token-file",
                     str(self.tmp / "cluster.token"), "--link-probe-interval", "1",
                     "--emulate-file", str(self.tmp / "links.json"),
+                    "--state-dir", str(self.tmp / f"agent-{host}"),
                     "--emulate", f"tflops={tflops},memory_gb=80,price_per_hour=2,count=2")
 
     def kill(self, name: str, sig: int = signal.SIGKILL) -> int:

@@ -51,15 +51,16 @@ def _agents_up(ch: grpc.Channel, hosts: int, devices: int, tflops: float,
     """Register ``hosts`` emulated agents (host h at tflops + h * step TFLOP/s, price
     0.5 + h) and keep them up with heartbeats (the test daemon's timeout is 1 s)."""
     agents = agent_pb2_grpc.AgentServiceStub(ch)
-    for h in range(hosts):
-        agents.Register(register_request(f"h{h}", n=devices, tflops=tflops + step * h,
-                                         price=0.5 + h), metadata=CLUSTER_MD)
+    regs = [agents.Register(register_request(f"h{h}", n=devices, tflops=tflops + step * h,
+                                             price=0.5 + h), metadata=CLUSTER_MD).registration
+            for h in range(hosts)]
     stop = threading.Event()
 
     def heartbeats() -> None:
         while not stop.wait(0.2):
             for h in range(hosts):
-                agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id=f"h{h}"),
+                agents.Heartbeat(agent_pb2.HeartbeatRequest(agent_id=f"h{h}",
+                                                            registration=regs[h]),
                                  metadata=CLUSTER_MD)
 
     threading.Thread(target=heartbeats, daemon=True).start()

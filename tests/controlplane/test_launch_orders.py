@@ -45,16 +45,18 @@ class Agents:
         self.stub = agent_pb2_grpc.AgentServiceStub(ch)
         self.jobs = job_pb2_grpc.JobServiceStub(ch)
         self.seq = 0
+        self.registrations: dict[str, str] = {}
 
     def register(self, host: str, n: int = 2, launches: bool = True) -> None:
         req = register_request(host, n)
         req.launches = launches
-        self.stub.Register(req, metadata=CLUSTER_MD, timeout=T)
+        self.registrations[host] = self.stub.Register(req, metadata=CLUSTER_MD,
+                                                      timeout=T).registration
 
     def report(self, host: str, *launches: agent_pb2.LaunchStatus,
                logs: tuple[agent_pb2.LogChunk, ...] = ()) -> agent_pb2.ReportAck:
         self.seq += 1
-        req = report(host, self.seq, 2)
+        req = report(host, self.seq, 2, registration=self.registrations.get(host, ""))
         req.launches.extend(launches)
         req.logs.extend(logs)
         [ack] = list(self.stub.Report(iter([req]), metadata=CLUSTER_MD, timeout=T))

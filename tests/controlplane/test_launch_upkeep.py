@@ -197,6 +197,7 @@ def test_logs_follow_goes_on_through_a_daemon_restart(tmp_path: Path) -> None:
         # the same state dir and port (heartbeat timeout: the retention sweep's period)
         d = _daemon(state, port, log_retention_hours=0.001, heartbeat_timeout_s=2.0)
         a = Agents(d)
+        a.register("a")  # reconnected, the agent registers again
         # the agent never got the ack of its last report: it sends that chunk again
         a.report("a", _running(launch_id, job_id), logs=(chunk(0, first),))
         rest = b"o\n[rank0]:three\n"

@@ -68,8 +68,9 @@ class _Job:
 
 def _up(daemon: RunningDaemon) -> None:
     agents = agent_pb2_grpc.AgentServiceStub(daemon.channel())
-    agents.Register(register_request("a", 2, price=3.0), metadata=CLUSTER_MD, timeout=T)
-    list(agents.Report(iter([report("a", 1, 2)]), metadata=CLUSTER_MD, timeout=T))
+    reg = agents.Register(register_request("a", 2, price=3.0), metadata=CLUSTER_MD, timeout=T)
+    list(agents.Report(iter([report("a", 1, 2, registration=reg.registration)]),
+                       metadata=CLUSTER_MD, timeout=T))
 
 
 @pytest.fixture

@@ -22,7 +22,6 @@ from hetpilot.planner.serde import model_from_dict, plan_from_dict
 from hetpilot.planner.types import Cluster, Device, Layer, Model, Network
 from hetpilot.trainer.daemon_link import DaemonLink, GrpcPlanSource
 from hetpilot.v1 import (
-    agent_pb2,
     agent_pb2_grpc,
     job_pb2,
     job_pb2_grpc,
@@ -181,8 +180,8 @@ def test_measured_speeds_steer_the_plan_and_survive_a_restart(tmp_path: Path) ->
     d = start_daemon(tmp_path / "state", heartbeat_timeout_s=600.0)
     try:
         ch = d.channel()
-        agent_pb2_grpc.AgentServiceStub(ch).Heartbeat(agent_pb2.HeartbeatRequest(agent_id=HOST),
-                                                      metadata=CLUSTER_MD, timeout=T)
+        agent_pb2_grpc.AgentServiceStub(ch).Register(  # its agent is back
+            register_request(HOST, n=2, tflops=PROBE_TFLOPS), metadata=CLUSTER_MD, timeout=T)
         slot = _get(ch, job_id).slot
         info = _wait(ch, job_id, "a slot after the restart", lambda i: i.slot > slot)
         assert info.iteration_s == pytest.approx(
@@ -382,8 +381,8 @@ def test_probe_dtype_and_shape_reach_the_daemon(tmp_path: Path,
         agents = agent_pb2_grpc.AgentServiceStub(d.channel())
         reg = register_request("p", n=1)
         reg.devices[0].probe_dtype, reg.devices[0].probe_shape = "bfloat16", "4096x4096x4096"
-        agents.Register(reg, metadata=CLUSTER_MD, timeout=T)
-        rep = report("p", 1)
+        rep = report("p", 1, registration=agents.Register(
+            reg, metadata=CLUSTER_MD, timeout=T).registration)
         rep.devices[0].probe_dtype, rep.devices[0].probe_shape = "float16", "1024x1024x1024"
         list(agents.Report(iter([rep]), metadata=CLUSTER_MD, timeout=T))
         bad = register_request("q", n=1)

@@ -69,10 +69,11 @@ def test_drain_moves_plans_off_and_survives_a_restart(tmp_path: Path) -> None:
         agents = agent_pb2_grpc.AgentServiceStub(ch)
         jobs = job_pb2_grpc.JobServiceStub(ch)
         cluster = cluster_pb2_grpc.ClusterServiceStub(ch)
-        for host in ("a", "b"):
-            agents.Register(register_request(host, 2), metadata=CLUSTER_MD, timeout=T)
-        list(agents.Report(iter([report("a", 1, 2), report("b", 1, 2)]), metadata=CLUSTER_MD,
-                           timeout=T))
+        regs = {host: agents.Register(register_request(host, 2), metadata=CLUSTER_MD,
+                                      timeout=T).registration for host in ("a", "b")}
+        list(agents.Report(iter([report("a", 1, 2, registration=regs["a"]),
+                                 report("b", 1, 2, registration=regs["b"])]),
+                           metadata=CLUSTER_MD, timeout=T))
         ids = [jobs.SubmitJob(submit_request(name=f"j{i}"), metadata=OWNER_MD,
                               timeout=T).job_id for i in range(2)]
         for job_id in ids:
@@ -154,12 +155,14 @@ def test_nodes_show_job_measured_speeds_and_links(tmp_path: Path) -> None:
         agents = agent_pb2_grpc.AgentServiceStub(ch)
         jobs = job_pb2_grpc.JobServiceStub(ch)
         cluster = cluster_pb2_grpc.ClusterServiceStub(ch)
-        agents.Register(register_request("a", 1, probe="a:9"), metadata=CLUSTER_MD, timeout=T)
-        agents.Register(register_request("b", 1, probe="b:9"), metadata=CLUSTER_MD, timeout=T)
-        ra = report("a", 1, 1)
+        regs = {host: agents.Register(register_request(host, 1, probe=f"{host}:9"),
+                                      metadata=CLUSTER_MD, timeout=T).registration
+                for host in ("a", "b")}
+        ra = report("a", 1, 1, registration=regs["a"])
         ra.links.append(agent_pb2.LinkReport(peer_host="b", gbps=9.5, rtt_us=40.0))
         ra.devices[0].probe_dtype, ra.devices[0].probe_shape = "float32", "4096x4096x4096"
-        list(agents.Report(iter([ra, report("b", 1, 1)]), metadata=CLUSTER_MD, timeout=T))
+        list(agents.Report(iter([ra, report("b", 1, 1, registration=regs["b"])]),
+                           metadata=CLUSTER_MD, timeout=T))
         info = jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=T)
         # rank 0 measured 4 of the job's layers on a:0
         trainer = trainer_pb2_grpc.TrainerServiceStub(ch)

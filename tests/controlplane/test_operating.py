@@ -70,11 +70,12 @@ def cluster(tmp_path: Path) -> Iterator[RunningDaemon]:
     try:
         ch = d.channel()
         agents = agent_pb2_grpc.AgentServiceStub(ch)
-        for host in ("a", "b"):
-            agents.Register(register_request(host, 2), metadata=CLUSTER_MD, timeout=T)
-        ra = report("a", 1, 2)
+        regs = {host: agents.Register(register_request(host, 2), metadata=CLUSTER_MD,
+                                      timeout=T).registration for host in ("a", "b")}
+        ra = report("a", 1, 2, registration=regs["a"])
         ra.links.append(agent_pb2.LinkReport(peer_host="b", gbps=9.5, rtt_us=40.0))
-        list(agents.Report(iter([ra, report("b", 1, 2)]), metadata=CLUSTER_MD, timeout=T))
+        list(agents.Report(iter([ra, report("b", 1, 2, registration=regs["b"])]),
+                           metadata=CLUSTER_MD, timeout=T))
         job_pb2_grpc.JobServiceStub(ch).SubmitJob(submit_request(name="a-job-with-a-long-name"),
                                                   metadata=OWNER_MD, timeout=T)
         yield d

@@ -48,9 +48,9 @@ def _trainer_md(daemon: RunningDaemon, job_id: str) -> tuple[tuple[str, str], ..
 
 def _job_with_plan(daemon: RunningDaemon) -> str:
     ch = daemon.channel()
-    agent_pb2_grpc.AgentServiceStub(ch).Register(register_request("a", 2), metadata=CLUSTER_MD,
-                                                 timeout=T)
-    list(agent_pb2_grpc.AgentServiceStub(ch).Report(iter([report("a", 1, 2)]),
+    reg = agent_pb2_grpc.AgentServiceStub(ch).Register(register_request("a", 2),
+                                                       metadata=CLUSTER_MD, timeout=T)
+    list(agent_pb2_grpc.AgentServiceStub(ch).Report(iter([report("a", 1, 2, registration=reg.registration)]),
                                                     metadata=CLUSTER_MD, timeout=T))
     jobs = job_pb2_grpc.JobServiceStub(ch)
     job_id = jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=T).job_id

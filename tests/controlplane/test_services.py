@@ -41,10 +41,13 @@ def test_job_lifecycle_with_agents(daemon: RunningDaemon) -> None:
     ch = daemon.channel()
     agents = agent_pb2_grpc.AgentServiceStub(ch)
     jobs = job_pb2_grpc.JobServiceStub(ch)
+    regs = {}
     for host in ("a", "b"):
         resp = agents.Register(register_request(host, 2), metadata=CLUSTER_MD, timeout=T)
         assert resp.heartbeat_timeout_s == daemon.config.heartbeat_timeout_s
-    acks = list(agents.Report(iter([report("a", 1, 2), report("b", 1, 2)]),
+        regs[host] = resp.registration
+    acks = list(agents.Report(iter([report("a", 1, 2, registration=regs["a"]),
+                                    report("b", 1, 2, registration=regs["b"])]),
                               metadata=CLUSTER_MD, timeout=T))
     assert [a.seq for a in acks] == [1, 1]
     info = jobs.SubmitJob(submit_request(request_id="r1"), metadata=OWNER_MD, timeout=T)

@@ -132,6 +132,7 @@ def test_sighup_stops_the_daemon_and_its_agent_as_sigterm_does(tmp_path: Path) -
     token.write_text("cluster-token-89\n")
     agent = subprocess.Popen([sys.executable, "-m", "hetpilot", "agent", "--daemon", address,
                               "--host", "h0", "--token-file", str(token),
+                              "--state-dir", str(tmp_path / "agent"),
                               "--probe-listen", "127.0.0.1:0", "--emulate",
                               "tflops=20,memory_gb=16"], stdout=subprocess.DEVNULL,
                              stderr=subprocess.PIPE)

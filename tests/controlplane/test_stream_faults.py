@@ -39,14 +39,14 @@ def _job_with_output(d: RunningDaemon, megabytes: int = 6) -> str:
     agents = agent_pb2_grpc.AgentServiceStub(ch)
     req = register_request("a", 1)
     req.launches = True
-    agents.Register(req, metadata=CLUSTER_MD, timeout=T)
+    registration = agents.Register(req, metadata=CLUSTER_MD, timeout=T).registration
     info = job_pb2_grpc.JobServiceStub(ch).SubmitJob(submit_request(entry=job_pb2.JobEntry(
         module="hetpilot", args=["train"], ranks_per_host=1, hosts=1)), metadata=OWNER_MD,
         timeout=T)
     line = b"[rank0]:" + b"x" * 1015 + b"\n"  # 1 KiB lines
     chunk = line * 1024  # 1 MiB
     for i in range(megabytes):
-        rep = report("a", i + 1, 1)
+        rep = report("a", i + 1, 1, registration=registration)
         rep.launches.append(agent_pb2.LaunchStatus(
             launch_id=info.launch_id, job_id=info.job_id, pid=100,
             state=agent_pb2.LAUNCH_STATE_RUNNING))

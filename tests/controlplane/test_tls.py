@@ -92,7 +92,7 @@ def test_agents_by_certificate_speak_only_for_their_host(tmp_path: Path, pki: Pa
     try:
         with open_sync(ep) as ch:
             agents = agent_pb2_grpc.AgentServiceStub(ch)
-            agents.Register(register_request("gpu01"), metadata=CLUSTER_MD, timeout=T)
+            reg = agents.Register(register_request("gpu01"), metadata=CLUSTER_MD, timeout=T)
             for call, request in (
                     (agents.Register, register_request("gpu02")),
                     (agents.Heartbeat, agent_pb2.HeartbeatRequest(agent_id="gpu02"))):
@@ -101,7 +101,8 @@ def test_agents_by_certificate_speak_only_for_their_host(tmp_path: Path, pki: Pa
                 assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
                 assert "gpu01" in (err.value.details() or "")
             with pytest.raises(grpc.RpcError) as err:  # each report is checked
-                list(agents.Report(iter([report("gpu01", 1), report("gpu02", 2)]),
+                list(agents.Report(iter([report("gpu01", 1, registration=reg.registration),
+                                         report("gpu02", 2)]),
                                    metadata=CLUSTER_MD, timeout=T))
             assert err.value.code() == grpc.StatusCode.PERMISSION_DENIED
     finally:

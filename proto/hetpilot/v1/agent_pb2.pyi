@@ -115,6 +115,7 @@ class RegisterRequest(_message.Message):
     DEVICES_FIELD_NUMBER: _builtins.int
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     LAUNCHES_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     probe_address: _builtins.str
     """host:port of this agent's TCP probe server (bandwidth and RTT probes)."""
@@ -122,6 +123,11 @@ class RegisterRequest(_message.Message):
     launches: _builtins.bool
     """The agent starts job ranks when ordered (`hetpilot agent` without --no-launch);
     the daemon launches jobs only on hosts whose agent says so.
+    """
+    registration: _builtins.str
+    """The registration this agent process was last given for the host (empty on
+    its first Register): it re-registers itself, and the daemon takes over its
+    report stream even if that one still looks open.
     """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceInfo]: ...
@@ -133,10 +139,11 @@ class RegisterRequest(_message.Message):
         devices: _abc.Iterable[Global___DeviceInfo] | None = ...,
         agent_version: _builtins.str = ...,
         launches: _builtins.bool = ...,
+        registration: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "launches", b"launches", "probe_address", b"probe_address"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "launches", b"launches", "probe_address", b"probe_address", "registration", b"registration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -172,9 +179,14 @@ class RegisterResponse(_message.Message):
     REPORT_INTERVAL_S_FIELD_NUMBER: _builtins.int
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     report_interval_s: _builtins.float
     heartbeat_timeout_s: _builtins.float
+    registration: _builtins.str
+    """Identifies this registration: AgentReport.registration and
+    HeartbeatRequest.registration must carry it.
+    """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]: ...
     def __init__(
@@ -184,10 +196,11 @@ class RegisterResponse(_message.Message):
         report_interval_s: _builtins.float = ...,
         heartbeat_timeout_s: _builtins.float = ...,
         peers: _abc.Iterable[Global___Peer] | None = ...,
+        registration: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_timeout_s", b"heartbeat_timeout_s", "peers", b"peers", "report_interval_s", b"report_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_timeout_s", b"heartbeat_timeout_s", "peers", b"peers", "registration", b"registration", "report_interval_s", b"report_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -280,10 +293,13 @@ class AgentReport(_message.Message):
     LINKS_FIELD_NUMBER: _builtins.int
     LAUNCHES_FIELD_NUMBER: _builtins.int
     LOGS_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     seq: _builtins.int
     """Increasing per agent process; acks echo it."""
     unix_ms: _builtins.int
+    registration: _builtins.str
+    """RegisterResponse.registration of the host's latest Register."""
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceReport]: ...
     @_builtins.property
@@ -308,10 +324,11 @@ class AgentReport(_message.Message):
         links: _abc.Iterable[Global___LinkReport] | None = ...,
         launches: _abc.Iterable[Global___LaunchStatus] | None = ...,
         logs: _abc.Iterable[Global___LogChunk] | None = ...,
+        registration: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "devices", b"devices", "launches", b"launches", "links", b"links", "logs", b"logs", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "devices", b"devices", "launches", b"launches", "links", b"links", "logs", b"logs", "registration", b"registration", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -546,15 +563,19 @@ class HeartbeatRequest(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
 
     AGENT_ID_FIELD_NUMBER: _builtins.int
+    REGISTRATION_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
+    registration: _builtins.str
+    """RegisterResponse.registration of the host's latest Register."""
     def __init__(
         self,
         *,
         agent_id: _builtins.str = ...,
+        registration: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "registration", b"registration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

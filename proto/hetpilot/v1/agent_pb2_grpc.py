@@ -56,7 +56,13 @@ class AgentServiceServicer:
 
     def Register(self, request, context):
         """Register (or re-register after a restart) a host and its devices.
-        Idempotent: the host name is the key.
+        Idempotent: the host name is the key. Each Register answers a new
+        `registration`, and the host's reports and heartbeats must carry the latest
+        one: a report under an older one (another agent registered the host since)
+        is refused with FAILED_PRECONDITION, so an agent that reconnects registers
+        again first. While the host's agent has a report stream open and was heard
+        within the heartbeat timeout, a Register of that host by another agent is
+        refused with FAILED_PRECONDITION (a second agent under the same name).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -46,7 +46,13 @@ class AgentServiceStub:
     def __new__(cls, channel: _aio.Channel) -> AgentServiceAsyncStub: ...
     Register: _grpc.UnaryUnaryMultiCallable[_agent_pb2.RegisterRequest, _agent_pb2.RegisterResponse]
     """Register (or re-register after a restart) a host and its devices.
-    Idempotent: the host name is the key.
+    Idempotent: the host name is the key. Each Register answers a new
+    `registration`, and the host's reports and heartbeats must carry the latest
+    one: a report under an older one (another agent registered the host since)
+    is refused with FAILED_PRECONDITION, so an agent that reconnects registers
+    again first. While the host's agent has a report stream open and was heard
+    within the heartbeat timeout, a Register of that host by another agent is
+    refused with FAILED_PRECONDITION (a second agent under the same name).
     """
     Report: _grpc.StreamStreamMultiCallable[_agent_pb2.AgentReport, _agent_pb2.ReportAck]
     """Reports up, one ack down per report (in order). Every report is also a
@@ -60,7 +66,13 @@ class AgentServiceAsyncStub(AgentServiceStub):
     def __init__(self, channel: _aio.Channel) -> None: ...
     Register: _aio.UnaryUnaryMultiCallable[_agent_pb2.RegisterRequest, _agent_pb2.RegisterResponse]  # type: ignore[assignment]
     """Register (or re-register after a restart) a host and its devices.
-    Idempotent: the host name is the key.
+    Idempotent: the host name is the key. Each Register answers a new
+    `registration`, and the host's reports and heartbeats must carry the latest
+    one: a report under an older one (another agent registered the host since)
+    is refused with FAILED_PRECONDITION, so an agent that reconnects registers
+    again first. While the host's agent has a report stream open and was heard
+    within the heartbeat timeout, a Register of that host by another agent is
+    refused with FAILED_PRECONDITION (a second agent under the same name).
     """
     Report: _aio.StreamStreamMultiCallable[_agent_pb2.AgentReport, _agent_pb2.ReportAck]  # type: ignore[assignment]
     """Reports up, one ack down per report (in order). Every report is also a
@@ -77,7 +89,13 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_agent_pb2.RegisterResponse, _abc.Awaitable[_agent_pb2.RegisterResponse]]:
         """Register (or re-register after a restart) a host and its devices.
-        Idempotent: the host name is the key.
+        Idempotent: the host name is the key. Each Register answers a new
+        `registration`, and the host's reports and heartbeats must carry the latest
+        one: a report under an older one (another agent registered the host since)
+        is refused with FAILED_PRECONDITION, so an agent that reconnects registers
+        again first. While the host's agent has a report stream open and was heard
+        within the heartbeat timeout, a Register of that host by another agent is
+        refused with FAILED_PRECONDITION (a second agent under the same name).
         """
 
     @_abc_1.abstractmethod
