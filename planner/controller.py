@@ -128,6 +128,13 @@ _STATE_FORMAT = 1
 _MIN_UNIT = 1e-9
 """A budget below this (in its own unit) is weighed as this in the default V's scale."""
 
+_MAX_QUEUE = 1e150
+"""The largest virtual queue (and shadow price) kept. A queue carried across a change
+of V is its shadow price rescaled (``q * w / V``): a V near the smallest float (a
+request may set 5e-324) would make it infinite, and the state then could not be
+stored or read back. 1e150 still outweighs any cost times any iteration time, and
+its squares and products with the weights stay finite."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ControllerConfig:
@@ -350,10 +357,10 @@ class _Scale:
 
     def shadow(self, kind: str, queue: float) -> float:
         """Seconds of iteration time a unit of cost rate of ``kind`` is worth."""
-        return self.w.get(kind, 1.0) * queue / self.a
+        return min(self.w.get(kind, 1.0) * queue / self.a, _MAX_QUEUE)
 
     def queue(self, kind: str, shadow: float) -> float:
-        return shadow * self.a / self.w.get(kind, 1.0)
+        return min(shadow * self.a / self.w.get(kind, 1.0), _MAX_QUEUE)
 
     def contract_V(self, kinds: Sequence[str]) -> float:
         """The contract's V equivalent to this scale for the first kind."""
@@ -615,7 +622,7 @@ class Controller:
         ctl = cls(model, job, config, search=search, predict=predict, gate=gate)
         ctl._budgets = _check_budgets(_mapping(state, "budgets"), "state.budgets")
         ctl._V = _check_v(state.get("V"), "state.V")
-        queues = _check_budgets(_mapping(state, "queues"), "state.queues")
+        queues = _check_budgets(_capped(_mapping(state, "queues")), "state.queues")
         ctl._queues = {k: queues.get(k, 0.0) for k in ctl._budgets}
         ctl._slot = _count(state, "slot")
         ctl._version = _count(state, "version")
@@ -628,7 +635,8 @@ class Controller:
             if not isinstance(raw_pending, Mapping):
                 raise ValidationError("state.pending", "must be an object or null")
             ctl._pending = _Pending(
-                MappingProxyType(_check_budgets(_mapping(raw_pending, "queues_before", "state.pending"),
+                MappingProxyType(_check_budgets(_capped(_mapping(raw_pending, "queues_before",
+                                                                 "state.pending")),
                                                 "state.pending.queues_before")),
                 MappingProxyType(_check_budgets(_mapping(raw_pending, "budgets", "state.pending"),
                                                 "state.pending.budgets")),
@@ -654,7 +662,7 @@ class Controller:
         raw_carry = state.get("carry", {})
         if not isinstance(raw_carry, Mapping):
             raise ValidationError("state.carry", "must be an object")
-        ctl._carry = _check_budgets(raw_carry, "state.carry")
+        ctl._carry = _check_budgets(_capped(raw_carry), "state.carry")
         raw_learned = state.get("learned", {})
         if not isinstance(raw_learned, Mapping):
             raise ValidationError("state.learned", "must be an object")
@@ -711,7 +719,8 @@ class Controller:
     def _updated(
         queues: Mapping[str, float], budgets: Mapping[str, float], costs: Mapping[str, float]
     ) -> dict[str, float]:
-        return {k: max(queues.get(k, 0.0) + costs.get(k, 0.0) - b, 0.0) for k, b in budgets.items()}
+        return {k: min(max(queues.get(k, 0.0) + costs.get(k, 0.0) - b, 0.0), _MAX_QUEUE)
+                for k, b in budgets.items()}
 
     def _settled_queues(self, observed: Cluster) -> dict[str, float]:
         """Q(t): the last update redone with the cost rates the last plan really had."""
@@ -1150,6 +1159,12 @@ def _kink(cands: Sequence[Candidate], kind: str, lam: float,
         if (abs(slope - lam) <= 1e-6 * max(slope, lam) or gap <= tol_s) and gap < best[0]:
             best = (gap, a, b)
     return best[1], best[2]
+
+
+def _capped(values: Mapping[str, Any]) -> Mapping[str, Any]:
+    """Queues (or shadow prices) of a stored state, an infinite one as :data:`_MAX_QUEUE`:
+    a daemon before that bound stored ``Infinity`` and could not read it back."""
+    return {k: _MAX_QUEUE if v == math.inf else v for k, v in values.items()}
 
 
 def _mapping(obj: Mapping[str, Any], key: str, path: str = "state") -> Mapping[str, Any]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -275,6 +276,35 @@ def test_state_round_trip_gives_the_same_decisions() -> None:
     for _ in range(10):
         da, db = a.step(cluster), b.step(cluster)
         assert (da.plan, da.version, dict(da.queues)) == (db.plan, db.version, dict(db.queues))
+
+
+def test_a_tiny_v_then_the_default_keeps_the_queues_finite_and_storable() -> None:
+    """The daemon's fuzz campaign: a budget of 0 W fills its queue, V = 5e-324 (a
+    valid request) then V = 0 carried that queue as q / V = inf; the state was stored
+    with Infinity and refused when read back, so the job never planned again."""
+    ctl = _ctl(budget=3.0, V=10.0)
+    cluster = _cluster()
+    ctl.step(cluster)
+    ctl.set_budgets({"price_per_hour": 3.0, "power_watts": 0.0})
+    ctl.step(cluster)
+    ctl.set_budgets(V=5e-324)
+    ctl.step(cluster)
+    assert ctl.queues["power_watts"] > 0
+    ctl.set_budgets(V=0.0)
+    decision = ctl.step(cluster)
+    assert all(math.isfinite(q) for q in decision.queues.values()), decision.queues
+    cheapest = min(plan_costs(cluster, c.plan)["power_watts"]
+                   for c in ctl.candidates(cluster))
+    assert decision.costs["power_watts"] == cheapest  # the full queue: the fewest watts
+    text = json.dumps(ctl.to_state(), allow_nan=False)
+    resumed = Controller.from_state(MODEL, _job(3.0, 0.0), json.loads(text),
+                                    search=subsets_search)
+    assert resumed.queues == ctl.queues
+    # a state stored before the bound, with an infinite queue, is read back
+    old = json.loads(text)
+    old["queues"]["power_watts"] = math.inf
+    assert math.isfinite(Controller.from_state(MODEL, _job(3.0, 0.0), old,
+                                               search=subsets_search).queues["power_watts"])
 
 
 def test_from_state_names_bad_fields() -> None:
