@@ -232,6 +232,22 @@ def _solve_memo(
     return found.copy()
 
 
+def _relaxed(fill: Sequence[float], cycle: Sequence[float], cap: Sequence[float],
+             total: int, count: Sequence[int]) -> np.ndarray:
+    """:func:`solve_lp`, or shares in proportion to each class's speed where the
+    solvers fail. They do on times spanning hundreds of orders of magnitude (an agent
+    reported a device of 1e-300 TFLOP/s); the exact filling that follows corrects
+    the shares either way."""
+    try:
+        return solve_lp(fill, cycle, cap, total, count)
+    except SolverError:
+        speed = np.array([1.0 / c if 0 < c < math.inf else 0.0 for c in cycle])
+        share = speed * np.asarray(count, dtype=float)
+        if not share.sum() > 0:
+            return np.full(len(fill), total / max(1, sum(count)))
+        return np.minimum(total * speed / share.sum(), np.asarray(cap, dtype=float))
+
+
 def assign_microbatches(
     makespan: Callable[[int, int], float],
     fill: Sequence[float],
@@ -263,7 +279,7 @@ def assign_microbatches(
         size = [0] * len(reps)
         for c in cls:
             size[index[c]] += 1
-        relaxed = solve_lp(
+        relaxed = _relaxed(
             [fill[g] for g in reps], [cycle[g] for g in reps], [caps[g] for g in reps],
             total, size,
         ) if len(reps) > 1 else np.full(1, total / k)

@@ -137,6 +137,17 @@ def _stage_costs(
     micro: int,
     in_flight: int,
 ) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(over="ignore"):  # a stage past 1e308 s (a device of 1e-300 TFLOP/s
+        return _stage_costs_of(arr, dev, link, micro, in_flight)  # reported) is inf: unusable
+
+
+def _stage_costs_of(
+    arr: ModelArrays,
+    dev: Device,
+    link: tuple[float, float] | None,
+    micro: int,
+    in_flight: int,
+) -> tuple[np.ndarray, np.ndarray]:
     fwd, bwd, act, param, inp = arr.segment
     rate = 1000.0 * dev.tflops
     cap = 1000.0 * dev.memory_gb

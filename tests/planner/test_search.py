@@ -153,6 +153,18 @@ def test_straggler_is_left_out() -> None:
     assert "d2" not in plan.devices
 
 
+@pytest.mark.filterwarnings("error")
+@pytest.mark.parametrize("tflops", [5e-324, 1e-300])
+def test_a_device_of_vanishing_speed_is_left_out(tflops: float) -> None:
+    # an agent may report such speeds. 5e-324: its stage times overflow to inf
+    # (unusable), which numpy warned about on every solve, into the daemon's log.
+    # 1e-300: finite times 1e300 s, on which the assignment LP's solvers failed, so
+    # the whole job could not plan.
+    cluster = flat_cluster([100.0, 100.0, tflops], inter=1000.0)
+    plan = make_plan(cluster, uniform_model(4), Job(global_batch=32, microbatch_size=4))
+    assert "d2" not in plan.devices
+
+
 def test_uneven_assignment_follows_speed() -> None:
     cluster = flat_cluster([30.0, 10.0], inter=10_000.0)
     model = uniform_model(4, param_mb=0.001)  # sync is free: pure data parallelism wins
