@@ -156,7 +156,7 @@ def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
     times as the trainer sends them)."""
     x = job["dataset"].tensors[0][:args.micro]
     times = measure_layer_times(job["layers"], x, args.micro, device=dev,
-                                autocast_dtype=compute, repeats=5,
+                                autocast_dtype=compute,
                                 loss=(job["loss"], job["dataset"].tensors[1][:args.micro]))
     measurement = as_measurement(times, args.micro, str(dtype))
     return (*_predict_from(job, args, profiled, measurement), measurement)

@@ -20,13 +20,23 @@ cost one block's timing, and at most one layer is on the device at a time
 (modules are copied one by one, factories called one by one, so the job's
 modules are untouched).
 
-Per class: ``warmup`` untimed runs, then ``repeats`` timed ones; each run is a
+Per class: ``warmup`` untimed runs, more until ``warmup_s`` seconds have passed, then
+``repeats`` timed ones; each run is a
 forward under ``torch.autocast(device.type, dtype=autocast_dtype)`` when that is
 given (mixed precision: float32 weights) and a backward from ones-like
 gradients on every floating output leaf that requires one (0 s when none
 does). CUDA times come from CUDA events (the device's own clock) around each
 run, the runs queued back to back and read at the end, as the trainer queues
 its ops; CPU times from ``time.perf_counter``. The result is the median.
+
+On CUDA the defaults are 10 timed runs after at least 0.2 s of warm-up per class
+(elsewhere 3 runs after ``warmup`` runs): a run costs milliseconds there, and a GPU's
+first runs are not its steady state. On an H100 a GPT-2 block at microbatch 8 in
+bfloat16 (bound by the host's kernel launches) timed 1.2-1.7x slower in the first
+measurement of a process, after one warm-up run, than a minute later (bench/gpu/
+e_*.json, f_*.json: predictions 0.118 -> 0.096 s and 0.227 -> 0.136 s): the GPU's
+clocks idle at a fraction of their peak until work arrives, and the host's first
+passes through autocast and the allocator are slower than later ones.
 
 Under target-time emulation a rank's device is declared, not measured:
 :func:`emulated_layer_times` gives the times the emulation makes each op last
@@ -58,6 +68,11 @@ from .profile import (
 
 __all__ = ["as_measurement", "dtype_label", "emulated_layer_times", "measure_layer_times"]
 
+CPU_REPEATS = 3
+CUDA_REPEATS = 10
+CUDA_WARMUP_S = 0.2
+"""Defaults per layer class (see the module docstring)."""
+
 
 def measure_layer_times(
     layers: Sequence[LayerSpec],
@@ -66,8 +81,9 @@ def measure_layer_times(
     *,
     device: torch.device | str,
     autocast_dtype: torch.dtype | None = None,
-    repeats: int = 3,
+    repeats: int | None = None,
     warmup: int = 1,
+    warmup_s: float | None = None,
     loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of a microbatch of ``microbatch`` samples through each
@@ -81,11 +97,15 @@ def measure_layer_times(
     GPT-2 head's cross-entropy over 50304 classes reads and writes the float32 logits
     several times, which the layers' times alone left out (21% of an H100 iteration at
     microbatch 32 in bfloat16 went unpredicted)."""
+    dev = torch.device(device)
+    cuda = dev.type == "cuda"
+    repeats = repeats if repeats is not None else CUDA_REPEATS if cuda else CPU_REPEATS
+    warmup_s = warmup_s if warmup_s is not None else CUDA_WARMUP_S if cuda else 0.0
     if microbatch < 1:
         raise ValueError(f"microbatch must be >= 1, got {microbatch}")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"repeats must be >= 1 and warmup >= 0, got {repeats}, {warmup}")
-    dev = torch.device(device)
+    if repeats < 1 or warmup < 0 or not warmup_s >= 0:
+        raise ValueError(f"repeats must be >= 1, warmup >= 0 and warmup_s >= 0, got "
+                         f"{repeats}, {warmup}, {warmup_s}")
     x: Any = _resized(sample, microbatch, dev)
     done: dict[Hashable, tuple[tuple[float, float], Any]] = {}
     out: list[tuple[float, float]] = []
@@ -99,7 +119,7 @@ def measure_layer_times(
             layer = built if built is not None else _instantiate([module])[0]
             times, y = _time_layer(layer.to(dev), inp, first=i == 0, device=dev,
                                    autocast_dtype=autocast_dtype, repeats=repeats,
-                                   warmup=warmup)
+                                   warmup=warmup, warmup_s=warmup_s)
             del layer
             done[key] = (times, _layer_input(y, first=False))  # detached, flags kept
         times, x = done[key]
@@ -111,7 +131,7 @@ def measure_layer_times(
         fn, targets = place_loss(own, dev, None), _resized(loss[1], microbatch, dev)
         (lf, lb), _ = _time_layer(lambda y: fn(y, targets), x, first=False, device=dev,
                                   autocast_dtype=autocast_dtype, repeats=repeats,
-                                  warmup=warmup)
+                                  warmup=warmup, warmup_s=warmup_s)
         out[-1] = (out[-1][0] + lf, out[-1][1] + lb)
     return out
 
@@ -190,8 +210,8 @@ class _Clock:
 
 
 def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: torch.device,
-                autocast_dtype: torch.dtype | None, repeats: int,
-                warmup: int) -> tuple[tuple[float, float], Any]:
+                autocast_dtype: torch.dtype | None, repeats: int, warmup: int,
+                warmup_s: float = 0.0) -> tuple[tuple[float, float], Any]:
     """Median (forward, backward) seconds of ``layer`` on ``x``, and its output."""
     clock = _Clock(device)
     autocast: Callable[[], Any] = (
@@ -199,8 +219,10 @@ def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: tor
         if autocast_dtype is not None else contextlib.nullcontext)
     marks: list[tuple[Any, Any, Any, bool]] = []
     y: Any = None
+    warm_until = time.perf_counter() + warmup_s
+    run = 0
     with torch.enable_grad():
-        for run in range(warmup + repeats):
+        while len(marks) < repeats:
             inp = _layer_input(x, first=first)
             start = clock.mark()
             with autocast():
@@ -210,7 +232,8 @@ def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: tor
             if backward:
                 _backward(y)
             end = clock.mark()
-            if run >= warmup:
+            run += 1
+            if run > warmup and time.perf_counter() >= warm_until:
                 marks.append((start, mid, end, backward))
     # CUDA: the runs are queued back to back and read only now, as the trainer queues its
     # ops: each is the device's time, or the host's launching where that is slower (a

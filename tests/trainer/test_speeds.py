@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -81,6 +82,30 @@ def test_identical_layers_are_timed_once_and_the_job_is_untouched() -> None:
                                  lambda: Block(64)], torch.randn(2, 4), 4, device="cpu",
                                 repeats=2, warmup=0)
     assert Block.calls == 4 and times[3] == times[4] != times[1]
+
+
+class Slow(nn.Module):
+    """A layer of about 5 ms a forward that counts its calls."""
+
+    calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        Slow.calls += 1
+        time.sleep(0.005)
+        return x * 2
+
+
+def test_warm_up_lasts_warmup_s_before_the_timed_runs() -> None:
+    Slow.calls = 0
+    measure_layer_times([Slow()], torch.randn(2, 4), 2, device="cpu", repeats=2, warmup=1)
+    assert Slow.calls == 3  # the CPU default: no time-based warm-up
+    Slow.calls = 0
+    measure_layer_times([Slow()], torch.randn(2, 4), 2, device="cpu", repeats=2, warmup=1,
+                        warmup_s=0.1)
+    # at least 0.1 s of 5-ms warm-up runs (sleep never returns early), then the 2 timed
+    assert 0.1 / 0.005 * 0.5 <= Slow.calls - 2 <= 0.1 / 0.005 + 1
+    with pytest.raises(ValueError, match="warmup_s"):
+        measure_layer_times([Slow()], torch.randn(2, 4), 2, device="cpu", warmup_s=-1.0)
 
 
 def test_microbatch_size_autocast_and_the_daemon_form() -> None:
