@@ -45,6 +45,7 @@ import argparse
 import contextlib
 import copy
 import json
+import math
 import statistics
 import sys
 import time
@@ -55,7 +56,7 @@ import torch.distributed as dist
 from hetpilot.planner.measured import DeviceTimes, effective_model, fit_speeds
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from_dict
-from hetpilot.trainer.calibration import StageCalibration
+from hetpilot.trainer.calibration import StageCalibration, stage_ratio
 from hetpilot.trainer.examples import gpt
 from hetpilot.trainer.launch import free_port
 from hetpilot.trainer.profile import profile_model
@@ -150,13 +151,13 @@ def _hetpilot(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
 
 
 def _predicted(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
-               dtype: torch.dtype | None, compute: torch.dtype | None, profiled: Any
-               ) -> tuple[float, float, float, dict[str, Any]]:
+               dtype: torch.dtype | None, compute: torch.dtype | None, profiled: Any,
+               chain: int | None = None) -> tuple[float, float, float, dict[str, Any]]:
     """(predicted iteration s, fitted TFLOP/s, model GFLOP per iteration, the layer
-    times as the trainer sends them)."""
+    times as the trainer sends them); ``chain``: measure_layer_times' (None: its default)."""
     x = job["dataset"].tensors[0][:args.micro]
     times = measure_layer_times(job["layers"], x, args.micro, device=dev,
-                                autocast_dtype=compute,
+                                autocast_dtype=compute, chain=chain,
                                 loss=(job["loss"], job["dataset"].tensors[1][:args.micro]))
     measurement = as_measurement(times, args.micro, str(dtype))
     return (*_predict_from(job, args, profiled, measurement), measurement)
@@ -254,6 +255,10 @@ def main() -> int:
     try:
         profiled = _profiled(untouched, args, dtype)
         predicted_runs = [_predicted(untouched, args, dev, dtype, compute, profiled)]
+        # the same, each layer timed alone (chain 1: how layers were timed before lease I)
+        unchained_run = _predicted(untouched, args, dev, dtype, compute, profiled, chain=1)
+        unchained = unchained_run[0]
+        op_ratios: list[tuple[float, float]] = []  # stage op time / each measurement's
         plain_times: list[float] = []
         our_times: list[float] = []
         ratios: list[float] = []
@@ -265,6 +270,9 @@ def main() -> int:
             plain_times += p
             our_times += o
             ratios.append(statistics.median(o) / statistics.median(p))
+            chained_r, unchained_r = (stage_ratio(record, plan, m)
+                                      for m in (predicted_runs[0][3], unchained_run[3]))
+            op_ratios.append((chained_r or math.nan, unchained_r or math.nan))
             calibration(record)
         predicted_runs.append(_predicted(untouched, args, dev, dtype, compute, profiled))
         corrected = _predict_from(untouched, args, profiled, calibration.measurements[0])[0]
@@ -289,6 +297,10 @@ def main() -> int:
           + f", before and after; layers timed on the device: {tflops:.1f} effective "
           f"TFLOP/s), measured {ours:.4f} s: {(ours / predicted - 1) * 100:+.1f}% "
           f"(target within 10%)")
+    print(f"layers timed one at a time (chain 1), right after the first: {unchained:.4f} s, "
+          f"measured {(ours / unchained - 1) * 100:+.1f}%")
+    print("op time per microbatch in training / the measurement's, per round (first "
+          "measurement; chain 1): " + ", ".join(f"{a:.3f}; {b:.3f}" for a, b in op_ratios))
     fixes = ", ".join(f"{f:.3g}x" for _, f in calibration.corrections) or "none due"
     print(f"corrected from the stage timings ({fixes}): the first prediction "
           f"{predicted_runs[0][0]:.4f} s becomes {corrected:.4f} s, measured "
@@ -299,7 +311,8 @@ def main() -> int:
                        "plain_s": plain, "hetpilot_s": ours, "predicted_s": predicted,
                        "round_ratios": ratios,
                        "predictions_s": [p[0] for p in predicted_runs],
-                       "corrected_s": corrected,
+                       "corrected_s": corrected, "unchained_s": unchained,
+                       "op_ratios": op_ratios,
                        "corrections": [f for _, f in calibration.corrections],
                        "fitted_tflops": tflops, "gflop_per_iteration": gflop,
                        "peak_tflops": peak}, f, indent=1)

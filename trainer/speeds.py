@@ -38,6 +38,16 @@ e_*.json, f_*.json: predictions 0.118 -> 0.096 s and 0.227 -> 0.136 s): the GPU'
 clocks idle at a fraction of their peak until work arrives, and the host's first
 passes through autocast and the allocator are slower than later ones.
 
+Also on CUDA, a layer whose output has its input's structure (a residual block) is
+timed ``chain`` (4) times in a row on its own output with one backward through them
+all, each run's times divided by 4. Where the host's launches bound the device, each
+separate forward and backward call carries the host's fixed costs (the autograd
+engine's start, the gradient seeds, the marks), which a stage of many layers pays once
+per microbatch: timed one by one, the layers of GPT-2 small in bfloat16 at microbatch
+8 summed to 1.19-1.27x the op time of the same microbatch in training on an H200
+(bench/RESULTS-gpu.md, lease I). On a CPU (default 1) those costs are a small part of
+each op.
+
 Under target-time emulation a rank's device is declared, not measured:
 :func:`emulated_layer_times` gives the times the emulation makes each op last
 (spec 5.1's ``m * gflop / (1000 T)``), which the daemon fits like measured ones.
@@ -71,6 +81,7 @@ __all__ = ["as_measurement", "dtype_label", "emulated_layer_times", "measure_lay
 CPU_REPEATS = 3
 CUDA_REPEATS = 10
 CUDA_WARMUP_S = 0.2
+CUDA_CHAIN = 4
 """Defaults per layer class (see the module docstring)."""
 
 
@@ -84,6 +95,7 @@ def measure_layer_times(
     repeats: int | None = None,
     warmup: int = 1,
     warmup_s: float | None = None,
+    chain: int | None = None,
     loss: tuple[Callable[[Any, Any], torch.Tensor], Any] | None = None,
 ) -> list[tuple[float, float]]:
     """(forward, backward) seconds of a microbatch of ``microbatch`` samples through each
@@ -101,11 +113,12 @@ def measure_layer_times(
     cuda = dev.type == "cuda"
     repeats = repeats if repeats is not None else CUDA_REPEATS if cuda else CPU_REPEATS
     warmup_s = warmup_s if warmup_s is not None else CUDA_WARMUP_S if cuda else 0.0
+    chain = chain if chain is not None else CUDA_CHAIN if cuda else 1
     if microbatch < 1:
         raise ValueError(f"microbatch must be >= 1, got {microbatch}")
-    if repeats < 1 or warmup < 0 or not warmup_s >= 0:
-        raise ValueError(f"repeats must be >= 1, warmup >= 0 and warmup_s >= 0, got "
-                         f"{repeats}, {warmup}, {warmup_s}")
+    if repeats < 1 or warmup < 0 or not warmup_s >= 0 or chain < 1:
+        raise ValueError(f"repeats must be >= 1, warmup >= 0, warmup_s >= 0 and chain >= 1, "
+                         f"got {repeats}, {warmup}, {warmup_s}, {chain}")
     x: Any = _resized(sample, microbatch, dev)
     done: dict[Hashable, tuple[tuple[float, float], Any]] = {}
     out: list[tuple[float, float]] = []
@@ -119,7 +132,7 @@ def measure_layer_times(
             layer = built if built is not None else _instantiate([module])[0]
             times, y = _time_layer(layer.to(dev), inp, first=i == 0, device=dev,
                                    autocast_dtype=autocast_dtype, repeats=repeats,
-                                   warmup=warmup, warmup_s=warmup_s)
+                                   warmup=warmup, warmup_s=warmup_s, chain=chain)
             del layer
             done[key] = (times, _layer_input(y, first=False))  # detached, flags kept
         times, x = done[key]
@@ -211,14 +224,18 @@ class _Clock:
 
 def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: torch.device,
                 autocast_dtype: torch.dtype | None, repeats: int, warmup: int,
-                warmup_s: float = 0.0) -> tuple[tuple[float, float], Any]:
-    """Median (forward, backward) seconds of ``layer`` on ``x``, and its output."""
+                warmup_s: float = 0.0, chain: int = 1) -> tuple[tuple[float, float], Any]:
+    """Median (forward, backward) seconds of ``layer`` on ``x``, and its output. With
+    ``chain`` > 1 a layer whose output has its input's structure (a residual block) runs
+    ``chain`` times in a row on its own output, one backward through them all, and each
+    run's times are divided by ``chain`` (see :func:`measure_layer_times`)."""
     clock = _Clock(device)
     autocast: Callable[[], Any] = (
         (lambda: torch.autocast(device.type, dtype=autocast_dtype))
         if autocast_dtype is not None else contextlib.nullcontext)
-    marks: list[tuple[Any, Any, Any, bool]] = []
+    marks: list[tuple[Any, Any, Any, bool, int]] = []
     y: Any = None
+    n = 1  # applications per run: ``chain`` once the first run showed the layer chains
     warm_until = time.perf_counter() + warmup_s
     run = 0
     with torch.enable_grad():
@@ -227,6 +244,8 @@ def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: tor
             start = clock.mark()
             with autocast():
                 y = layer(inp)
+                for _ in range(n - 1):
+                    y = layer(y)
             mid = clock.mark()
             backward = _needs_backward(y)
             if backward:
@@ -234,11 +253,30 @@ def _time_layer(layer: Callable[[Any], Any], x: Any, *, first: bool, device: tor
             end = clock.mark()
             run += 1
             if run > warmup and time.perf_counter() >= warm_until:
-                marks.append((start, mid, end, backward))
+                marks.append((start, mid, end, backward, n))
+            if run == 1 and chain > 1 and not first and _chains(inp, y):
+                n = chain
     # CUDA: the runs are queued back to back and read only now, as the trainer queues its
     # ops: each is the device's time, or the host's launching where that is slower (a
     # GPT-2 block at microbatch 8 in bfloat16 on an H100 is). Waiting for the device
     # before each run, as this did, added an idle device's launch latency to every run.
-    fwd = [clock.seconds(start, mid) for start, mid, _, _ in marks]
-    bwd = [clock.seconds(mid, end) if backward else 0.0 for _, mid, end, backward in marks]
+    fwd = [clock.seconds(start, mid) / k for start, mid, _, _, k in marks]
+    bwd = [clock.seconds(mid, end) / k if backward else 0.0
+           for _, mid, end, backward, k in marks]
     return (statistics.median(fwd), statistics.median(bwd)), y
+
+
+def _chains(inp: Any, out: Any) -> bool:
+    """Whether ``out`` can be the same layer's input again: the same pytree structure, and
+    tensor leaves of the same shapes, dtypes and ``requires_grad``."""
+    a, spec_a = pytree.tree_flatten(inp)
+    b, spec_b = pytree.tree_flatten(out)
+    if spec_a != spec_b or not a:
+        return False
+    for s, t in zip(a, b, strict=True):
+        if isinstance(s, torch.Tensor) != isinstance(t, torch.Tensor):
+            return False
+        if isinstance(s, torch.Tensor) and (
+                s.shape != t.shape or s.dtype != t.dtype or s.requires_grad != t.requires_grad):
+            return False
+    return True

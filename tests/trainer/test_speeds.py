@@ -108,6 +108,29 @@ def test_warm_up_lasts_warmup_s_before_the_timed_runs() -> None:
         measure_layer_times([Slow()], torch.randn(2, 4), 2, device="cpu", warmup_s=-1.0)
 
 
+def test_a_layer_keeping_its_input_structure_is_timed_chained() -> None:
+    """chain=4: a residual block runs 4 times in a row on its own output (after a first
+    run that shows it can), its times per application; a layer that changes the
+    structure, and the first layer, run once per run."""
+    Block.calls = 0
+    layers: list[Any] = [nn.Linear(8, 32), Block(), nn.Linear(32, 3)]
+    times = measure_layer_times(layers, torch.randn(2, 8), 4, device="cpu", repeats=3,
+                                warmup=1, chain=4)
+    assert Block.calls == 1 + 3 * 4  # the first (warm-up) run alone, then 3 timed chains
+    assert len(times) == 3 and all(f > 0 and b > 0 for f, b in times[1:])
+    Block.calls = 0
+    measure_layer_times(layers, torch.randn(2, 8), 4, device="cpu", repeats=3, warmup=0,
+                        chain=4)
+    assert Block.calls == 1 + 2 * 4  # the first run is timed alone, the next two chained
+    # a chained run's time is per application: a 5-ms layer stays about 5 ms, not 20
+    Slow.calls = 0
+    slow = measure_layer_times([nn.Linear(4, 4), Slow()], torch.randn(2, 4), 2,
+                               device="cpu", repeats=2, warmup=1, chain=4)
+    assert Slow.calls == 1 + 2 * 4 and 0.004 <= slow[1][0] < 0.012
+    with pytest.raises(ValueError, match="chain"):
+        measure_layer_times(layers, torch.randn(2, 8), 4, device="cpu", chain=0)
+
+
 def test_microbatch_size_autocast_and_the_daemon_form() -> None:
     model = [nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)]
     small = measure_layer_times(model, torch.randn(2, 64), 2, device="cpu", repeats=3)
