@@ -351,7 +351,9 @@ class GradSync:
             self._final = [False] * len(self._slot_param)
             self._pending = [len(ch.params) for ch in self._chunks]
             self._launch_order = []
-            reached = _reachable_leaves(roots) if roots else None
+            # the graph walk is for parameters to mark final; with none (a plan of one
+            # data-parallel group syncs nothing) it was a per-iteration cost for nothing
+            reached = _reachable_leaves(roots) if roots and self._slot_param else None
             for slot, p in enumerate(self._slot_param):
                 if not p.requires_grad or (reached is not None and id(p) not in reached):
                     self._mark(slot)
