@@ -58,6 +58,7 @@ from hetpilot.emulation import EmulationFile, allreduce_s
 from .activations import wire_device
 from .gradsync import Bucket, GradSync
 from .itemseed import read_items
+from .optimstep import OptimizerStep
 from .pipeline import StageRunner, StageStats, microbatch_seed
 from .plans import PlanSource, PlanVersion, check_plan
 from .precision import LossScaler, cast_floating, precision_for
@@ -263,6 +264,7 @@ class Trainer:
         metric: Metric | None = None,
         overlap_sync: bool = True,
         bucket_cap_mb: float = 25.0,
+        merge_optimizers: bool = True,
     ) -> None:
         """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
         sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
@@ -290,7 +292,9 @@ class Trainer:
         over its microbatches (``metric`` returns the mean over one microbatch).
         ``overlap_sync``: all-reduce each chunk of at most ``bucket_cap_mb`` of gradients as
         soon as the iteration's last backward has produced it (:mod:`hetpilot.trainer.gradsync`);
-        False syncs after the backward, bucket by bucket.
+        False syncs after the backward, bucket by bucket. ``merge_optimizers``: step the
+        layers' optimizers as one where that is exact (:mod:`hetpilot.trainer.optimstep`);
+        False steps each alone.
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
@@ -325,6 +329,8 @@ class Trainer:
         if self.iterations_per_epoch < 1:
             raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch")
         self.seed = seed
+        self._order_cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        self._optim_step = OptimizerStep(merge=merge_optimizers)  # the layers' as one
         self.precision = precision_for(dtype)
         self._scaler = LossScaler() if self.precision.scaled else None
         self.device = torch.device(device)
@@ -704,8 +710,16 @@ class Trainer:
     # -- iterations -------------------------------------------------------------
 
     def _epoch_order(self, epoch: int) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-        return torch.randperm(len(self.dataset), generator=gen)
+        """The epoch's sample order, kept for the epoch: drawing it for every iteration
+        cost a ``randperm`` of the whole data set per iteration (about 10 ms for a million
+        samples, on every rank's critical path)."""
+        key = (self.seed, epoch, len(self.dataset))
+        cached = self._order_cache
+        if cached is None or cached[0] != key:
+            gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            cached = (key, torch.randperm(len(self.dataset), generator=gen))
+            self._order_cache = cached
+        return cached[1]
 
     def batch_indices(self, epoch: int, iteration: int) -> list[int]:
         """Dataset indices of one global batch; independent of the plan."""
@@ -767,10 +781,10 @@ class Trainer:
             stats.sync_early_bytes += sync.launched_in_backward * sync.bucket_bytes
             if self._scaler is not None:
                 step = self._scaler.update(self._grads(), self.device)
-            for optim in self._all_optims():
-                if step:
-                    optim.step()
-                optim.zero_grad(set_to_none=True)
+            optims = self._all_optims()
+            if step:
+                self._optim_step.step(optims)
+            self._optim_step.zero_grad(optims)
             self._gradsync.zero_grad()  # the synced gradients live on in its buffers
             self._reconcile_buffers(buffers_before)
         elif self._scaler is not None:  # an idle rank still takes part in the overflow vote
