@@ -125,11 +125,13 @@ def _plan(n_layers: int, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _hetpilot(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
-              dtype: torch.dtype | None) -> tuple[list[float], dict[str, Any]]:
+              dtype: torch.dtype | None, merge: bool = True
+              ) -> tuple[list[float], dict[str, Any]]:
     """Seconds of each timed iteration of hetpilot's trainer on the one-stage plan, and
     the slot record of the timed iterations (the fields the stage-timing correction reads)."""
     trainer = Trainer(job["layers"], job["loss"], job["optimizer"], job["dataset"],
-                      global_batch=args.batch, device_id=DEVICE_ID, device=dev, dtype=dtype)
+                      global_batch=args.batch, device_id=DEVICE_ID, device=dev, dtype=dtype,
+                      merge_optimizers=merge)
     trainer.switch(plan_from_dict(_plan(len(job["layers"]), args)))
     times: list[float] = []
     ops = [0.0, 0.0, 0]
@@ -218,6 +220,9 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true",
                     help="a small model for a CPU smoke run (not the issue's figures)")
     ap.add_argument("--json", help="also write the figures to this file")
+    ap.add_argument("--one-by-one", action="store_true",
+                    help="also run hetpilot with the layers' optimizers stepped one by one "
+                         "(merge_optimizers=False), each round, to compare")
     args = ap.parse_args()
     if args.tiny:
         args.seq, args.d_model, args.heads, args.blocks, args.vocab = 32, 64, 4, 2, 256
@@ -261,6 +266,7 @@ def main() -> int:
         op_ratios: list[tuple[float, float]] = []  # stage op time / each measurement's
         plain_times: list[float] = []
         our_times: list[float] = []
+        alone_times: list[float] = []
         ratios: list[float] = []
         plan = plan_from_dict(_plan(len(job["layers"]), args))
         sent: list[Any] = []
@@ -269,6 +275,8 @@ def main() -> int:
             p, (o, record) = _plain(job, args, dev, compute), _hetpilot(job, args, dev, dtype)
             plain_times += p
             our_times += o
+            if args.one_by_one:
+                alone_times += _hetpilot(job, args, dev, dtype, merge=False)[0]
             ratios.append(statistics.median(o) / statistics.median(p))
             chained_r, unchained_r = (stage_ratio(record, plan, m)
                                       for m in (predicted_runs[0][3], unchained_run[3]))
@@ -285,6 +293,8 @@ def main() -> int:
     tokens = args.batch * args.seq
     peak = _peak(args, dev)
     rows = {"plain PyTorch loop": plain, "hetpilot, one-stage plan": ours}
+    if alone_times:
+        rows["hetpilot, the layers' optimizers one by one"] = statistics.median(alone_times)
     print("\n| run | iteration s | tokens/s | model TFLOP/s | MFU |\n|---|---|---|---|---|")
     for name, t in rows.items():
         achieved = gflop / t / 1000
@@ -313,6 +323,7 @@ def main() -> int:
                        "predictions_s": [p[0] for p in predicted_runs],
                        "corrected_s": corrected, "unchained_s": unchained,
                        "op_ratios": op_ratios,
+                       "one_by_one_s": statistics.median(alone_times) if alone_times else None,
                        "corrections": [f for _, f in calibration.corrections],
                        "fitted_tflops": tflops, "gflop_per_iteration": gflop,
                        "peak_tflops": peak}, f, indent=1)
