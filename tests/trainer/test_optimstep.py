@@ -22,18 +22,7 @@ def _layers(n: int = 4) -> list[nn.Module]:
 def _run(layers: list[nn.Module], factory: Factory, stepper: OptimizerStep | None,
          steps: int = 5) -> list[torch.optim.Optimizer]:
     optims = [factory(list(m.parameters())) for m in layers]
-    gen = torch.Generator().manual_seed(1)
-    for _ in range(steps):
-        for m in layers:
-            for p in m.parameters():
-                p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        if stepper is None:
-            for o in optims:
-                o.step()
-                o.zero_grad(set_to_none=True)
-        else:
-            stepper.step(optims)
-            stepper.zero_grad(optims)
+    _run_more(layers, optims, stepper, steps, seed=1, zero=True)
     return optims
 
 
@@ -139,14 +128,21 @@ def test_a_loaded_state_is_the_one_stepped() -> None:
 
 
 def _run_more(layers: list[nn.Module], optims: list[torch.optim.Optimizer],
-              stepper: OptimizerStep | None, steps: int) -> None:
-    gen = torch.Generator().manual_seed(2)
+              stepper: OptimizerStep | None, steps: int, seed: int = 2,
+              zero: bool = False) -> None:
+    """``steps`` steps on random gradients (from ``seed``), each alone or by ``stepper``;
+    ``zero``: then zero the gradients the same way."""
+    gen = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         for m in layers:
             for p in m.parameters():
                 p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype)
-        if stepper is None:
-            for o in optims:
-                o.step()
-        else:
+        if stepper is not None:
             stepper.step(optims)
+            if zero:
+                stepper.zero_grad(optims)
+            continue
+        for o in optims:
+            o.step()
+            if zero:
+                o.zero_grad(set_to_none=True)
