@@ -71,6 +71,9 @@ def _mergeable(optims: Sequence[Optimizer]) -> bool:
             return False
         if o._optimizer_step_pre_hooks or o._optimizer_step_post_hooks:
             return False
+        # the one default a step reads outside its groups (torch's _use_grad wrapper)
+        if o.defaults.get("differentiable") != optims[0].defaults.get("differentiable"):
+            return False
         if not all(_plain(v) for g in o.param_groups for k, v in g.items() if k != "params"):
             return False
     return True
