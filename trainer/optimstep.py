@@ -15,7 +15,9 @@ plain loop with one optimizer (bench/RESULTS-gpu.md, leases I and J).
 * none has step hooks, nor are there global ones, and none had its ``step`` replaced
   on the instance (an LR scheduler's step counter does that);
 * every hyperparameter of every group is a plain value (number, string, bool, None,
-  tuples of them) so groups can be compared.
+  tuples of them) so groups can be compared;
+* not a multi-tensor (``foreach``, ``fused``) step of CPU parameters, which is faster
+  per layer (see :func:`_mergeable`).
 
 Then one optimizer of that class holds one group per distinct set of hyperparameters
 (the layers' groups with equal settings joined) and a state that hands out each layer
@@ -59,7 +61,7 @@ def _plain(value: Any) -> bool:
     return isinstance(value, _PLAIN)
 
 
-def _mergeable(optims: Sequence[Optimizer]) -> bool:
+def _mergeable(optims: Sequence[Optimizer], cpu_multi_tensor: bool = False) -> bool:
     cls = type(optims[0])
     if not cls.__module__.startswith("torch.optim."):
         return False
@@ -76,12 +78,19 @@ def _mergeable(optims: Sequence[Optimizer]) -> bool:
             return False
         if not all(_plain(v) for g in o.param_groups for k, v in g.items() if k != "params"):
             return False
-    return True
+    # Multi-tensor steps of CPU parameters stay per layer: each op then runs over one
+    # layer's tensors while they are in cache; over all layers at once AdamW(foreach=True)
+    # took 1.05-1.09x the time on a CPU (bench/optim_step.py). torch's default on a CPU is the
+    # single-tensor step, which joining does not reorder.
+    groups = [g for o in optims for g in o.param_groups]
+    multi_tensor = any(g.get("foreach") or g.get("fused") for g in groups)
+    on_cpu = any(p.device.type == "cpu" for g in groups for p in g["params"])
+    return cpu_multi_tensor or not (multi_tensor and on_cpu)
 
 
-def _merged(optims: Sequence[Optimizer]) -> Optimizer | None:
+def _merged(optims: Sequence[Optimizer], cpu_multi_tensor: bool = False) -> Optimizer | None:
     """One optimizer stepping all of ``optims`` (see the module docstring), or None."""
-    if len(optims) < 2 or not _mergeable(optims):
+    if len(optims) < 2 or not _mergeable(optims, cpu_multi_tensor):
         return None
     groups: dict[tuple[Any, ...], dict[str, Any]] = {}
     owner: dict[int, Optimizer] = {}
@@ -109,9 +118,11 @@ class OptimizerStep:
     """``step()`` and ``zero_grad()`` for a list of optimizers: as one where that is exact,
     else one by one."""
 
-    def __init__(self, merge: bool = True) -> None:
+    def __init__(self, merge: bool = True, cpu_multi_tensor: bool = False) -> None:
         self.merge = merge
         """False: always one by one (to compare)."""
+        self.cpu_multi_tensor = cpu_multi_tensor
+        """True: join multi-tensor steps of CPU parameters too (to compare)."""
         self._key: tuple[Any, ...] | None = None
         self._one: Optimizer | None = None
         self.merged = False
@@ -121,7 +132,8 @@ class OptimizerStep:
         key = tuple((id(o), id(o.state), id(o.param_groups), *map(id, o.param_groups))
                     for o in optims)
         if key != self._key:
-            self._key, self._one = key, _merged(optims) if self.merge else None
+            self._key = key
+            self._one = _merged(optims, self.cpu_multi_tensor) if self.merge else None
         self.merged = self._one is not None
         return self._one
 
