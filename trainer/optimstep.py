@@ -99,8 +99,7 @@ def _merged(optims: Sequence[Optimizer], cpu_multi_tensor: bool = False) -> Opti
         for g in o.param_groups:
             n_groups += 1
             key = tuple(sorted((k, v) for k, v in g.items() if k != "params"))
-            merged = groups.setdefault(key, {**{k: v for k, v in g.items() if k != "params"},
-                                             "params": []})
+            merged = groups.setdefault(key, {**dict(key), "params": []})
             for p in g["params"]:
                 merged["params"].append(p)
                 owner[id(p)] = o

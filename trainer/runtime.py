@@ -329,7 +329,7 @@ class Trainer:
         if self.iterations_per_epoch < 1:
             raise ValueError(f"the dataset has {len(dataset)} samples, fewer than one batch")
         self.seed = seed
-        self._order_cache: tuple[tuple[int, int, int], torch.Tensor] | None = None
+        self._order_cache: tuple[int, torch.Tensor] | None = None  # (epoch, its order)
         self._optim_step = OptimizerStep(merge=merge_optimizers)  # the layers' as one
         self.precision = precision_for(dtype)
         self._scaler = LossScaler() if self.precision.scaled else None
@@ -713,13 +713,10 @@ class Trainer:
         """The epoch's sample order, kept for the epoch: drawing it for every iteration
         cost a ``randperm`` of the whole data set per iteration (about 10 ms for a million
         samples, on every rank's critical path)."""
-        key = (self.seed, epoch, len(self.dataset))
-        cached = self._order_cache
-        if cached is None or cached[0] != key:
+        if self._order_cache is None or self._order_cache[0] != epoch:
             gen = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            cached = (key, torch.randperm(len(self.dataset), generator=gen))
-            self._order_cache = cached
-        return cached[1]
+            self._order_cache = (epoch, torch.randperm(len(self.dataset), generator=gen))
+        return self._order_cache[1]
 
     def batch_indices(self, epoch: int, iteration: int) -> list[int]:
         """Dataset indices of one global batch; independent of the plan."""
