@@ -82,7 +82,11 @@ tensors, its send and recv do not, so activations, gradients and moved layer
 state cross through host memory, :func:`hetpilot.trainer.activations.through_host`),
 and the references compute on the same GPU with the same per-microbatch seeds
 (CUDA's generator too), then everything is compared on the CPU. The preflight
-still runs on the CPU.
+still runs on the CPU. With ``--backend nccl`` (a machine with at least N GPUs)
+rank r computes on GPU r and the ranks talk over NCCL, as ``hetpilot train`` does
+under torchrun on such a host: activations, gradients, the gradient sync and moved
+layer state cross between GPUs as CUDA tensors; the references compute on GPU 0.
+**Not yet run**: no machine with two GPUs has been lent to this project (issue 14).
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ from hetpilot.planner.types import Plan
 from torch import nn
 
 from .jobspec import load_job
-from .launch import spawn
+from .launch import BACKENDS, spawn
 from .plans import check_plan, random_plan
 from .preflight import preflight
 from .replicas import full_state
@@ -173,9 +177,9 @@ def summarize_plan(plan: Plan) -> str:
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     from .runtime import Trainer
 
-    device = _device(cfg["device"])
+    device = _rank_device(cfg["device"], cfg["backend"], rank)
     if device.type == "cuda":
-        torch.cuda.set_device(device)  # every rank on GPU 0, over gloo
+        torch.cuda.set_device(device)
     spec = load_job(cfg["job"], "--job")
     plans = [plan_from_dict(p) for p in cfg["plans"]]
     trainer = Trainer(
@@ -205,8 +209,30 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
 
 
 def _device(name: str) -> torch.device:
-    """``--device``: the CPU, or GPU 0, which every rank and the references share."""
+    """``--device``: the CPU, or GPU 0, where the references compute (and every rank, over
+    gloo)."""
     return torch.device("cuda", 0) if name == "cuda" else torch.device("cpu")
+
+
+def _rank_device(name: str, backend: str, rank: int) -> torch.device:
+    """Where rank ``rank`` computes: under NCCL on its own GPU, else where ``--device`` says."""
+    return torch.device("cuda", rank) if backend == "nccl" else _device(name)
+
+
+def check_backend(backend: str, device: str, ranks: int, gpus: int, nccl: bool) -> None:
+    """Refuse a ``--backend`` this machine cannot run, naming the flag, before any rank
+    starts (``gpus``: CUDA devices visible; ``nccl``: torch built with NCCL)."""
+    if backend not in BACKENDS:
+        raise ValidationError("--backend", f"must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "nccl":
+        return
+    if device != "cuda":
+        raise ValidationError("--backend", "nccl needs --device cuda")
+    if not nccl:
+        raise ValidationError("--backend", "nccl: this torch was built without NCCL")
+    if gpus < ranks:
+        raise ValidationError("--backend", f"nccl takes one GPU per rank: --ranks {ranks} needs "
+                                           f"{ranks} CUDA devices, {gpus} visible here")
 
 
 def _microbatch(global_batch: int, ranks: int) -> int:
@@ -330,13 +356,15 @@ def run_check(
     tolerance: float | None = None,
     log: Any = print,
     device: str = "cpu",
+    backend: str = "gloo",
 ) -> dict[str, Difference]:
     """Run the check (module docstring); return, per reference, the largest difference and
     where it is: absolute in float64, relative (to the reference's change) under mixed
     precision. Where a float64 difference is above ``tolerance`` (default 1e-9), the
     comparison is redone beyond each tensor's rounding-noise floor (module docstring),
     which costs two more reference runs only then. ``device="cuda"``: the ranks share GPU
-    0 over gloo and the references compute there too (module docstring)."""
+    0 over gloo, or with ``backend="nccl"`` take a GPU each, and the references compute on
+    GPU 0 (module docstring)."""
     from .reference import ReferenceRun, build_layers
 
     if device not in ("cpu", "cuda"):
@@ -344,6 +372,10 @@ def run_check(
     if device == "cuda" and not torch.cuda.is_available():
         raise ValidationError("--device", "cuda: no CUDA device here "
                                           "(torch.cuda.is_available() is false); use --device cpu")
+    import torch.distributed as dist
+
+    check_backend(backend, device, ranks, torch.cuda.device_count() if device == "cuda" else 0,
+                  dist.is_nccl_available())
     mixed = dtype in MIXED_TOLERANCE
     spec = load_job(job, "--job")
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
@@ -358,11 +390,11 @@ def run_check(
     for plan in plans:  # refused here, before any rank starts
         check_plan(plan, devices, num_layers, batch)
     cfg = {"plans": [plan_to_dict(p) for p in plans], "job": job, "iterations": iterations,
-           "seed": seed, "dtype": dtype, "device": device}
+           "seed": seed, "dtype": dtype, "device": device, "backend": backend}
     with tempfile.TemporaryDirectory(prefix="hetpilot-train-check-") as tmp:
         cfg["out"] = tmp
         started = time.monotonic()
-        spawn(_worker, ranks, (cfg,), timeout_s)
+        spawn(_worker, ranks, (cfg,), timeout_s, backend=backend)
         took = time.monotonic() - started
         init = torch.load(Path(tmp) / "init.pt", map_location="cpu", weights_only=True)
 
@@ -392,7 +424,12 @@ def run_check(
                 first = next(iter(_references(dtype).values()))
                 copies = [reference(True, *first, perturb=c + 1) for c in range(NOISE_COPIES)]
                 worst = _compare_plans(Path(tmp), plans, ranks, refs, copies, names, mixed, log)
-    log(f"{ranks} ranks{' on cuda:0' if device == 'cuda' else ''}, {len(plans)} plans, "
+    where = ""
+    if backend == "nccl":
+        where = f" on cuda:0-{ranks - 1} over NCCL"
+    elif device == "cuda":
+        where = " on cuda:0"
+    log(f"{ranks} ranks{where}, {len(plans)} plans, "
         f"microbatch {microbatch}, {dtype}, {took:.1f} s")
     return worst
 
@@ -609,10 +646,11 @@ def _compare(held: list[dict[int, dict[str, torch.Tensor]]],
 
 def main(ranks: int, seed: int, tolerance: float | None, timeout_s: float,
          job: str = BUILTIN_JOB, iterations: int = 2, dtype: str = "float64",
-         device: str = "cpu") -> int:
+         device: str = "cpu", backend: str = "gloo") -> int:
     try:
         worst = run_check(ranks, job=job, seed=seed, iterations=iterations,
-                          timeout_s=timeout_s, dtype=dtype, tolerance=tolerance, device=device)
+                          timeout_s=timeout_s, dtype=dtype, tolerance=tolerance, device=device,
+                          backend=backend)
     except ValidationError as exc:
         print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
         return 2

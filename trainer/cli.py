@@ -54,8 +54,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                             help="cuda: every rank computes on GPU 0, the ranks talking over "
                                  "gloo (NCCL refuses two ranks on one GPU; activations and "
-                                 "gradients are staged through host memory), and the "
-                                 "one-process references compute on the same GPU; default cpu")
+                                 "gradients are staged through host memory), unless --backend "
+                                 "nccl; the one-process references compute on GPU 0; "
+                                 "default cpu")
+        parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo",
+                            help="the ranks' process group; nccl (with --device cuda, at least "
+                                 "--ranks GPUs): rank r on GPU r, as `hetpilot train` runs on a "
+                                 "multi-GPU host; default gloo")
         parser.add_argument("--timeout", type=seconds(), default=300.0, metavar="S",
                             help="give up (exit 1) after this many seconds")
         return
@@ -179,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
                     job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype,
-                    device=args.device)
+                    device=args.device, backend=args.backend)
     if args.command == "train" and (problem := launched_defaults(args)) is not None:
         return _fail(problem)
     try:

@@ -3,6 +3,8 @@
 Production jobs use ``torchrun``; this starts N real subprocesses on a free
 port with a hard deadline, so nothing that calls it can hang (forked from a
 server that imported torch once: :mod:`hetpilot.trainer.forkserver`).
+``backend="nccl"`` puts rank r on GPU r (NCCL takes one rank per GPU), as
+``hetpilot train`` under torchrun puts LOCAL_RANK r there.
 """
 
 from __future__ import annotations
@@ -30,28 +32,40 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def init_local(rank: int, world: int, port: int, timeout_s: float = 60.0) -> None:
-    """One thread per rank (the machines here are small) and a gloo group on 127.0.0.1."""
+BACKENDS = ("gloo", "nccl")
+
+
+def init_local(rank: int, world: int, port: int, timeout_s: float = 60.0,
+               backend: str = "gloo") -> None:
+    """One thread per rank (the machines here are small) and a process group on 127.0.0.1:
+    gloo, or NCCL with rank r on GPU r."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend: must be one of {', '.join(BACKENDS)}, got {backend!r}")
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     from datetime import timedelta
 
+    device = None
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)  # object collectives and barriers use the current GPU
     dist.init_process_group(
-        "gloo",
+        backend,
         init_method=f"tcp://127.0.0.1:{port}",
         rank=rank,
         world_size=world,
         timeout=timedelta(seconds=timeout_s),
+        device_id=device,
     )
 
 
 def _entry(rank: int, fn: Callable[..., None], world: int, port: int, args: tuple[Any, ...],
-           environ: dict[str, str]) -> None:
+           environ: dict[str, str], backend: str) -> None:
     # The fork server's environment is the caller's when it started; the rank gets the
     # caller's now, as a spawned one would.
     os.environ.clear()
     os.environ.update(environ)
-    init_local(rank, world, port)
+    init_local(rank, world, port, backend=backend)
     try:
         fn(rank, world, *args)
         dist.barrier()  # every rank done with the group before any tears it down
@@ -96,12 +110,14 @@ def _root_cause(ctx: Any, failed: int) -> mp.ProcessRaisedException | None:
         rank, ctx.processes[rank].pid)
 
 
-def spawn(fn: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float) -> None:
-    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise if any fails or time runs out."""
+def spawn(fn: Callable[..., None], world: int, args: tuple[Any, ...], timeout_s: float,
+          backend: str = "gloo") -> None:
+    """Run ``fn(rank, world, *args)`` on ``world`` spawned ranks; raise if any fails or time
+    runs out. ``backend``: their process group's (:func:`init_local`)."""
     port = free_port()
     method = start_method()
     ctx = mp.start_processes(
-        _entry, args=(fn, world, port, args, dict(os.environ)), nprocs=world, join=False,
+        _entry, args=(fn, world, port, args, dict(os.environ), backend), nprocs=world, join=False,
         start_method=method,
     )
     deadline = time.monotonic() + timeout_s

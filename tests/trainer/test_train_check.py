@@ -222,6 +222,40 @@ def test_cli_refuses_cuda_where_there_is_none() -> None:
     assert "plan v" not in res.stdout  # no rank ran
 
 
+def test_backend_nccl_is_refused_where_it_cannot_run() -> None:
+    """``--backend nccl`` needs ``--device cuda``, torch with NCCL and a GPU per rank; each
+    refusal names ``--backend`` and says which."""
+    from hetpilot.planner.errors import ValidationError
+    from hetpilot.trainer.check import check_backend
+
+    check_backend("gloo", "cpu", 4, 0, False)  # the default needs none of it
+    check_backend("nccl", "cuda", 2, 2, True)
+    for args, words in ((("nccl", "cpu", 2, 8, True), "needs --device cuda"),
+                        (("nccl", "cuda", 2, 8, False), "without NCCL"),
+                        (("nccl", "cuda", 3, 2, True), "--ranks 3 needs 3 CUDA devices, 2 visible"),
+                        (("mpi", "cpu", 2, 0, False), "must be one of gloo, nccl")):
+        with pytest.raises(ValidationError, match="--backend") as err:
+            check_backend(*args)
+        assert words in str(err.value)
+
+
+def test_cli_refuses_backend_nccl_on_the_cpu() -> None:
+    """Exit 2 naming ``--backend`` before any rank starts."""
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--backend", "nccl", "--ranks", "2"],
+        capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert "--backend: nccl needs --device cuda" in res.stderr
+    assert "plan v" not in res.stdout
+
+
+def test_init_local_refuses_an_unknown_backend() -> None:
+    from hetpilot.trainer.launch import free_port, init_local
+
+    with pytest.raises(ValueError, match="backend"):
+        init_local(0, 1, free_port(), backend="mpi")
+
+
 def staged_pytree_tiny() -> dict[str, Any]:
     """``_jobfns:pytree_tiny`` (tuple and dict activations, integer and non-tensor leaves)
     whose ranks send every activation, gradient and moved state through a host copy, as
