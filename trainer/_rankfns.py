@@ -85,6 +85,47 @@ def _bad_device_run(rank: int, world: int, out: str) -> None:
     trainer.fit(1)
 
 
+PLAN_CROSSED = {  # 3 stages whose custom orders run the microbatches in other orders
+    "microbatch_size": 2, "schedule": "custom",
+    "groups": [{"samples": 8, "stages": [
+        {"device": "local:0", "layers": [0, 2],
+         "order": ["F1", "F0", "F3", "F2", "B1", "B0", "B3", "B2"]},
+        {"device": "local:1", "layers": [2, 4],
+         "order": ["F0", "F1", "F2", "F3", "B0", "B1", "B2", "B3"]},
+        {"device": "local:2", "layers": [4, 6],
+         "order": ["F0", "B0", "F2", "B2", "F1", "B1", "F3", "B3"]},
+    ]}],
+}
+
+
+def crossed_reference() -> dict[int, dict[str, torch.Tensor]]:
+    """One process taking PLAN_CROSSED's steps (see :func:`_untagged_run`)."""
+    from .reference import ReferenceRun, build_layers
+
+    ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
+                       nn.functional.mse_loss, _adam,
+                       _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+                       8, seed=CFG["seed"])
+    for _ in range(CFG["iterations"]):
+        ref.step(plan_from_dict(PLAN_CROSSED))
+    return dict(enumerate(ref.states()))
+
+
+def _untagged_run(rank: int, world: int, out: str) -> None:
+    """PLAN_CROSSED with every message tag 0, so that gloo matches messages between two
+    ranks in the order they were sent, as NCCL (which has no tags) does."""
+    from . import activations
+
+    activations.tag = lambda k, backward, slot: 0
+    trainer = Trainer(
+        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
+        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64)
+    trainer.switch(plan_from_dict(PLAN_CROSSED))
+    trainer.train_epoch(max_iterations=CFG["iterations"])
+    _save_held(trainer, Path(out) / f"held{rank}.pt")
+
+
 def _activation_round_trip(rank: int, world: int, out: str) -> None:
     """Rank 0 sends a nested activation forward, rank 1 sends gradients back."""
     from .activations import grad_leaves, recv_activation, recv_grads, send_activation, send_grads

@@ -217,8 +217,10 @@ def _to_wire(t: torch.Tensor) -> torch.Tensor:
     return t.to("cpu", copy=True) if through_host(t.device) else t
 
 
-def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
-    """Start sending ``value`` (non-blocking); returns (work, buffer) pairs to wait on."""
+def send_activation(value: Any, dst: int, k: int,
+                    group: Any = None) -> list[tuple[Any, torch.Tensor]]:
+    """Start sending ``value`` (non-blocking) to global rank ``dst`` over ``group`` (None:
+    the default group); returns (work, buffer) pairs to wait on."""
     leaves, spec = flatten(value)
     blob = pickle.dumps((_dump_spec(spec), describe(leaves)), protocol=pickle.HIGHEST_PROTOCOL)
     device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
@@ -241,23 +243,23 @@ def send_activation(value: Any, dst: int, k: int) -> list[tuple[Any, torch.Tenso
         messages.append((_to_wire(t.detach().contiguous()), tag(k, False, 2 + i)))
     pending = []
     for tensor, message_tag in messages:
-        work = dist.isend(tensor, dst=dst, tag=message_tag)
+        work = dist.isend(tensor, dst=dst, tag=message_tag, group=group)
         assert work is not None
         pending.append((work, tensor))
     return pending
 
 
-def recv_activation(src: int, k: int, device: torch.device) -> Received:
+def recv_activation(src: int, k: int, device: torch.device, group: Any = None) -> Received:
     """Receive what :func:`send_activation` sent (blocking) and rebuild it."""
     staged, wire = through_host(device), wire_device(device)
     head = torch.empty(_HEADER_BYTES, dtype=torch.uint8, device=wire)
-    dist.recv(head, src=src, tag=tag(k, False, 0))
+    dist.recv(head, src=src, tag=tag(k, False, 0), group=group)
     raw = bytes(head.cpu().numpy().tobytes())
     n = int.from_bytes(raw[:8], "little")
     blob = raw[8 : 8 + min(n, _HEADER_BYTES - 8)]
     if n > _HEADER_BYTES - 8:
         rest = torch.empty(n - (_HEADER_BYTES - 8), dtype=torch.uint8, device=wire)
-        dist.recv(rest, src=src, tag=tag(k, False, 1))
+        dist.recv(rest, src=src, tag=tag(k, False, 1), group=group)
         blob += bytes(rest.cpu().numpy().tobytes())
     dumped, described = pickle.loads(blob)  # from our own peer rank of the same job
     spec = _load_spec(dumped)
@@ -270,7 +272,7 @@ def recv_activation(src: int, k: int, device: torch.device) -> Received:
             continue
         _, shape, dtype, requires_grad = item
         buf = torch.empty(shape, dtype=getattr(torch, dtype), device=wire)
-        dist.recv(buf, src=src, tag=tag(k, False, slot))
+        dist.recv(buf, src=src, tag=tag(k, False, slot), group=group)
         if staged:
             buf = buf.to(device, copy=True)
         slot += 1
@@ -281,25 +283,27 @@ def recv_activation(src: int, k: int, device: torch.device) -> Received:
     return Received(pytree.tree_unflatten(leaves, spec), needs_grad)
 
 
-def send_grads(inputs: list[torch.Tensor], dst: int, k: int) -> list[tuple[Any, torch.Tensor]]:
+def send_grads(inputs: list[torch.Tensor], dst: int, k: int,
+               group: Any = None) -> list[tuple[Any, torch.Tensor]]:
     """Send the gradient of each received leaf that needed one (zeros where autograd left none)."""
     pending = []
     for i, leaf in enumerate(inputs):
         g = leaf.grad if leaf.grad is not None else torch.zeros_like(leaf)
         g = _to_wire(g.contiguous())
-        work = dist.isend(g, dst=dst, tag=tag(k, True, 2 + i))
+        work = dist.isend(g, dst=dst, tag=tag(k, True, 2 + i), group=group)
         assert work is not None
         pending.append((work, g))
     return pending
 
 
-def recv_grads(outputs: list[torch.Tensor], src: int, k: int) -> list[torch.Tensor]:
+def recv_grads(outputs: list[torch.Tensor], src: int, k: int,
+               group: Any = None) -> list[torch.Tensor]:
     """The gradients of this stage's output leaves that required one, in leaf order."""
     grads = []
     for i, leaf in enumerate(outputs):
         staged = through_host(leaf.device)
         g = torch.empty_like(leaf, memory_format=torch.contiguous_format,
                              device="cpu" if staged else leaf.device)
-        dist.recv(g, src=src, tag=tag(k, True, 2 + i))
+        dist.recv(g, src=src, tag=tag(k, True, 2 + i), group=group)
         grads.append(g.to(leaf.device, copy=True) if staged else g)
     return grads

@@ -3,9 +3,22 @@
 The stage runs exactly the op order the reference model scores
 (:func:`hetpilot.planner.schedules.order` or a plan's custom order). Sends
 are non-blocking (``isend``) and receives block, which is the dependency rule
-of spec section 5.2: an op waits for its input, never for its consumer. Each
-message is tagged with its microbatch and direction, so custom orders that
-forward microbatches in different orders on neighbouring stages still match.
+of spec section 5.2: an op waits for its input, never for its consumer.
+
+Each direction of each cut is a FIFO channel, as spec 5.2 models it, and the two
+directions are independent. Activations go over the default process group and
+gradients over a second group of all ranks (``grad_group``). Under NCCL, which
+runs one process group's messages between two ranks on one CUDA stream, sharing a
+group deadlocks a 1F1B pipeline once a message outgrows NCCL's buffers: a stage
+sends activation k+1 and then receives gradient k while its neighbour sends
+gradient k and then receives activation k+1, and on each stream the send waits for
+a receive queued behind the other send. NCCL also has no tags: messages between
+two ranks match in the order they were posted. So a stage receives in the order
+its neighbour sends (``recv_order``: the previous stage's forwards; ``grad_order``:
+the next stage's backwards, both from the plan) and keeps a message that arrives
+before its op needs it (a custom order may forward microbatches in another order
+than its neighbour). The tags stay: gloo matches by them, and a mismatch is an
+error there rather than another microbatch's data.
 
 Each layer is called with one argument, the previous layer's output, which
 may be any pytree of tensors and other values; what crosses a cut is sent
@@ -264,8 +277,19 @@ class StageRunner:
         slowdown: float = 1.0,
         fwd_target_s: float = 0.0,
         bwd_target_s: float = 0.0,
+        recv_order: Sequence[int] | None = None,
+        grad_order: Sequence[int] | None = None,
+        grad_group: Any = None,
     ) -> None:
         self.layers = list(layers)
+        self.recv_order = list(recv_order) if recv_order is not None else None
+        """The microbatches in the order the previous stage sends their activations (None:
+        the order this stage runs its forwards)."""
+        self.grad_order = list(grad_order) if grad_order is not None else None
+        """The microbatches in the order the next stage sends their gradients (None: the
+        order this stage runs its backwards)."""
+        self.grad_group = grad_group
+        """The process group gradients cross in (None: the default group, the activations')."""
         self.prev_rank = prev_rank
         self.next_rank = next_rank
         self.recompute = recompute
@@ -380,12 +404,36 @@ class StageRunner:
         else:
             setattr(stats, field, getattr(stats, field) + self._slow(began, stats, target_s))
 
-    def _receive(self, k: int, stats: StageStats) -> tuple[Any, list[torch.Tensor]]:
+    def _receive(self, k: int, stats: StageStats, early: dict[int, Any],
+                 order: Iterator[int]) -> tuple[Any, list[torch.Tensor]]:
+        """Microbatch ``k``'s activation, receiving those the previous stage sent before
+        it first (kept in ``early``)."""
         assert self.prev_rank is not None
         started = time.perf_counter()
-        got = recv_activation(self.prev_rank, k, self.device)
+        while k not in early:
+            m = next(order, k) if self.recv_order is not None else k
+            early[m] = recv_activation(self.prev_rank, m, self.device)
+        got = early.pop(k)
         stats.wait_s += time.perf_counter() - started
         return got.value, got.grad_inputs
+
+    def _receive_grads(self, k: int, stats: StageStats, early: dict[int, list[torch.Tensor]],
+                       order: Iterator[int],
+                       saved: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]]
+                       ) -> list[torch.Tensor]:
+        """The gradients of microbatch ``k``'s outputs, receiving those the next stage sent
+        before them first (kept in ``early``). A microbatch sent before ``k`` has had its
+        forward here (the next stage's backward of it needed it) and not yet its backward
+        (which needs these gradients), so its outputs are in ``saved``."""
+        assert self.next_rank is not None
+        started = time.perf_counter()
+        while k not in early:
+            m = next(order, k) if self.grad_order is not None else k
+            outs = saved[m][1]
+            if outs:  # else the next stage sent nothing for it (and k has outputs)
+                early[m] = recv_grads(outs, self.next_rank, m, self.grad_group)
+        stats.wait_s += time.perf_counter() - started
+        return early.pop(k)
 
     def run(
         self,
@@ -402,13 +450,16 @@ class StageRunner:
         losses: list[torch.Tensor] = []
         first, last = self.prev_rank is None, self.next_rank is None
         last_bwd = max((i for i, (is_bwd, _) in enumerate(ops) if is_bwd), default=-1)
+        early_acts: dict[int, Any] = {}
+        early_grads: dict[int, list[torch.Tensor]] = {}
+        acts_order, grads_order = iter(self.recv_order or ()), iter(self.grad_order or ())
         for i, (is_bwd, k) in enumerate(ops):
             if not is_bwd:
                 x_in: list[torch.Tensor] = []
                 if first:
                     x = self._to_device(inputs(k))
                 else:
-                    x, x_in = self._receive(k, stats)
+                    x, x_in = self._receive(k, stats, early_acts, acts_order)
                 began = clock.start()
                 with seeded(self.rng_seed(k) if self.rng_seed else None, self.device):
                     y = self._forward(x, received=not first)
@@ -429,13 +480,10 @@ class StageRunner:
                     assert self.next_rank is not None
                     pending.extend(send_activation(y, self.next_rank, k))
             else:
-                x_in, outs = saved.pop(k)
                 grads: list[torch.Tensor] | None = None
-                if not last and outs:
-                    assert self.next_rank is not None
-                    started = time.perf_counter()
-                    grads = recv_grads(outs, self.next_rank, k)
-                    stats.wait_s += time.perf_counter() - started
+                if not last and saved[k][1]:
+                    grads = self._receive_grads(k, stats, early_grads, grads_order, saved)
+                x_in, outs = saved.pop(k)
                 if i == last_bwd and self.before_last_backward is not None:
                     self.before_last_backward(outs)
                 began = clock.start()
@@ -444,7 +492,7 @@ class StageRunner:
                 self._op_done(clock, began, stats, "bwd_s", self.bwd_target_s)
                 if x_in:
                     assert self.prev_rank is not None
-                    pending.extend(send_grads(x_in, self.prev_rank, k))
+                    pending.extend(send_grads(x_in, self.prev_rank, k, self.grad_group))
                 stats.microbatches += 1
         started = time.perf_counter()
         for work, _ in pending:

@@ -404,6 +404,9 @@ class Trainer:
         self.bucket_cap_mb = bucket_cap_mb
         self._gradsync: GradSync | None = None
         self._groups_made: list[Any] = []
+        self._grad_group: Any = None
+        """The process group pipeline gradients cross in, apart from the activations' (the
+        default group): see :mod:`hetpilot.trainer.pipeline`. Made at the first plan."""
         self.last_switch: dict[str, Any] = {}
 
     # -- layers ---------------------------------------------------------------
@@ -643,6 +646,8 @@ class Trainer:
         self._groups_made, self._buckets, self._tie_groups = [], [], []
         self._runner, self._role, self._ops = None, None, ()
         made: dict[tuple[int, ...], Any] = {}
+        if self._grad_group is None and self.world > 1:  # every rank, at its first plan
+            self._grad_group = dist.new_group(ranks=list(range(self.world)))
         # buckets of spec 5.3: maximal runs of layers with the same owner tuple
         if len(plan.groups) > 1:
             layer = 0
@@ -687,6 +692,9 @@ class Trainer:
                     slowdown=self.slowdown,
                     fwd_target_s=fwd_t,
                     bwd_target_s=bwd_t,
+                    recv_order=[k for bwd, k in orders[gi][si - 1] if not bwd] if si > 0 else None,
+                    grad_order=[k for bwd, k in orders[gi][si + 1] if bwd] if si + 1 < n else None,
+                    grad_group=self._grad_group,
                 )
         if self._runner is not None:
             self._gradsync = GradSync(
