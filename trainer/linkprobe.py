@@ -114,12 +114,14 @@ def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
     mine: dict[tuple[int, int], dict[str, list[float]]] = {}
     for pairs in rounds:
         groups = [dist.new_group(ranks=list(p)) for p in pairs]  # every rank, same order
-        for pair, group in zip(pairs, groups, strict=True):
+        # the gradients' channel, apart from the activations' as the pipeline keeps it
+        grad_groups = [dist.new_group(ranks=list(p)) for p in pairs]
+        for pair, group, grad_group in zip(pairs, groups, grad_groups, strict=True):
             if rank in pair:
                 peer = pair[1] if rank == pair[0] else pair[0]
-                mine[pair] = _measure_pair(rank, peer, group, dev, msg_bytes, ar_bytes,
-                                           repeats, op_ms, microbatches)
-        for group in groups:
+                mine[pair] = _measure_pair(rank, peer, (group, grad_group), dev, msg_bytes,
+                                           ar_bytes, repeats, op_ms, microbatches)
+        for group in groups + grad_groups:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
     every: list[Any] = [None] * world
@@ -139,11 +141,13 @@ def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
     return out
 
 
-def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes: int,
-                  ar_bytes: int, repeats: int, op_ms: float, microbatches: int
-                  ) -> dict[str, list[float]]:
+def _measure_pair(rank: int, peer: int, groups: tuple[Any, Any], dev: torch.device,
+                  msg_bytes: int, ar_bytes: int, repeats: int, op_ms: float,
+                  microbatches: int) -> dict[str, list[float]]:
     """This rank's side of one pair: idle one-way times (its ping-pongs, halved), the
-    synthetic pipeline's per-transfer times, and the all-reduce's times."""
+    synthetic pipeline's per-transfer times, and the all-reduce's times. ``groups``: the
+    pair's group and its gradients' (:mod:`hetpilot.trainer.pipeline`)."""
+    group, grad_group = groups
     msg = torch.zeros(max(1, msg_bytes // 4), device=dev)
     big = torch.zeros(max(1, ar_bytes // 4), device=dev)
     a = torch.randn(256, 256, device=dev)
@@ -192,7 +196,7 @@ def _measure_pair(rank: int, peer: int, group: Any, dev: torch.device, msg_bytes
 
     idle = ping(activation=True)
     tiny = ping(activation=False)
-    busy = _pipeline_transfers(rank, peer, group, dev, msg, compute, sync,
+    busy = _pipeline_transfers(rank, peer, group, grad_group, dev, msg, compute, sync,
                                max(1, repeats // 2), op_ms, microbatches)
     ar: list[float] = []
     for i in range(4):
@@ -216,7 +220,7 @@ def link_entries(links: dict[tuple[int, int], LinkTime],
     return out
 
 
-def _pipeline_transfers(rank: int, peer: int, group: Any, dev: torch.device,
+def _pipeline_transfers(rank: int, peer: int, group: Any, grad_group: Any, dev: torch.device,
                         msg: torch.Tensor, compute: Callable[[float], float],
                         sync: Callable[[], None], repeats: int, op_ms: float,
                         microbatches: int) -> list[float]:
@@ -239,10 +243,10 @@ def _pipeline_transfers(rank: int, peer: int, group: Any, dev: torch.device,
                     pending += send_activation(msg, peer, k)
             else:
                 if stage == 0:
-                    recv_grads([msg], peer, k)
+                    recv_grads([msg], peer, k, grad_group)
                 busy += compute(op_ms)
                 if stage == 1:
-                    pending += send_grads([msg], peer, k)
+                    pending += send_grads([msg], peer, k, grad_group)
         for work, _ in pending:
             work.wait()
         took = torch.tensor([time.perf_counter() - started, busy / (2 * m)],
