@@ -113,14 +113,16 @@ def crossed_reference() -> dict[int, dict[str, torch.Tensor]]:
 
 def _untagged_run(rank: int, world: int, out: str) -> None:
     """PLAN_CROSSED with every message tag 0, so that gloo matches messages between two
-    ranks in the order they were sent, as NCCL (which has no tags) does."""
+    ranks in the order they were sent, as NCCL (which has no tags) does, and gradients in
+    a group of their own, as under NCCL."""
     from . import activations
 
     activations.tag = lambda k, backward, slot: 0
     trainer = Trainer(
         make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
         _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64)
+        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
+        gradient_group=True)  # as under NCCL
     trainer.switch(plan_from_dict(PLAN_CROSSED))
     trainer.train_epoch(max_iterations=CFG["iterations"])
     _save_held(trainer, Path(out) / f"held{rank}.pt")

@@ -115,13 +115,15 @@ def measure_links(device: torch.device | str, *, msg_bytes: int = 128 * 1024,
     for pairs in rounds:
         groups = [dist.new_group(ranks=list(p)) for p in pairs]  # every rank, same order
         # the gradients' channel, apart from the activations' as the pipeline keeps it
-        grad_groups = [dist.new_group(ranks=list(p)) for p in pairs]
+        # under NCCL (Trainer's gradient_group)
+        grad_groups = ([dist.new_group(ranks=list(p)) for p in pairs]
+                       if dist.get_backend() == "nccl" else [None] * len(pairs))
         for pair, group, grad_group in zip(pairs, groups, grad_groups, strict=True):
             if rank in pair:
                 peer = pair[1] if rank == pair[0] else pair[0]
                 mine[pair] = _measure_pair(rank, peer, (group, grad_group), dev, msg_bytes,
                                            ar_bytes, repeats, op_ms, microbatches)
-        for group in groups + grad_groups:
+        for group in [*groups, *grad_groups]:
             if group is not None and group != dist.GroupMember.NON_GROUP_MEMBER:
                 dist.destroy_process_group(group)
     every: list[Any] = [None] * world

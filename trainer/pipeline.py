@@ -6,8 +6,9 @@ are non-blocking (``isend``) and receives block, which is the dependency rule
 of spec section 5.2: an op waits for its input, never for its consumer.
 
 Each direction of each cut is a FIFO channel, as spec 5.2 models it, and the two
-directions are independent. Activations go over the default process group and
-gradients over a second group of all ranks (``grad_group``). Under NCCL, which
+directions are independent. Activations go over the default process group and,
+under NCCL, gradients over a second group of all ranks (``grad_group``; the
+Trainer's ``gradient_group``). Under NCCL, which
 runs one process group's messages between two ranks on one CUDA stream, sharing a
 group deadlocks a 1F1B pipeline once a message outgrows NCCL's buffers: a stage
 sends activation k+1 and then receives gradient k while its neighbour sends

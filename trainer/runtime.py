@@ -265,6 +265,7 @@ class Trainer:
         overlap_sync: bool = True,
         bucket_cap_mb: float = 25.0,
         merge_optimizers: bool = True,
+        gradient_group: bool | None = None,
     ) -> None:
         """``slowdown`` and ``emulate_tflops`` are the two EMULATION modes (off by default):
         sleep-ratio (each op takes ``slowdown`` times its compute) and target-time (each op
@@ -294,7 +295,11 @@ class Trainer:
         soon as the iteration's last backward has produced it (:mod:`hetpilot.trainer.gradsync`);
         False syncs after the backward, bucket by bucket. ``merge_optimizers``: step the
         layers' optimizers as one where that is exact (:mod:`hetpilot.trainer.optimstep`);
-        False steps each alone.
+        False steps each alone. ``gradient_group``: pipeline gradients cross in a process
+        group of their own, apart from the activations (:mod:`hetpilot.trainer.pipeline`);
+        None: under NCCL only, which needs it. gloo progresses each message by itself, and
+        on a 2-core machine the second group's threads made a balanced 2-stage 1F1B
+        pipeline 10-20% slower (bench/RESULTS-trainer.md).
         """
         if not dist.is_initialized():
             raise RuntimeError("call torch.distributed.init_process_group before Trainer()")
@@ -404,9 +409,12 @@ class Trainer:
         self.bucket_cap_mb = bucket_cap_mb
         self._gradsync: GradSync | None = None
         self._groups_made: list[Any] = []
+        if gradient_group is None:
+            gradient_group = dist.get_backend() == "nccl"
+        self.gradient_group = gradient_group
         self._grad_group: Any = None
         """The process group pipeline gradients cross in, apart from the activations' (the
-        default group): see :mod:`hetpilot.trainer.pipeline`. Made at the first plan."""
+        default group), with ``gradient_group``: made at the first plan."""
         self.last_switch: dict[str, Any] = {}
 
     # -- layers ---------------------------------------------------------------
@@ -646,7 +654,7 @@ class Trainer:
         self._groups_made, self._buckets, self._tie_groups = [], [], []
         self._runner, self._role, self._ops = None, None, ()
         made: dict[tuple[int, ...], Any] = {}
-        if self._grad_group is None and self.world > 1:  # every rank, at its first plan
+        if self.gradient_group and self._grad_group is None and self.world > 1:  # every rank
             self._grad_group = dist.new_group(ranks=list(range(self.world)))
         # buckets of spec 5.3: maximal runs of layers with the same owner tuple
         if len(plan.groups) > 1:
