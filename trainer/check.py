@@ -291,11 +291,19 @@ def _max_abs(a: torch.Tensor, b: torch.Tensor) -> float:
     return float(_minus(a, b).abs().max())
 
 
+def _inexact(t: torch.Tensor) -> bool:
+    """Compared up to a tolerance: floating or complex (an integer tensor must be equal)."""
+    return t.is_floating_point() or t.is_complex()
+
+
 def _minus(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a - b`` in float64, 0 where they are equal: a causal mask's ``-inf`` in both is
-    no difference (``inf - inf`` would be NaN); NaN in either stays NaN."""
-    a, b = a.double(), b.double()
-    return torch.where(a == b, torch.zeros((), dtype=torch.float64), a - b)
+    """``a - b`` in float64 (complex128 where either is complex: ``.double()`` of a complex
+    tensor drops its imaginary part, which went uncompared), 0 where they are equal: a
+    causal mask's ``-inf`` in both is no difference (``inf - inf`` would be NaN); NaN in
+    either stays NaN. Norms take ``.abs()`` of it."""
+    wide = torch.complex128 if a.is_complex() or b.is_complex() else torch.float64
+    a, b = a.to(wide), b.to(wide)
+    return torch.where(a == b, torch.zeros((), dtype=wide), a - b)
 
 
 def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
@@ -316,15 +324,15 @@ def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
         a = got.get(key)
         if a is None or a.shape != b.shape:
             return float("inf"), key
-        if not b.is_floating_point():
+        if not _inexact(b):
             if not torch.equal(a, b):
                 return float("inf"), key
             continue
-        e2 = float(_minus(a, b).pow(2).sum())
+        e2 = float(_minus(a, b).abs().pow(2).sum())
         if floors is not None:
             e2 = max(e2 ** 0.5 - factor * floors.get(key, 0.0), 0.0) ** 2
         err2 += e2
-        moved2 += float(_moved(b, start, key).pow(2).sum())
+        moved2 += float(_moved(b, start, key).abs().pow(2).sum())
         if e2 > worst:
             worst, worst_key = e2, key
     if err2 == 0.0:
@@ -335,14 +343,14 @@ def _relative(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor],
 def _moved(want: torch.Tensor, start: dict[str, torch.Tensor] | None, key: str) -> torch.Tensor:
     """What a relative difference is relative to: the reference's change, or its value."""
     if start is None:
-        return torch.where(torch.isfinite(want), want, 0).double()
+        return _minus(torch.where(torch.isfinite(want), want, 0), torch.zeros_like(want))
     return _minus(want, start[key])
 
 
 def _l2(a: torch.Tensor, b: torch.Tensor) -> float:
     if a.shape != b.shape:
         return float("inf")
-    return float(_minus(a, b).pow(2).sum()) ** 0.5
+    return float(_minus(a, b).abs().pow(2).sum()) ** 0.5
 
 
 def run_check(
@@ -554,11 +562,11 @@ def _perturb(layers: list[nn.Module], seed: int) -> None:
     with torch.no_grad():
         for layer in layers:
             for p in layer.parameters():
-                if id(p) in seen or not p.is_floating_point():
+                if id(p) in seen or not _inexact(p):
                     continue
                 seen.add(id(p))
                 u = torch.rand(p.shape, generator=gen, dtype=torch.float64) * 2 - 1
-                p.mul_((1 + 4 * torch.finfo(p.dtype).eps * u).to(p.dtype))
+                p.mul_((1 + 4 * torch.finfo(p.real.dtype).eps * u).to(p.dtype))
 
 
 Floors = list[dict[str, float]]
@@ -578,11 +586,11 @@ def _floors(before: dict[str, list[dict[str, torch.Tensor]]],
     first, *rest = after
     dist = _l2 if mixed else _max_abs
     out = {first: [{key: max(dist(copy[layer][key], want) for copy in copies)
-                    for key, want in state.items() if want.is_floating_point()}
+                    for key, want in state.items() if _inexact(want)}
                    for layer, state in enumerate(after[first])]}
     for label in rest:
         out[label] = [{key: _l2(after[first][layer][key], want)
-                       for key, want in state.items() if want.is_floating_point()}
+                       for key, want in state.items() if _inexact(want)}
                       for layer, state in enumerate(after[label])]
     return out
 
@@ -597,8 +605,9 @@ def _noisiest(held: list[dict[int, dict[str, torch.Tensor]]],
     def scale(layer: int) -> float:
         if not mixed:
             return 1.0
-        moved = sum(float(_moved(t, None if before is None else before[layer], k).pow(2).sum())
-                    for k, t in expected[layer].items() if t.is_floating_point()) ** 0.5
+        moved = sum(float(_moved(t, None if before is None else before[layer], k)
+                          .abs().pow(2).sum())
+                    for k, t in expected[layer].items() if _inexact(t)) ** 0.5
         return 1.0 / moved if moved > 0 else float("inf")
 
     scales = [scale(layer) for layer in range(len(floors))]

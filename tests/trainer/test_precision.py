@@ -100,3 +100,25 @@ def test_a_misweighted_rank_still_fails_beyond_the_bfloat16_noise_floor() -> Non
                       dtype="bfloat16", log=lambda _: None)
     assert worst["bfloat16 in one process"].value > 2 * SAME_PRECISION_TOLERANCE
     assert worst["float32 in one process"].value > MIXED_TOLERANCE["bfloat16"]
+
+
+@pytest.mark.timeout(150)
+def test_complex_parameters_are_compared_up_to_the_tolerance_in_bfloat16() -> None:
+    """spectral_tiny (a complex parameter and buffer, complex activations across cuts):
+    its complex tensors had been taken for integer ones, which must be equal, and failed
+    the check with an infinite difference though the ranks trained as one process."""
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer._jobfns:spectral_tiny", dtype="bfloat16",
+                      log=lines.append)
+    assert worst["bfloat16 in one process"].value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
+    assert worst["float32 in one process"].value <= MIXED_TOLERANCE["bfloat16"], "\n".join(lines)
+
+
+def test_a_difference_in_the_imaginary_part_is_seen() -> None:
+    """``.double()`` of a complex tensor keeps its real part: a complex parameter whose
+    imaginary part differed compared as equal in float64."""
+    from hetpilot.trainer.check import _l2, _max_abs
+
+    a, b = torch.tensor([1 + 1j, 2 + 0j]), torch.tensor([1 + 2j, 2 + 0j])
+    assert _max_abs(a, b) == 1.0 and _l2(a, b) == 1.0
+    assert _max_abs(a, a) == 0.0
