@@ -135,7 +135,9 @@ def _activation_round_trip(rank: int, world: int, out: str) -> None:
     w = torch.ones(3, requires_grad=True)
     if rank == 0:
         value = {"seq": (w * 2, torch.arange(4)), "meta": ["x", 7], "h": torch.zeros(2, 2),
-                 "half": w.to(torch.bfloat16) * 3}
+                 "half": w.to(torch.bfloat16) * 3,
+                 # dtypes NCCL cannot send (as bytes): complex with a gradient, int16
+                 "z": w * (1 + 2j), "short": torch.arange(3, dtype=torch.int16) - 1}
         for work, _ in send_activation(value, 1, k=5):
             work.wait()
         outs = grad_leaves(value)
@@ -148,8 +150,10 @@ def _activation_round_trip(rank: int, world: int, out: str) -> None:
         v = got.value
         torch.save({"ids_dtype": str(v["seq"][1].dtype), "meta": v["meta"],
                     "half_dtype": str(v["half"].dtype), "needs": len(got.grad_inputs),
-                    "h_requires": v["h"].requires_grad}, Path(out) / "recv.pt")
-        loss = (v["seq"][0] * 5).sum() + v["half"].float().sum()  # "half" via bf16
+                    "h_requires": v["h"].requires_grad, "z": v["z"].detach(),
+                    "short": v["short"]}, Path(out) / "recv.pt")
+        loss = ((v["seq"][0] * 5).sum() + v["half"].float().sum()  # "half" via bf16
+                + (v["z"].imag * 4).sum())  # imag = 2 w
         loss.backward()
         for work, _ in send_grads(got.grad_inputs, 0, k=5):
             work.wait()

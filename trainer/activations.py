@@ -42,7 +42,9 @@ import torch.utils._pytree as pytree
 
 __all__ = [
     "LEAF_BITS",
+    "NATIVE_DTYPES",
     "Received",
+    "as_bytes",
     "describe",
     "flatten",
     "grad_leaves",
@@ -211,10 +213,24 @@ def wire_device(device: torch.device) -> torch.device:
     return torch.device("cpu") if through_host(device) else device
 
 
+NATIVE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16,
+                           torch.int8, torch.uint8, torch.int32, torch.int64, torch.bool})
+"""The dtypes NCCL's send and recv take (its data type table). A tensor of another dtype
+(complex, as an FNO's ``rfft`` leaves; int16; float8) crosses as its bytes, under every
+backend, so that this path runs on the CPU too."""
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its dtype is in :data:`NATIVE_DTYPES`, else a flat ``uint8`` view
+    of its memory (``t`` contiguous), which a send reads and a receive fills."""
+    return t if t.dtype in NATIVE_DTYPES else t.reshape(-1).view(torch.uint8)
+
+
 def _to_wire(t: torch.Tensor) -> torch.Tensor:
-    """What :func:`dist.isend` is given for ``t``: ``t``, or its host copy (which the caller
-    keeps alive with the work until the send is done)."""
-    return t.to("cpu", copy=True) if through_host(t.device) else t
+    """What :func:`dist.isend` is given for ``t`` (contiguous): ``t``, or its host copy
+    (which the caller keeps alive with the work until the send is done), as
+    :func:`as_bytes`."""
+    return as_bytes(t.to("cpu", copy=True) if through_host(t.device) else t)
 
 
 def send_activation(value: Any, dst: int, k: int,
@@ -272,7 +288,7 @@ def recv_activation(src: int, k: int, device: torch.device, group: Any = None) -
             continue
         _, shape, dtype, requires_grad = item
         buf = torch.empty(shape, dtype=getattr(torch, dtype), device=wire)
-        dist.recv(buf, src=src, tag=tag(k, False, slot), group=group)
+        dist.recv(as_bytes(buf), src=src, tag=tag(k, False, slot), group=group)
         if staged:
             buf = buf.to(device, copy=True)
         slot += 1
@@ -304,6 +320,6 @@ def recv_grads(outputs: list[torch.Tensor], src: int, k: int,
         staged = through_host(leaf.device)
         g = torch.empty_like(leaf, memory_format=torch.contiguous_format,
                              device="cpu" if staged else leaf.device)
-        dist.recv(g, src=src, tag=tag(k, True, 2 + i), group=group)
+        dist.recv(as_bytes(g), src=src, tag=tag(k, True, 2 + i), group=group)
         grads.append(g.to(leaf.device, copy=True) if staged else g)
     return grads

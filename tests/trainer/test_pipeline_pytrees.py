@@ -22,9 +22,12 @@ def test_nested_activation_and_its_gradients_cross_a_cut(tmp_path: Path) -> None
     assert got["ids_dtype"] == "torch.int64"  # integer ids stay integers
     assert got["half_dtype"] == "torch.bfloat16"  # each leaf keeps its dtype
     assert got["meta"] == ["x", 7]  # non-tensor leaves arrive as metadata
-    assert got["needs"] == 2 and got["h_requires"] is False  # only leaves that needed grads
+    assert got["needs"] == 3 and got["h_requires"] is False  # only leaves that needed grads
+    # complex and int16 leaves cross as their bytes (NCCL has no such types), unchanged
+    assert torch.equal(got["z"], torch.ones(3) * (1 + 2j))
+    assert torch.equal(got["short"], torch.tensor([-1, 0, 1], dtype=torch.int16))
     grad = torch.load(tmp_path / "grad.pt", weights_only=True)["w_grad"]
-    assert torch.equal(grad, torch.full((3,), 2 * 5 + 3.0))  # d/dw (10 w + 3 w)
+    assert torch.equal(grad, torch.full((3,), 2 * 5 + 3.0 + 2 * 4))  # d/dw (10w + 3w + 8w)
 
 
 def _bn_stage(recompute: bool) -> tuple[StageRunner, nn.Module]:
@@ -178,3 +181,20 @@ def test_evaluation_keeps_a_submodule_the_job_froze_in_eval_mode() -> None:
     before = bn.running_mean.clone()
     runner.run([(False, 0), (True, 0)], lambda k: x, lambda k: y)
     assert torch.equal(bn.running_mean, before)
+
+
+def test_dtypes_nccl_cannot_send_cross_as_their_bytes() -> None:
+    """NCCL's send and recv take a fixed table of dtypes; a complex, int16 or float8 leaf
+    goes as a flat uint8 view of its own memory (what a receive fills in place)."""
+    from hetpilot.trainer.activations import NATIVE_DTYPES, as_bytes
+
+    for dtype in (torch.complex64, torch.complex128, torch.int16, torch.float8_e4m3fn):
+        t = torch.zeros(2, 3, dtype=dtype)
+        b = as_bytes(t)
+        assert b.dtype == torch.uint8 and b.numel() == 6 * t.element_size()
+        assert b.data_ptr() == t.data_ptr()  # a view: receiving into it fills t
+    for dtype in NATIVE_DTYPES:
+        t = torch.zeros(2, dtype=dtype)
+        assert as_bytes(t) is t
+    scalar = torch.tensor(1 + 2j)
+    assert as_bytes(scalar).numel() == 8
