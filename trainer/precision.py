@@ -131,7 +131,10 @@ class LossScaler:
         grads = list(grads)
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:  # one flag; no host sync per tensor
-            bad += (~torch.isfinite(g)).any().to(bad.dtype)
+            # a sparse gradient (nn.Embedding(sparse=True) under one group) by its values,
+            # as torch.amp.GradScaler checks it
+            values = g._values() if g.is_sparse else g
+            bad += (~torch.isfinite(values)).any().to(bad.dtype)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if float(bad.item()) > 0:
             self.scale *= self.backoff_factor

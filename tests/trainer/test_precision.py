@@ -122,3 +122,15 @@ def test_a_difference_in_the_imaginary_part_is_seen() -> None:
     a, b = torch.tensor([1 + 1j, 2 + 0j]), torch.tensor([1 + 2j, 2 + 0j])
     assert _max_abs(a, b) == 1.0 and _l2(a, b) == 1.0
     assert _max_abs(a, a) == 0.0
+
+
+@pytest.mark.timeout(150)
+def test_float16_loss_scaling_takes_sparse_gradients() -> None:
+    """sparse_tiny (``nn.Embedding(sparse=True)``): under a plan of one group its gradient
+    stays sparse, and the overflow check (``isfinite``, which sparse tensors lack) crashed
+    the rank; it now reads the values, as torch.amp.GradScaler does."""
+    lines: list[str] = []
+    worst = run_check(3, job="hetpilot.trainer._jobfns:sparse_tiny", dtype="float16",
+                      log=lines.append)
+    assert worst["float16 in one process"].value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
+    assert worst["float32 in one process"].value <= MIXED_TOLERANCE["float16"], "\n".join(lines)
