@@ -35,6 +35,12 @@ from .types import (
 )
 
 __all__ = [
+    "MAX_INTEGER",
+    "MAX_MICROBATCHES",
+    "MAX_NUMBER",
+    "MIN_POSITIVE",
+    "check_integer",
+    "check_number",
     "cluster_from_dict",
     "cluster_to_dict",
     "job_from_dict",
@@ -113,6 +119,22 @@ def _num(
     return _check_num(value, f"{path}.{key}", positive=positive)
 
 
+MAX_NUMBER = 1e12
+"""The largest value a number of the contract may take. Far beyond any real device, link,
+model or budget (1e12 TFLOP/s, GB, Gbit/s, GFLOP per sample, MB, $/h, W, us), and small
+enough, with :data:`MIN_POSITIVE`, that spec 5's products and quotients of them stay
+finite: a layer of 1e308 GFLOP made the iteration time infinite and the output invalid
+JSON."""
+MIN_POSITIVE = 1e-9
+"""The smallest value a number that must be positive may take (a 1e-320 Gbit/s link
+overflowed the transfer time)."""
+MAX_INTEGER = 2**53
+"""The largest integer the contract takes (beyond it a float no longer holds it exactly)."""
+MAX_MICROBATCHES = 2**20
+"""Microbatches per iteration in one group at most: the reference model and the planner
+keep per-microbatch op times, and a global batch of 2**70 samples overflowed them."""
+
+
 def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValidationError(path, f"must be a number, got {_kind(value)}")
@@ -124,7 +146,23 @@ def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
         raise ValidationError(path, f"must be > 0, got {value:g}")
     if value < 0:
         raise ValidationError(path, f"must be >= 0, got {value:g}")
+    if value > MAX_NUMBER:
+        raise ValidationError(path, f"must be at most {MAX_NUMBER:g}, got {value:g}")
+    if positive and value < MIN_POSITIVE:
+        raise ValidationError(path, f"must be at least {MIN_POSITIVE:g}, got {value:g}")
     return float(value)
+
+
+def check_number(value: Any, path: str, *, positive: bool = False) -> float:
+    """A finite number in ``[0, MAX_NUMBER]`` (``positive``: in ``[MIN_POSITIVE,
+    MAX_NUMBER]``), or ValidationError naming ``path``."""
+    return _check_num(value, path, positive=positive)
+
+
+def check_integer(value: Any, path: str, *, minimum: int = 1) -> int:
+    """An integer (or a float holding one) in ``[minimum, MAX_INTEGER]``, or
+    ValidationError naming ``path``."""
+    return _check_int(value, path, minimum=minimum)
 
 
 def _int(obj: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int:
@@ -139,7 +177,17 @@ def _check_int(value: Any, path: str, *, minimum: int = 1) -> int:
         raise ValidationError(path, f"must be an integer, got {_kind(value)} {value!r}")
     if value < minimum:
         raise ValidationError(path, f"must be >= {minimum}, got {value}")
+    if value > MAX_INTEGER:
+        raise ValidationError(path, f"must be at most 2**53, got {value:.3g}")
     return value
+
+
+def _microbatches(samples: int, micro: int, path: str) -> None:
+    """Refuse more than :data:`MAX_MICROBATCHES` microbatches of ``micro`` in ``samples``."""
+    if samples > micro * MAX_MICROBATCHES:
+        raise ValidationError(path, f"makes {samples // micro} microbatches of {micro}; at most "
+                                    f"{MAX_MICROBATCHES} (2**20) are planned: raise "
+                                    "microbatch_size")
 
 
 def _bool(obj: Mapping[str, Any], key: str, path: str) -> bool:
@@ -292,6 +340,7 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
     obj = _obj(data, path)
     batch = _int(obj, "global_batch", path)
     micro = _int(obj, "microbatch_size", path)
+    _microbatches(batch, micro, f"{path}.global_batch")
     if batch % micro:
         raise ValidationError(
             f"{path}.global_batch",
@@ -371,10 +420,14 @@ def plan_from_dict(data: Any, path: str = "plan") -> Plan:
                     order=order,
                 )
             )
-        groups.append(Group(samples=_int(g, "samples", gp), stages=tuple(stages)))
+        samples = _int(g, "samples", gp)
+        _microbatches(samples, micro, f"{gp}.samples")
+        groups.append(Group(samples=samples, stages=tuple(stages)))
     predicted = None
     pred = obj.get("predicted")
-    if isinstance(pred, Mapping) and isinstance(pred.get("iteration_s"), (int, float)):
+    if (isinstance(pred, Mapping) and isinstance(pred.get("iteration_s"), (int, float))
+            and not isinstance(pred["iteration_s"], bool)
+            and math.isfinite(pred["iteration_s"])):  # informative: a NaN is left out
         predicted = float(pred["iteration_s"])
     return Plan(
         microbatch_size=micro,

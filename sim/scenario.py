@@ -21,7 +21,6 @@ Every error names its field (``scenario.events[3].device: unknown device
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -66,6 +65,10 @@ class Scenario:
     iterations_per_slot: int = DEFAULT_ITERATIONS_PER_SLOT
 
 
+MAX_SLOTS = 10**6
+"""Slots a scenario may have: the simulator plans each one (2**53 slots would never end)."""
+
+
 def load_scenario(path: str) -> Scenario:
     return scenario_from_dict(serde.load_json(path, "--scenario"))
 
@@ -80,6 +83,8 @@ def scenario_from_dict(data: Any, path: str = "scenario") -> Scenario:
     model = serde.model_from_dict(data["model"], f"{path}.model")
     job = serde.job_from_dict(data["job"], f"{path}.job")
     slots = _int(data["slots"], f"{path}.slots", minimum=1)
+    if slots > MAX_SLOTS:
+        raise ValidationError(f"{path}.slots", f"must be at most {MAX_SLOTS}, got {slots}")
     per_slot = _int(data.get("iterations_per_slot", DEFAULT_ITERATIONS_PER_SLOT),
                     f"{path}.iterations_per_slot", minimum=1)
     raw_events = data.get("events", [])
@@ -95,23 +100,11 @@ def scenario_from_dict(data: Any, path: str = "scenario") -> Scenario:
 
 
 def _int(value: Any, path: str, *, minimum: int) -> int:
-    if isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ValidationError(path, f"must be an integer, got {value!r}")
-    if value < minimum:
-        raise ValidationError(path, f"must be >= {minimum}, got {value}")
-    return value
+    return serde.check_integer(value, path, minimum=minimum)
 
 
 def _num(value: Any, path: str, *, positive: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValidationError(path, f"must be a finite number, got {value!r}")
-    if positive and value <= 0:
-        raise ValidationError(path, f"must be > 0, got {value}")
-    if value < 0:
-        raise ValidationError(path, f"must be >= 0, got {value}")
-    return float(value)
+    return serde.check_number(value, path, positive=positive)
 
 
 def _event(raw: Any, p: str, cluster: Cluster, hosts: set[str], slots: int) -> Event:
@@ -145,7 +138,7 @@ def _event(raw: Any, p: str, cluster: Cluster, hosts: set[str], slots: int) -> E
         if not isinstance(h, list) or len(h) != 2:
             raise ValidationError(f"{p}.hosts", f"must be a list of two hosts, got {h!r}")
         for i, name in enumerate(h):
-            if name not in hosts:
+            if not isinstance(name, str) or name not in hosts:
                 raise ValidationError(f"{p}.hosts[{i}]", f"unknown host {name!r}")
         if h[0] == h[1]:
             raise ValidationError(f"{p}.hosts", f"needs two distinct hosts, got {h[0]!r} twice")

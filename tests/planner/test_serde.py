@@ -116,3 +116,33 @@ def test_job_without_v_gets_the_default_and_a_given_v_must_be_positive() -> None
     for bad in (0, -1.0, "auto"):
         with pytest.raises(ValidationError, match=r"job\.V"):
             serde.job_from_dict({**base, "V": bad})
+
+
+def test_numbers_beyond_the_contracts_range_are_refused() -> None:
+    """A 1e308 GFLOP layer or a 1e-320 Gbit/s link made spec 5's times infinite, and
+    `hetpilot evaluate` printed them as `Infinity`, which is not JSON."""
+    msg = _model_error(lambda d: d["layers"][6].__setitem__("bwd_gflop", 1e308))
+    assert msg == "model.layers[6].bwd_gflop: must be at most 1e+12, got 1e+308"
+    msg = _cluster_error(lambda d: d["network"]["host_links"][0].__setitem__("gbps", 1e-320))
+    assert msg == "cluster.network.host_links[0].gbps: must be at least 1e-09, got 9.99989e-321"
+    ok = copy.deepcopy(example("cluster.json"))
+    ok["devices"][0]["tflops"] = 0.001  # an emulated CPU's speed stays in range
+    serde.cluster_from_dict(ok)
+
+
+def test_integers_and_microbatch_counts_are_bounded() -> None:
+    with pytest.raises(ValidationError, match=r"job.global_batch: makes 1099511627776 microbatches of 1; at most 1048576"):
+        serde.job_from_dict({"global_batch": 2**40, "microbatch_size": 1})
+    with pytest.raises(ValidationError, match=r"job.global_batch: must be at most 2\*\*53"):
+        serde.job_from_dict({"global_batch": 2**70, "microbatch_size": 2**70})
+    plan = copy.deepcopy(example("plan.json"))
+    plan["groups"][0]["samples"] = 1e308
+    with pytest.raises(ValidationError, match=r"plan.groups\[0\].samples: must be at most"):
+        serde.plan_from_dict(plan)
+    serde.job_from_dict({"global_batch": 2**20, "microbatch_size": 1})  # the most allowed
+
+
+def test_a_non_finite_prediction_is_left_out() -> None:
+    plan = copy.deepcopy(example("plan.json"))
+    plan["predicted"] = {"iteration_s": math.nan}
+    assert serde.plan_from_dict(plan).predicted_iteration_s is None

@@ -34,6 +34,10 @@ def _scenario(**changes: Any) -> dict[str, Any]:
     ({"slot": 1, "device": "a:0", "tflops_scale": 0}, "scenario.events[0].tflops_scale"),
     ({"slot": 1, "device": "a:0", "speed": 2}, "scenario.events[0].speed"),
     ({"slot": 1, "hosts": ["a", "nope"], "gbps": 1.0}, "scenario.events[0].hosts[1]"),
+    ({"slot": 1, "hosts": ["a", [1, 2]], "gbps": 1.0}, "scenario.events[0].hosts[1]"),
+    ({"slot": 1, "hosts": [{"a": 1}, "b"], "gbps": 1.0}, "scenario.events[0].hosts[0]"),
+    ({"slot": 1, "hosts": ["a", "b"], "gbps": 1e-320}, "scenario.events[0].gbps"),
+    ({"slot": 1, "device": "a:0", "tflops": 1e308}, "scenario.events[0].tflops"),
     ({"slot": 1, "hosts": ["a", "b"]}, "scenario.events[0].gbps"),
     ({"slot": 1, "budgets": {"euros": 1}}, "scenario.events[0].budgets.euros"),
     ({"slot": 1}, "scenario.events[0]"),
@@ -47,6 +51,8 @@ def test_bad_events_name_the_field(event: dict[str, Any], field: str) -> None:
 def test_bad_top_level_names_the_field() -> None:
     with pytest.raises(ValidationError, match=r"^scenario\.slots"):
         scenario_from_dict(_scenario(slots=0))
+    with pytest.raises(ValidationError, match=r"^scenario\.slots: must be at most 1000000"):
+        scenario_from_dict(_scenario(slots=2**40))  # would never end
     data = _scenario()
     del data["model"]
     with pytest.raises(ValidationError, match=r"^scenario\.model"):
