@@ -23,7 +23,7 @@ from typing import Any, Protocol
 from hetpilot.planner.errors import DeadlockError, InvalidPlanError, ValidationError
 from hetpilot.planner.refmodel import pipeline_makespan, validate_plan
 from hetpilot.planner.schedules import custom_order, order
-from hetpilot.planner.serde import plan_from_dict, plan_to_dict
+from hetpilot.planner.serde import check_integer, plan_from_dict, plan_to_dict
 from hetpilot.planner.types import (
     Cluster,
     Device,
@@ -108,7 +108,8 @@ class FilePlanSource:
             if after_version == 0:
                 raise ValidationError("--plan", f"cannot read {str(self.path)!r}: {exc}") from exc
             return None  # a file being rewritten: keep the running plan
-        version = int(data.get("version", 1)) if isinstance(data, Mapping) else 1
+        version = (check_integer(data.get("version", 1), "plan.version")
+                   if isinstance(data, Mapping) else 1)
         if version <= after_version:
             return None
         return PlanVersion(version, plan_from_dict(data, path="plan"))

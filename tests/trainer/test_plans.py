@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from hetpilot.planner.errors import InvalidPlanError
@@ -95,3 +96,17 @@ def test_sources(tmp_path) -> None:
     got = fsrc.poll(0)
     assert got is not None and got.version == 3
     assert fsrc.poll(3) is None
+
+
+@pytest.mark.parametrize("version", [{}, "F0", 0, 2**70, None])
+def test_a_plan_files_bad_version_is_named(tmp_path: Path, version: object) -> None:
+    """`hetpilot train --plan` had raised a bare TypeError/ValueError (a traceback, exit 1)
+    for a version that is not a positive integer."""
+    import json
+
+    from hetpilot.planner.errors import ValidationError
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps({**_plan(), "version": version}))
+    with pytest.raises(ValidationError, match=r"^plan\.version: must be"):
+        FilePlanSource(path).poll(0)
