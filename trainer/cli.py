@@ -139,6 +139,28 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="layer FLOPs for --emulate-tflops (default: profile job()['sample'])")
 
 
+def _unwritable(args: argparse.Namespace) -> str | None:
+    """Why ``--report`` or ``--checkpoint`` cannot be written, found before training (an
+    unwritable path had failed the run at its first report or checkpoint, with a
+    traceback); None when both can."""
+    import tempfile
+
+    if args.report:
+        try:
+            with Path(args.report).open("a"):
+                pass
+        except OSError as exc:
+            return f"--report: cannot write {args.report}: {exc.strerror or exc}"
+    if args.checkpoint:
+        try:
+            Path(args.checkpoint).mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.checkpoint):
+                pass
+        except OSError as exc:
+            return f"--checkpoint: cannot write into {args.checkpoint}: {exc.strerror or exc}"
+    return None
+
+
 def _fail(message: str, code: int = 2) -> int:
     print(f"hetpilot: error: {message}", file=sys.stderr)
     return code
@@ -356,6 +378,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                                ("--checkpoint-every", args.checkpoint_every, 0)):
         if value is not None and not value >= least:
             return _fail(f"{flag}: must be >= {least}, got {value}")
+    if (problem := _unwritable(args)) is not None:
+        return _fail(problem)
     try:
         tflops = _emulated_tflops(args.emulate_tflops, rank, world)
     except ValidationError as exc:

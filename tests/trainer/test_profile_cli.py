@@ -71,6 +71,21 @@ def test_train_refuses_wrong_plan_before_starting(tmp_path: Path, plan: dict, wo
     assert words in res.stderr and "plan.groups" in res.stderr
 
 
+@pytest.mark.parametrize("flag", ["--report", "--checkpoint"])
+def test_train_refuses_an_unwritable_output_before_starting(tmp_path: Path, flag: str) -> None:
+    """An output that cannot be written had failed the run at its first report or
+    checkpoint, after training, with a traceback."""
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(_plan(16, (0, 6))))
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    res = _hetpilot("train", "--model", "hetpilot.trainer.examples:mlp", "--plan", str(path),
+                    "--epochs", "1", "--device-id", "solo:0", flag, str(blocker / "out"))
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert f"hetpilot: error: {flag}: cannot write" in res.stderr
+    assert "Traceback" not in res.stderr and '"plan_version"' not in res.stdout
+
+
 @pytest.mark.timeout(90)
 def test_train_single_rank_reports_and_checkpoints(tmp_path: Path) -> None:
     path = tmp_path / "plan.json"
