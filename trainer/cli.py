@@ -226,7 +226,10 @@ def run(args: argparse.Namespace) -> int:
             return _fail(f"--model: cannot profile {args.model}: {exc}")
         text = json.dumps(model, indent=1)
         if args.out:
-            Path(args.out).write_text(text + "\n")
+            try:
+                Path(args.out).write_text(text + "\n")
+            except OSError as exc:
+                return _fail(f"--out: cannot write {args.out}: {exc.strerror or exc}")
         else:
             print(text)
         return 0

@@ -38,6 +38,10 @@ def test_profile_command_writes_model(tmp_path: Path) -> None:
     res = _hetpilot("profile", "--model", "hetpilot.trainer.examples:mlp", "--out", str(out))
     assert res.returncode == 0, res.stderr
     assert len(model_from_dict(json.loads(out.read_text())).layers) == 6
+    blocked = tmp_path / "model.json" / "inside"  # a file, not a folder
+    res = _hetpilot("profile", "--model", "hetpilot.trainer.examples:mlp", "--out", str(blocked))
+    assert res.returncode == 2 and "--out: cannot write" in res.stderr, res.stderr[-1000:]
+    assert "Traceback" not in res.stderr
 
 
 def test_profile_takes_a_sample_from_the_dataset_when_the_job_gives_none(tmp_path: Path) -> None:
