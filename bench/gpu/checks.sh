@@ -3,14 +3,9 @@
 # the packages it lacks travel as wheels in .whl/ (hetpilot's own wheel among them).
 # Usage, on a CUDA machine, from the repository root:  OUT=dir bash bench/gpu/checks.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/.tmp/gpu}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
+source bench/gpu/lib.sh
 log="$OUT/checks.log"
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
@@ -21,13 +16,6 @@ from hetpilot.agents.probes import _cuda_devices
 for d in _cuda_devices(AgentConfig()):
     print('agent CUDA probe:', d.index, d.name, d.tflops, 'TFLOP/s in', d.probe_dtype, 'on', d.probe_shape)"
 } 2>&1 | tee "$log"
-run() {  # name, limit in s, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*" | tee -a "$log"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
-}
 run lm_bf16_m8 180 python3 -P bench/gpu_lm.py --dtype bfloat16 --steps 40 --rounds 4 \
   --json "$OUT/lm_bf16_m8.json"
 run lm_bf16_m32 120 python3 -P bench/gpu_lm.py --dtype bfloat16 --batch 64 --micro 32 \

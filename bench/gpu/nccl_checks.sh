@@ -4,14 +4,9 @@
 # packages the device lacks travel as wheels in .whl/ (hetpilot's own wheel among them).
 # Usage, from the repository root:  OUT=dir bash bench/gpu/nccl_checks.sh
 set -uo pipefail
-export PYTHONUNBUFFERED=1
 OUT=${OUT:-bench/.tmp/gpu-nccl}
 mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site
-fi
+source bench/gpu/lib.sh
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD/bench/gpu  # nccl_job:job for --model
 log="$OUT/nccl_checks.log"
 gpus=$(python3 -P -c "import torch; print(torch.cuda.device_count())")
@@ -23,13 +18,6 @@ gpus=$(python3 -P -c "import torch; print(torch.cuda.device_count())")
 if [ "${gpus:-0}" -lt 2 ]; then
   echo "needs 2 GPUs, $gpus visible: nothing run" | tee -a "$log"; exit 2
 fi
-run() {  # name, limit in s, command...
-  local name=$1 limit=$2; shift 2
-  echo "=== $name: $*" | tee -a "$log"
-  local t0=$SECONDS
-  timeout "$limit" "$@" 2>&1 | tee -a "$log"
-  echo "=== $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s" | tee -a "$log"
-}
 python3 -P bench/gpu/nccl_job.py plans "$OUT/plans"
 run links 120 python3 -P -m torch.distributed.run --standalone --nproc-per-node 2 \
   bench/gpu/nccl_job.py links

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -20,6 +21,16 @@ from hetpilot.trainer._rankfns import (
 from hetpilot.trainer.launch import spawn
 
 
+def _assert_held_match(out: Path, ranks: int, reference: Any) -> None:
+    """Every layer each rank saved (``held{rank}.pt``) equals the one-process reference's."""
+    for rank in range(ranks):
+        held = torch.load(out / f"held{rank}.pt", weights_only=True)
+        assert held, f"rank {rank} holds no layer"
+        for layer, state in held.items():
+            for key, value in state.items():
+                assert float((value - reference[layer][key]).abs().max()) <= 1e-9, (layer, key)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_resume_under_other_plan_and_world_size(tmp_path: Path) -> None:
@@ -27,13 +38,7 @@ def test_resume_under_other_plan_and_world_size(tmp_path: Path) -> None:
     assert (tmp_path / "ckpt" / "latest").read_text().strip() == "step-00000002"
     assert (tmp_path / "ckpt" / "step-00000002" / "meta.json").exists()
     spawn(_resumed_run, 2, (str(tmp_path),), timeout_s=90)
-    reference = reference_states()
-    for rank in range(2):
-        held = torch.load(tmp_path / f"held{rank}.pt", weights_only=True)
-        assert held, f"rank {rank} holds no layer"
-        for layer, state in held.items():
-            for key, value in state.items():
-                assert float((value - reference[layer][key]).abs().max()) <= 1e-9
+    _assert_held_match(tmp_path, 2, reference_states())
     # measurements: one record per rank per epoch with per-stage times
     records = [json.loads(line) for line in (tmp_path / "report0.jsonl").read_text().splitlines()]
     assert [r["epoch"] for r in records] == [0, 1]
@@ -49,13 +54,7 @@ def test_messages_matched_in_send_order_as_nccl_matches_them(tmp_path: Path) -> 
     receives in its neighbour's send order and keeps what comes early
     (before, stage 1 took microbatch 1's activation for microbatch 0's)."""
     spawn(_untagged_run, 3, (str(tmp_path),), timeout_s=90)
-    reference = crossed_reference()
-    for rank in range(3):
-        held = torch.load(tmp_path / f"held{rank}.pt", weights_only=True)
-        assert held, f"rank {rank} holds no layer"
-        for layer, state in held.items():
-            for key, value in state.items():
-                assert float((value - reference[layer][key]).abs().max()) <= 1e-9, (layer, key)
+    _assert_held_match(tmp_path, 3, crossed_reference())
 
 
 @pytest.mark.slow
