@@ -19,6 +19,7 @@ import importlib
 import inspect
 import os
 import sys
+import traceback
 from collections.abc import Sequence
 from typing import Any, TypeGuard
 
@@ -52,7 +53,13 @@ def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> d
         fn = getattr(importlib.import_module(module_name), fn_name)
     except (ImportError, AttributeError) as exc:
         raise ValidationError(field, f"cannot load {target!r}: {exc}") from exc
-    spec = fn()
+    try:
+        spec = fn()
+    except Exception as exc:  # the user's code: one line naming where it raised
+        frames = traceback.extract_tb(exc.__traceback__)
+        at = f" (at {frames[-1].filename}:{frames[-1].lineno})" if frames else ""
+        raise ValidationError(field, f"{target}() raised {type(exc).__name__}: {exc}{at}") \
+            from exc
     if not isinstance(spec, dict):
         raise ValidationError(field, f"{target}() must return a dict, got {type(spec).__name__}")
     missing = [k for k in required if k not in spec]
@@ -89,6 +96,12 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
     def bad(key: str, problem: str) -> ValidationError:
         return ValidationError(f"{where}['{key}']", problem)
 
+    if (spec.get("eval_dataset") is None) != (spec.get("metric") is None):
+        raise bad("eval_dataset" if spec.get("metric") is None else "metric",
+                  "eval_dataset and metric go together: give both or neither")
+    if spec.get("metric") is not None and not callable(spec["metric"]):
+        raise bad("metric", f"must be a function (output, target) -> number, got "
+                            f"{type(spec['metric']).__name__}")
     if "layers" in spec:
         layers = spec["layers"]
         if isinstance(layers, (str, bytes, dict)) or not hasattr(layers, "__len__") \

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -122,6 +122,7 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         problem = loss_problem(loss)
         if problem is not None:
             raise bad("loss", problem)
+        _check_metric(spec.get("metric"), x, target, precision, bad)
         probe = _loss(spec, dtype)
         _refuse_loss_state(probe, x, target, precision, bad)
         _refuse_loss_on_parameters(spec["layers"], probe, x, target, precision, bad)
@@ -134,6 +135,22 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
             if note is not None:
                 notes.append(note)
     return notes
+
+
+def _check_metric(metric: Any, output: Any, target: Any, precision: Precision,
+                  bad: Callable[[str, str], ValidationError]) -> None:
+    """The metric runs on one microbatch's output and targets and returns one number, as
+    the epoch's evaluation calls it (a metric that raised had ended the run after its
+    first epoch of training, with a traceback)."""
+    if metric is None:
+        return
+    try:
+        with torch.no_grad(), precision.autocast(torch.device("cpu")):
+            value = metric(output, target)
+        float(value)
+    except Exception as exc:
+        raise bad("metric", f"failed on the last layer's output and a microbatch's targets "
+                            f"(it must return one number): {type(exc).__name__}: {exc}") from exc
 
 
 _PROBE_SEED = 20_240_611

@@ -72,6 +72,11 @@ JOBS = textwrap.dedent('''
     def misspelt_micro(): return job(micro_batch_size=2)
     def lr_scheduler(): return job(lr_scheduler=lambda opt: None)
     def unknown_key(): return job(clip_norm=1.0)
+    def eval_without_metric(): return job(eval_dataset=job()["dataset"])
+    def metric_not_callable(): return job(eval_dataset=job()["dataset"], metric="accuracy")
+    def metric_raising(): return job(eval_dataset=job()["dataset"], metric=lambda o, t: 1 / 0)
+    def raising():
+        return {}["layers"]
 ''')
 
 
@@ -105,6 +110,8 @@ def jobs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     ("misspelt_micro", "micro_batch_size", "would be ignored; did you mean 'microbatch_size'?"),
     ("lr_scheduler", "lr_scheduler", "whose step() also steps the scheduler"),
     ("unknown_key", "clip_norm", "the keys are layers, loss, optimizer, dataset"),
+    ("eval_without_metric", "eval_dataset", "eval_dataset and metric go together"),
+    ("metric_not_callable", "metric", "must be a function (output, target) -> number, got str"),
 ])
 def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
                                                words: str) -> None:
@@ -118,6 +125,23 @@ def test_bad_values_are_refused_naming_the_key(jobs: str, fn: str, key: str,
                                 "weighted_loss", "scheduled"])
 def test_a_good_job_loads(jobs: str, fn: str) -> None:
     assert load_job(f"{jobs}:{fn}", "--job")["global_batch"] == 4
+
+
+def test_a_job_function_that_raises_is_named_with_where(jobs: str) -> None:
+    """It had escaped as a traceback (exit 1) from train-check, train and profile."""
+    with pytest.raises(ValidationError) as info:
+        load_job(f"{jobs}:raising", "--job")
+    assert str(info.value).startswith(f"--job: {jobs}:raising() raised KeyError: 'layers' (at ")
+    assert "userjobs_spec.py:" in str(info.value)
+
+
+def test_a_failing_metric_is_refused_by_the_preflight(jobs: str) -> None:
+    """An evaluation metric that raised had ended `hetpilot train` after its first epoch."""
+    from hetpilot.trainer.preflight import preflight
+
+    spec = load_job(f"{jobs}:metric_raising", "--job")
+    with pytest.raises(ValidationError, match=r"\['metric'\]: failed on the last layer's output"):
+        preflight(spec, "--job: metric_raising()", 2, 0, None)
 
 
 def test_an_optimizer_with_a_scheduler_passes_the_preflight(jobs: str) -> None:
