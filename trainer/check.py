@@ -653,6 +653,21 @@ def _compare(held: list[dict[int, dict[str, torch.Tensor]]],
     return here
 
 
+def rank_failure(text: str, rank: int) -> str:
+    """One line for a rank's traceback ``text``: the exception and the innermost frame."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    error = next((line for line in reversed(lines)
+                  if not line.startswith(("File ", "^", "~")) and ":" in line), "?")
+    frames = [line for line in lines if line.startswith("File ")]
+    at = ""
+    if frames:
+        parts = frames[-1].split('"')
+        lineno = frames[-1].partition(", line ")[2].partition(",")[0]
+        if len(parts) > 1 and lineno:
+            at = f" (at {parts[1]}:{lineno})"
+    return f"rank {rank} failed while training: {error}{at}"
+
+
 def main(ranks: int, seed: int, tolerance: float | None, timeout_s: float,
          job: str = BUILTIN_JOB, iterations: int = 2, dtype: str = "float64",
          device: str = "cpu", backend: str = "gloo") -> int:
@@ -664,6 +679,14 @@ def main(ranks: int, seed: int, tolerance: float | None, timeout_s: float,
         print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
         return 2
     except TimeoutError as exc:
+        print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
+        return 1
+    except torch.multiprocessing.ProcessRaisedException as exc:  # the job failed in a rank
+        print(str(exc).strip(), file=sys.stderr)  # its traceback: the user's code in it
+        print(f"hetpilot train-check: error: --job: {rank_failure(str(exc), exc.error_index)}",
+              file=sys.stderr)
+        return 2
+    except torch.multiprocessing.ProcessExitedException as exc:  # killed: memory, a signal
         print(f"hetpilot train-check: error: {exc}", file=sys.stderr)
         return 1
     ok = True

@@ -312,3 +312,44 @@ def test_shipped_examples_match_one_process(example: str, ranks: int) -> None:
     layers = len(getattr(examples, example)()["layers"])
     lines = _check(f"hetpilot.trainer.examples:{example}", ranks, seed=ranks)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
+
+
+FLAKY_JOB = '''
+import torch
+from hetpilot.trainer.examples import mlp
+
+
+class Flaky(torch.utils.data.Dataset):
+    def __init__(self, base):
+        self.base = base
+
+    def __len__(self):
+        return len(self.base)
+
+    def __getitem__(self, i):
+        if i == 37:
+            raise IndexError("item 37 is corrupt")
+        return self.base[i]
+
+
+def job():
+    spec = mlp()
+    spec["dataset"] = Flaky(spec["dataset"])
+    return spec
+'''
+
+
+def test_a_job_failing_in_a_rank_exits_2_naming_the_error_and_where(tmp_path: Path) -> None:
+    """The preflight reads only the first microbatch; an item that fails later raised in a
+    rank, and train-check ended with hetpilot's own traceback and exit 1. Now the rank's
+    traceback is shown, then one line with the error and the user's frame, exit 2."""
+    (tmp_path / "flakyjob.py").write_text(FLAKY_JOB)
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job", "flakyjob:job", "--ranks", "2"],
+        capture_output=True, text=True, timeout=120,
+        env={**os.environ, "PYTHONPATH": str(tmp_path)})
+    assert res.returncode == 2, res.stderr[-2000:]
+    last = res.stderr.strip().splitlines()[-1]
+    assert re.fullmatch(r"hetpilot train-check: error: --job: rank \d failed while training: "
+                        r"IndexError: item 37 is corrupt \(at .*flakyjob\.py:\d+\)", last), last
+    assert "hetpilot/cli.py" not in res.stderr  # not the checker's own traceback
