@@ -390,7 +390,7 @@ def run_check(
     microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
     param_dtype, compute_dtype = next(iter(_references(dtype).values()))
     for note in preflight(spec, f"--job: {job}()", microbatch, seed, param_dtype,
-                          compute_dtype):  # refused here too, before any rank starts
+                          compute_dtype, ranks_on=device):  # refused here, before any rank
         log(f"note: {note}")
     rng = random.Random(seed)
     plans = draw_plans(rng, ranks, num_layers, batch, microbatch)

@@ -70,10 +70,39 @@ MEAN_TOLERANCE = 1e-9
 
 
 def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
-              dtype: torch.dtype | None, compute_dtype: torch.dtype | None = None) -> list[str]:
+              dtype: torch.dtype | None, compute_dtype: torch.dtype | None = None,
+              ranks_on: str = "cpu") -> list[str]:
     """Check ``spec`` (a loaded job, :func:`~hetpilot.trainer.jobspec.load_job`) on one
-    microbatch; raise :class:`ValidationError` naming ``where['key']`` (module docstring);
-    return notes for the user."""
+    microbatch, on the CPU; raise :class:`ValidationError` naming ``where['key']`` (module
+    docstring); return notes for the user.
+
+    ``ranks_on``: where the ranks compute. When it is not the CPU and the mixed-precision
+    run fails for want of a CPU kernel in the low dtype (a float16 LSTM or RReLU: torch's
+    CPU has none, CUDA has), the preflight runs again without autocast and says so in a
+    note, instead of refusing a job its GPU ranks can train."""
+    try:
+        return _preflight(spec, where, microbatch, seed, dtype, compute_dtype)
+    except ValidationError as exc:
+        if compute_dtype is None or ranks_on == "cpu" or not _lacks_cpu_kernel(exc):
+            raise
+        low = str(compute_dtype).removeprefix("torch.")
+        notes = _preflight(spec, where, microbatch, seed, dtype, None)
+        return [f"the preflight ran without {low} autocast, as this CPU has no {low} kernel "
+                f"for the job ({exc}); the ranks compute on {ranks_on}", *notes]
+
+
+_NO_CPU_KERNEL = ("not implemented for 'half'", "not implemented for 'bfloat16'",
+                  "could not create a primitive")
+"""What torch's CPU says when it has no kernel for a dtype (oneDNN's LSTM says the last)."""
+
+
+def _lacks_cpu_kernel(exc: ValidationError) -> bool:
+    text = f"{exc} {exc.__cause__ or ''}".lower()
+    return any(words in text for words in _NO_CPU_KERNEL)
+
+
+def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
+               dtype: torch.dtype | None, compute_dtype: torch.dtype | None) -> list[str]:
 
     def bad(key: str, problem: str) -> ValidationError:
         return ValidationError(f"{where}['{key}']", problem)

@@ -134,3 +134,37 @@ def test_float16_loss_scaling_takes_sparse_gradients() -> None:
                       log=lines.append)
     assert worst["float16 in one process"].value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
     assert worst["float32 in one process"].value <= MIXED_TOLERANCE["float16"], "\n".join(lines)
+
+
+class _NoHalfOnCpu(torch.nn.Module):
+    """Stands in for a layer torch's CPU has no float16 kernel for (an LSTM, RReLU): it
+    raises torch's words for that under CPU float16 autocast, as those do here."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.float16:
+            raise NotImplementedError('"lstm_cpu" not implemented for \'Half\'')
+        return self.lin(x)
+
+
+def test_a_cpu_lacking_a_float16_kernel_does_not_refuse_gpu_ranks() -> None:
+    """The preflight runs on the CPU: `train-check --device cuda --dtype float16` refused the
+    shipped LSTM job, which CUDA trains, because this CPU has no float16 LSTM. For ranks on
+    a GPU it now runs again without autocast and says so; for CPU ranks it still refuses."""
+    from hetpilot.planner.errors import ValidationError
+    from hetpilot.trainer.preflight import preflight
+
+    x, y = torch.randn(8, 4), torch.randn(8, 2)
+    spec = {"layers": [_NoHalfOnCpu()], "loss": torch.nn.functional.mse_loss,
+            "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1),
+            "dataset": torch.utils.data.TensorDataset(x, y), "global_batch": 4}
+    with pytest.raises(ValidationError, match="not implemented for 'Half'"):
+        preflight(spec, "--job: nohalf()", 2, 0, torch.float32, torch.float16)
+    notes = preflight(spec, "--job: nohalf()", 2, 0, torch.float32, torch.float16,
+                      ranks_on="cuda")
+    assert notes[0].startswith("the preflight ran without float16 autocast, as this CPU has "
+                               "no float16 kernel")
+    assert notes[0].endswith("the ranks compute on cuda")
