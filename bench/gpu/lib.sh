@@ -1,6 +1,9 @@
 # Sourced by bench/gpu/checks.sh and nccl_checks.sh: the wheels the device lacks (it has no
 # network) installed from .whl/, and run NAME LIMIT_S COMMAND..., which logs to $log.
 export PYTHONUNBUFFERED=1
+# as python3 -P, for the processes torchrun starts too: the repository root holds a
+# hetpilot/ folder that would hide the installed package
+export PYTHONSAFEPATH=1
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl || exit 1

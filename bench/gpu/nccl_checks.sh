@@ -24,7 +24,7 @@ run links 120 python3 -P -m torch.distributed.run --standalone --nproc-per-node 
 for plan in one pp dp; do  # GPT-2 small in bf16, 3 epochs of 8 iterations, a report per 4
   ranks=2; [ "$plan" = one ] && ranks=1
   run "train_$plan" 240 python3 -P -m torch.distributed.run --standalone \
-    --nproc-per-node "$ranks" --no-python hetpilot train --model nccl_job:job \
+    --nproc-per-node "$ranks" -m hetpilot train --model nccl_job:job \
     --plan "$OUT/plans/$plan.json" --device-id "gpu:{local_rank}" --epochs 3 \
     --slot-iterations 4 --dtype bfloat16 --report "$OUT/train_$plan.jsonl"
 done

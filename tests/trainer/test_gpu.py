@@ -144,7 +144,7 @@ def test_torchrun_trains_a_pipeline_and_data_parallel_across_two_gpus(tmp_path: 
     threading.Thread(target=switch_later, daemon=True).start()
     res = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "--no-python", "hetpilot", "train", "--model", "hetpilot.trainer.examples:gpt",
+         "-m", "hetpilot", "train", "--model", "hetpilot.trainer.examples:gpt",
          "--plan", str(plan), "--device-id", "gpu:{local_rank}", "--epochs", "3", "--steps", "24",
          "--slot-iterations", "4", "--dtype", "bfloat16", "--report", str(report)],
         capture_output=True, text=True, timeout=540)
