@@ -1,5 +1,9 @@
 # Sourced by bench/gpu/checks.sh and nccl_checks.sh: the wheels the device lacks (it has no
 # network) installed from .whl/, and run NAME LIMIT_S COMMAND..., which logs to $log.
+# The wheels used so far (Python 3.12, manylinux): cvxpy 1.9.3, clarabel 0.11.1, osqp 1.1.3,
+# qdldl 0.1.9.post1, scs 3.2.7.post2, highspy 1.16.0, sparsediffpy 0.6.1, grpcio 1.85.3,
+# grpcio-health-checking and grpcio-reflection 1.85.1, protobuf 7.36.2, cffi 2.1.1,
+# pycparser 3.12, and hetpilot's own (pip wheel --no-deps --no-build-isolation -w .whl .).
 export PYTHONUNBUFFERED=1
 # as python3 -P, for the processes torchrun starts too: the repository root holds a
 # hetpilot/ folder that would hide the installed package
