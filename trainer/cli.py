@@ -106,6 +106,7 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="stop after N optimizer steps in all (counted across resumes)")
     parser.add_argument("--slot-iterations", type=integer(0, 2**32 - 1), default=None, metavar="N",
                         help="report (and close a measurement slot) every N iterations; "
+                             "0: no slots by iteration count (every epoch, or --slot-seconds); "
                              "default: the daemon job's slot, else every epoch. New plans are "
                              "taken before any iteration, whatever the slot")
     parser.add_argument("--slot-seconds", type=seconds(zero=True), default=None, metavar="T",
@@ -123,7 +124,8 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--checkpoint", metavar="DIR",
                         help="save here at the end of every epoch (and see --checkpoint-every)")
     parser.add_argument("--checkpoint-every", type=integer(), default=0, metavar="N",
-                        help="also save every N steps, at the end of the slot reaching them")
+                        help="also save every N steps, at the end of the slot reaching them "
+                             "(default 0: at the end of each epoch only)")
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint if present")
     parser.add_argument("--report", metavar="FILE.jsonl", help="append per-slot measurements")
     parser.add_argument("--emulate-slowdown", type=number(above=True, what="factor"), default=1.0, metavar="F",

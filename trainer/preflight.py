@@ -128,7 +128,7 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
                     raise bad("layers", f"item {i} ({type(layer).__name__}) failed on a "
                                         f"microbatch of {microbatch} samples{in_dtype}: "
                                         f"{type(exc).__name__}: {exc}"
-                                        f"{_dtype_hint(exc, dtype, drift)}"
+                                        f"{_dtype_hint(exc, dtype, drift, low=compute_dtype)}"
                                         f"{_size_hint(spec, microbatch)}") from exc
                 if i + 1 < len(layers):  # a cut may follow: its activation must cross
                     try:
@@ -505,8 +505,11 @@ def _size_hint(spec: dict[str, Any], microbatch: int) -> str:
 
 
 def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
-                what: str = "a layer") -> str:
+                what: str = "a layer", low: torch.dtype | None = None) -> str:
     text = str(exc).lower()  # "Double"/"Float" in most messages, "double"/"float" in conv's
+    if low == torch.float16 and any(words in text for words in _NO_CPU_KERNEL):
+        return (" (torch has no float16 kernel for it on a CPU: on CPU ranks use --dtype "
+                "bfloat16; GPU ranks have one, --device cuda)")
     if dtype == torch.float64 and "double" in text and ("float" in text or "half" in text):
         return (f" ({drift + '; ' if drift else ''}train-check runs float64: {what} must "
                 "compute in its input's dtype, not cast to float32 with .float() or use "

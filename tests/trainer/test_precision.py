@@ -161,8 +161,9 @@ def test_a_cpu_lacking_a_float16_kernel_does_not_refuse_gpu_ranks() -> None:
     spec = {"layers": [_NoHalfOnCpu()], "loss": torch.nn.functional.mse_loss,
             "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1),
             "dataset": torch.utils.data.TensorDataset(x, y), "global_batch": 4}
-    with pytest.raises(ValidationError, match="not implemented for 'Half'"):
+    with pytest.raises(ValidationError, match="not implemented for 'Half'") as err:
         preflight(spec, "--job: nohalf()", 2, 0, torch.float32, torch.float16)
+    assert "on CPU ranks use --dtype bfloat16" in str(err.value)  # what to do instead
     notes = preflight(spec, "--job: nohalf()", 2, 0, torch.float32, torch.float16,
                       ranks_on="cuda")
     assert notes[0].startswith("the preflight ran without float16 autocast, as this CPU has "
