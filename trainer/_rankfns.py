@@ -128,6 +128,113 @@ def _untagged_run(rank: int, world: int, out: str) -> None:
     _save_held(trainer, Path(out) / f"held{rank}.pt")
 
 
+class NcclLikeP2P:
+    """EMULATION, for tests: NCCL's point-to-point semantics on gloo, standing in for
+    ``torch.distributed`` in :mod:`hetpilot.trainer.activations`.
+
+    ProcessGroupNCCL runs one process group's messages between two ranks on one CUDA
+    stream, in the order they were posted, and has no tags; a send larger than NCCL's
+    buffers completes only when the peer's stream reaches the matching receive. Here each
+    (group, peer) pair is one worker thread (the stream) running this rank's sends and
+    receives in posting order, tags are ignored, and every send first waits for a token
+    the receiving stream sends when it reaches the receive (every message behaves as a
+    large one)."""
+
+    def __init__(self) -> None:
+        import queue
+        import threading
+
+        self._queue, self._threading = queue, threading
+        self._streams: dict[tuple[int, int], Any] = {}
+
+    def get_backend(self, group: Any = None) -> str:
+        import torch.distributed as dist
+
+        return str(dist.get_backend(group))
+
+    def _submit(self, group: Any, peer: int, op: Any) -> Any:
+        key = (id(group), peer)
+        if key not in self._streams:
+            ops: Any = self._queue.Queue()
+
+            def stream() -> None:
+                while True:
+                    job, done, failed = ops.get()
+                    try:
+                        job()
+                    except Exception as exc:  # handed to the waiter
+                        failed.append(exc)
+                    done.set()
+
+            self._threading.Thread(target=stream, daemon=True).start()
+            self._streams[key] = ops
+        done, failed = self._threading.Event(), list[Exception]()
+        self._streams[key].put((op, done, failed))
+
+        class Work:
+            def wait(self) -> bool:
+                done.wait()
+                if failed:
+                    raise failed[0]
+                return True
+
+        return Work()
+
+    def isend(self, tensor: torch.Tensor, dst: int, tag: int = 0, group: Any = None) -> Any:
+        import torch.distributed as dist
+
+        def send() -> None:
+            dist.recv(torch.zeros(1), src=dst, group=group, tag=1)  # the receiver is there
+            dist.send(tensor, dst=dst, group=group, tag=2)
+
+        return self._submit(group, dst, send)
+
+    def recv(self, tensor: torch.Tensor, src: int, tag: int = 0, group: Any = None) -> None:
+        import torch.distributed as dist
+
+        def receive() -> None:
+            dist.send(torch.zeros(1), dst=src, group=group, tag=1)
+            dist.recv(tensor, src=src, group=group, tag=2)
+
+        self._submit(group, src, receive).wait()
+
+
+PLAN_1F1B_2 = {
+    "microbatch_size": 2, "schedule": "1f1b",
+    "groups": [{"samples": 8, "stages": [{"device": "local:0", "layers": [0, 3]},
+                                         {"device": "local:1", "layers": [3, 6]}]}],
+}
+
+
+def nccl_like_reference(plan: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """One process taking ``plan``'s steps (see :func:`_nccl_like_run`)."""
+    from .reference import ReferenceRun, build_layers
+
+    ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
+                       nn.functional.mse_loss, _adam,
+                       _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+                       8, seed=CFG["seed"])
+    for _ in range(CFG["iterations"]):
+        ref.step(plan_from_dict(plan))
+    return dict(enumerate(ref.states()))
+
+
+def _nccl_like_run(rank: int, world: int, out: str, plan: dict[str, Any],
+                   gradient_group: bool) -> None:
+    """``plan`` with the pipeline's messages under :class:`NcclLikeP2P` (EMULATED NCCL)."""
+    from . import activations
+
+    activations.dist = NcclLikeP2P()  # type: ignore[assignment]
+    trainer = Trainer(
+        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
+        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
+        gradient_group=gradient_group)
+    trainer.switch(plan_from_dict(plan))
+    trainer.train_epoch(max_iterations=CFG["iterations"])
+    _save_held(trainer, Path(out) / f"held{rank}.pt")
+
+
 def _activation_round_trip(rank: int, world: int, out: str) -> None:
     """Rank 0 sends a nested activation forward, rank 1 sends gradients back."""
     from .activations import grad_leaves, recv_activation, recv_grads, send_activation, send_grads

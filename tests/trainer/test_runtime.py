@@ -10,12 +10,16 @@ import pytest
 import torch
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
 from hetpilot.trainer._rankfns import (
+    PLAN_1F1B_2,
     PLAN_A,
+    PLAN_CROSSED,
     _bad_device_run,
     _first_run,
+    _nccl_like_run,
     _resumed_run,
     _untagged_run,
     crossed_reference,
+    nccl_like_reference,
     reference_states,
 )
 from hetpilot.trainer.launch import spawn
@@ -55,6 +59,29 @@ def test_messages_matched_in_send_order_as_nccl_matches_them(tmp_path: Path) -> 
     (before, stage 1 took microbatch 1's activation for microbatch 0's)."""
     spawn(_untagged_run, 3, (str(tmp_path),), timeout_s=90)
     _assert_held_match(tmp_path, 3, crossed_reference())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("plan", "ranks"), [(PLAN_1F1B_2, 2), (PLAN_CROSSED, 3)])
+def test_pipelines_train_under_nccl_like_point_to_point(tmp_path: Path, plan: dict[str, Any],
+                                                        ranks: int) -> None:
+    """EMULATED NCCL (``_rankfns.NcclLikeP2P``: per rank pair and group one stream running
+    its messages in posting order, no tags, a send done only when the peer's stream reaches
+    the receive): with the gradients in a group of their own, a 1F1B pipeline and the
+    crossed custom plan train as one process does."""
+    spawn(_nccl_like_run, ranks, (str(tmp_path), plan, True), timeout_s=90)
+    _assert_held_match(tmp_path, ranks, nccl_like_reference(plan))
+
+
+@pytest.mark.timeout(120)
+def test_gradients_sharing_the_activations_group_deadlock_under_nccl_like_point_to_point(
+        tmp_path: Path) -> None:
+    """The negative control: with activations and gradients in one group (as on gloo), the
+    same emulation deadlocks a 2-stage 1F1B pipeline, as NCCL would once messages outgrow
+    its buffers (stage 0 sends activation 1 before it receives gradient 0; stage 1 sends
+    gradient 0 before it receives activation 1; each stream's send waits on the other)."""
+    with pytest.raises(TimeoutError):
+        spawn(_nccl_like_run, 2, (str(tmp_path), PLAN_1F1B_2, False), timeout_s=15)
 
 
 @pytest.mark.slow
