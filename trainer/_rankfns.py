@@ -98,8 +98,9 @@ PLAN_CROSSED = {  # 3 stages whose custom orders run the microbatches in other o
 }
 
 
-def crossed_reference() -> dict[int, dict[str, torch.Tensor]]:
-    """One process taking PLAN_CROSSED's steps (see :func:`_untagged_run`)."""
+def one_process_reference(plan: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
+    """One process taking ``plan``'s steps on a batch of 8 (:func:`_untagged_run`,
+    :func:`_nccl_like_run`)."""
     from .reference import ReferenceRun, build_layers
 
     ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
@@ -107,8 +108,20 @@ def crossed_reference() -> dict[int, dict[str, torch.Tensor]]:
                        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
                        8, seed=CFG["seed"])
     for _ in range(CFG["iterations"]):
-        ref.step(plan_from_dict(PLAN_CROSSED))
+        ref.step(plan_from_dict(plan))
     return dict(enumerate(ref.states()))
+
+
+def _batch8_run(rank: int, out: str, plan: dict[str, Any], gradient_group: bool) -> None:
+    """Train ``plan`` for CFG's iterations on a batch of 8; save the layers held."""
+    trainer = Trainer(
+        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
+        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
+        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
+        gradient_group=gradient_group)
+    trainer.switch(plan_from_dict(plan))
+    trainer.train_epoch(max_iterations=CFG["iterations"])
+    _save_held(trainer, Path(out) / f"held{rank}.pt")
 
 
 def _untagged_run(rank: int, world: int, out: str) -> None:
@@ -118,14 +131,7 @@ def _untagged_run(rank: int, world: int, out: str) -> None:
     from . import activations
 
     activations.tag = lambda k, backward, slot: 0
-    trainer = Trainer(
-        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
-        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
-        gradient_group=True)  # as under NCCL
-    trainer.switch(plan_from_dict(PLAN_CROSSED))
-    trainer.train_epoch(max_iterations=CFG["iterations"])
-    _save_held(trainer, Path(out) / f"held{rank}.pt")
+    _batch8_run(rank, out, PLAN_CROSSED, gradient_group=True)
 
 
 class NcclLikeP2P:
@@ -206,33 +212,13 @@ PLAN_1F1B_2 = {
 }
 
 
-def nccl_like_reference(plan: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
-    """One process taking ``plan``'s steps (see :func:`_nccl_like_run`)."""
-    from .reference import ReferenceRun, build_layers
-
-    ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
-                       nn.functional.mse_loss, _adam,
-                       _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-                       8, seed=CFG["seed"])
-    for _ in range(CFG["iterations"]):
-        ref.step(plan_from_dict(plan))
-    return dict(enumerate(ref.states()))
-
-
 def _nccl_like_run(rank: int, world: int, out: str, plan: dict[str, Any],
                    gradient_group: bool) -> None:
     """``plan`` with the pipeline's messages under :class:`NcclLikeP2P` (EMULATED NCCL)."""
     from . import activations
 
     activations.dist = NcclLikeP2P()  # type: ignore[assignment]
-    trainer = Trainer(
-        make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
-        _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
-        gradient_group=gradient_group)
-    trainer.switch(plan_from_dict(plan))
-    trainer.train_epoch(max_iterations=CFG["iterations"])
-    _save_held(trainer, Path(out) / f"held{rank}.pt")
+    _batch8_run(rank, out, plan, gradient_group)
 
 
 def _activation_round_trip(rank: int, world: int, out: str) -> None:

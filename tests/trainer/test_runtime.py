@@ -18,8 +18,7 @@ from hetpilot.trainer._rankfns import (
     _nccl_like_run,
     _resumed_run,
     _untagged_run,
-    crossed_reference,
-    nccl_like_reference,
+    one_process_reference,
     reference_states,
 )
 from hetpilot.trainer.launch import spawn
@@ -58,7 +57,7 @@ def test_messages_matched_in_send_order_as_nccl_matches_them(tmp_path: Path) -> 
     receives in its neighbour's send order and keeps what comes early
     (before, stage 1 took microbatch 1's activation for microbatch 0's)."""
     spawn(_untagged_run, 3, (str(tmp_path),), timeout_s=90)
-    _assert_held_match(tmp_path, 3, crossed_reference())
+    _assert_held_match(tmp_path, 3, one_process_reference(PLAN_CROSSED))
 
 
 @pytest.mark.timeout(120)
@@ -70,7 +69,7 @@ def test_pipelines_train_under_nccl_like_point_to_point(tmp_path: Path, plan: di
     the receive): with the gradients in a group of their own, a 1F1B pipeline and the
     crossed custom plan train as one process does."""
     spawn(_nccl_like_run, ranks, (str(tmp_path), plan, True), timeout_s=90)
-    _assert_held_match(tmp_path, ranks, nccl_like_reference(plan))
+    _assert_held_match(tmp_path, ranks, one_process_reference(plan))
 
 
 @pytest.mark.timeout(120)
