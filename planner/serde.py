@@ -116,7 +116,7 @@ def _num(
     positive: bool = False,
 ) -> float:
     value = _required(obj, key, path) if default is None else obj.get(key, default)
-    return _check_num(value, f"{path}.{key}", positive=positive)
+    return check_number(value, f"{path}.{key}", positive=positive)
 
 
 MAX_NUMBER = 1e12
@@ -135,7 +135,9 @@ MAX_MICROBATCHES = 2**20
 keep per-microbatch op times, and a global batch of 2**70 samples overflowed them."""
 
 
-def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
+def check_number(value: Any, path: str, *, positive: bool = False) -> float:
+    """A finite number in ``[0, MAX_NUMBER]`` (``positive``: in ``[MIN_POSITIVE,
+    MAX_NUMBER]``), or ValidationError naming ``path``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValidationError(path, f"must be a number, got {_kind(value)}")
     if isinstance(value, int) and abs(value) > 1e300:  # float(value) would overflow
@@ -153,24 +155,14 @@ def _check_num(value: Any, path: str, *, positive: bool = False) -> float:
     return float(value)
 
 
-def check_number(value: Any, path: str, *, positive: bool = False) -> float:
-    """A finite number in ``[0, MAX_NUMBER]`` (``positive``: in ``[MIN_POSITIVE,
-    MAX_NUMBER]``), or ValidationError naming ``path``."""
-    return _check_num(value, path, positive=positive)
+def _int(obj: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int:
+    value = _required(obj, key, path)
+    return check_integer(value, f"{path}.{key}", minimum=minimum)
 
 
 def check_integer(value: Any, path: str, *, minimum: int = 1) -> int:
     """An integer (or a float holding one) in ``[minimum, MAX_INTEGER]``, or
     ValidationError naming ``path``."""
-    return _check_int(value, path, minimum=minimum)
-
-
-def _int(obj: Mapping[str, Any], key: str, path: str, *, minimum: int = 1) -> int:
-    value = _required(obj, key, path)
-    return _check_int(value, f"{path}.{key}", minimum=minimum)
-
-
-def _check_int(value: Any, path: str, *, minimum: int = 1) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
@@ -251,7 +243,7 @@ def _links(
                 a=a,
                 b=b,
                 gbps=_num(d, "gbps", p, positive=True),
-                latency_us=None if latency is None else _check_num(latency, f"{p}.latency_us"),
+                latency_us=None if latency is None else check_number(latency, f"{p}.latency_us"),
             )
         )
     return tuple(links)
@@ -362,7 +354,7 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
             raise ValidationError(
                 f"{path}.budgets.{kind}", f"unknown cost kind; known: {', '.join(COST_KINDS)}"
             )
-        budgets[kind] = _check_num(value, f"{path}.budgets.{kind}")
+        budgets[kind] = check_number(value, f"{path}.budgets.{kind}")
         if (problem := budget_problem(budgets[kind])) is not None:
             raise ValidationError(f"{path}.budgets.{kind}", problem)
     return Job(
@@ -399,8 +391,8 @@ def plan_from_dict(data: Any, path: str = "plan") -> Plan:
             rng = _list(_required(s, "layers", sp), f"{sp}.layers")
             if len(rng) != 2:
                 raise ValidationError(f"{sp}.layers", f"must be [start, end], got {rng!r}")
-            start = _check_int(rng[0], f"{sp}.layers[0]", minimum=0)
-            end = _check_int(rng[1], f"{sp}.layers[1]", minimum=0)
+            start = check_integer(rng[0], f"{sp}.layers[0]", minimum=0)
+            end = check_integer(rng[1], f"{sp}.layers[1]", minimum=0)
             order = None
             if "order" in s and s["order"] is not None:
                 ops = _list(s["order"], f"{sp}.order")

@@ -82,10 +82,10 @@ def scenario_from_dict(data: Any, path: str = "scenario") -> Scenario:
     cluster = serde.cluster_from_dict(data["cluster"], f"{path}.cluster")
     model = serde.model_from_dict(data["model"], f"{path}.model")
     job = serde.job_from_dict(data["job"], f"{path}.job")
-    slots = _int(data["slots"], f"{path}.slots", minimum=1)
+    slots = serde.check_integer(data["slots"], f"{path}.slots", minimum=1)
     if slots > MAX_SLOTS:
         raise ValidationError(f"{path}.slots", f"must be at most {MAX_SLOTS}, got {slots}")
-    per_slot = _int(data.get("iterations_per_slot", DEFAULT_ITERATIONS_PER_SLOT),
+    per_slot = serde.check_integer(data.get("iterations_per_slot", DEFAULT_ITERATIONS_PER_SLOT),
                     f"{path}.iterations_per_slot", minimum=1)
     raw_events = data.get("events", [])
     if not isinstance(raw_events, list):
@@ -99,14 +99,6 @@ def scenario_from_dict(data: Any, path: str = "scenario") -> Scenario:
                     iterations_per_slot=per_slot)
 
 
-def _int(value: Any, path: str, *, minimum: int) -> int:
-    return serde.check_integer(value, path, minimum=minimum)
-
-
-def _num(value: Any, path: str, *, positive: bool) -> float:
-    return serde.check_number(value, path, positive=positive)
-
-
 def _event(raw: Any, p: str, cluster: Cluster, hosts: set[str], slots: int) -> Event:
     if not isinstance(raw, Mapping):
         raise ValidationError(p, "must be an object")
@@ -115,10 +107,10 @@ def _event(raw: Any, p: str, cluster: Cluster, hosts: set[str], slots: int) -> E
             raise ValidationError(f"{p}.{key}", f"unknown event field; known: {', '.join(sorted(_EVENT_KEYS))}")
     if "slot" not in raw:
         raise ValidationError(f"{p}.slot", "is required")
-    slot = _int(raw["slot"], f"{p}.slot", minimum=0)
+    slot = serde.check_integer(raw["slot"], f"{p}.slot", minimum=0)
     if slot >= slots:
         raise ValidationError(f"{p}.slot", f"must be < slots ({slots}), got {slot}")
-    nums = {k: _num(raw[k], f"{p}.{k}", positive=k in _POSITIVE)
+    nums = {k: serde.check_number(raw[k], f"{p}.{k}", positive=k in _POSITIVE)
             for k in (*_DEVICE_FIELDS, "tflops_scale", "gbps", "latency_us", "V") if k in raw}
     device = raw.get("device")
     has_device_part = any(k in raw for k in (*_DEVICE_FIELDS, "tflops_scale", "down"))
@@ -154,7 +146,7 @@ def _event(raw: Any, p: str, cluster: Cluster, hosts: set[str], slots: int) -> E
         for kind, value in raw["budgets"].items():
             if kind not in COST_KINDS:
                 raise ValidationError(f"{p}.budgets.{kind}", f"unknown cost kind; known: {', '.join(COST_KINDS)}")
-            budgets[kind] = _num(value, f"{p}.budgets.{kind}", positive=False)
+            budgets[kind] = serde.check_number(value, f"{p}.budgets.{kind}", positive=False)
     if device is None and pair is None and not budgets and "V" not in raw:
         raise ValidationError(p, "an event needs device, hosts, budgets or V")
     return Event(

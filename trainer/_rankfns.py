@@ -8,6 +8,8 @@ fresh interpreter cannot import).
 from __future__ import annotations
 
 import json
+import queue
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -147,10 +149,6 @@ class NcclLikeP2P:
     large one)."""
 
     def __init__(self) -> None:
-        import queue
-        import threading
-
-        self._queue, self._threading = queue, threading
         self._streams: dict[tuple[int, int], Any] = {}
 
     def get_backend(self, group: Any = None) -> str:
@@ -161,7 +159,7 @@ class NcclLikeP2P:
     def _submit(self, group: Any, peer: int, op: Any) -> Any:
         key = (id(group), peer)
         if key not in self._streams:
-            ops: Any = self._queue.Queue()
+            ops: Any = queue.Queue()
 
             def stream() -> None:
                 while True:
@@ -172,9 +170,9 @@ class NcclLikeP2P:
                         failed.append(exc)
                     done.set()
 
-            self._threading.Thread(target=stream, daemon=True).start()
+            threading.Thread(target=stream, daemon=True).start()
             self._streams[key] = ops
-        done, failed = self._threading.Event(), list[Exception]()
+        done, failed = threading.Event(), list[Exception]()
         self._streams[key].put((op, done, failed))
 
         class Work:
