@@ -1,6 +1,6 @@
 """The estimator inside the daemon: features from reports, samples from timings.
 
-:class:`Adapter` is what :class:`hetpilot.daemon.core.ControlPlane` holds.
+:class:`Adapter` is what :class:`hetpilot.daemon.controlplane.ControlPlane` holds.
 
 - :meth:`Adapter.note_report` keeps each link's last round-trip times (their
   standard deviation is the jitter feature: no new report field needed);

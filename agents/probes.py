@@ -8,7 +8,7 @@ device says what its probe ran (``probe_dtype``, ``probe_shape`` as
 "m x k x n"), because a probe's TFLOP/s means little without them: an H100's
 4096^3 bfloat16 matmul runs 10x faster than a float32 GPT-2 layer. The daemon
 plans with the job's own measured layer times where the trainer sends them
-(:mod:`hetpilot.daemon.measured`); the probe ranks devices until then.
+(:mod:`hetpilot.daemon.measured_fit`); the probe ranks devices until then.
 
 The CUDA probe ran once on an H100 (430 TFLOP/s in bfloat16 on 4096^3,
 bench/RESULTS-gpu.md); the NVML path has not run on a GPU and follows NVML's

@@ -1,4 +1,4 @@
-"""A small job's slots while two large jobs plan: the planning lanes (daemon/planning.py).
+"""A small job's slots while two large jobs plan: the planning lanes (daemon/planner_process.py).
 
     .venv/bin/python bench/daemon_lanes.py            # about 70 s on a 2-core VM
 

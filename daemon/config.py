@@ -15,7 +15,7 @@ from typing import Any
 
 from hetpilot.client.channel import check_token
 
-from hetpilot.addresses import check_address
+from hetpilot.addresses import check_address, is_loopback
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
@@ -188,13 +188,10 @@ class DaemonConfig:
                 check_address(self.metrics_listen, "metrics_listen", listen=True)
         except ValueError as exc:
             raise ConfigError(str(exc)) from None
-        if self.insecure_local:
-            from .quickstart import is_loopback
-
-            if not is_loopback(self.listen):
-                raise ConfigError(f"--insecure-local: listen address {self.listen} is not a "
-                                  "loopback address (127.0.0.1, ::1, localhost): without "
-                                  "tokens only this machine may connect")
+        if self.insecure_local and not is_loopback(self.listen):
+            raise ConfigError(f"--insecure-local: listen address {self.listen} is not a "
+                              "loopback address (127.0.0.1, ::1, localhost): without "
+                              "tokens only this machine may connect")
         for name in ("slot_s", "report_interval_s", "heartbeat_timeout_s", "grace_s",
                      "intra_host_gbps", "inter_host_gbps"):
             _positive(name, getattr(self, name))

@@ -57,13 +57,14 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from hetpilot.entry import Entry
 
+from .config import DaemonConfig
 from .joblogs import JobLogs
 from .records import (
     JOB_FAILED,
@@ -71,16 +72,17 @@ from .records import (
     LAUNCH_EXITED,
     LAUNCH_ORDERED,
     LAUNCH_RUNNING,
+    AgentRecord,
+    AgentReport,
+    DrainRecord,
     HostLaunch,
     JobRecord,
     LaunchRecord,
 )
+from .store import Store
 
-if TYPE_CHECKING:
-    from .core import ControlPlane
-
-__all__ = ["EXIT_UNKNOWN", "RDZV_TRIES", "SUCCEEDED_GRACE_S", "LaunchStatus", "Launches",
-           "LogChunk", "Order"]
+__all__ = ["EXIT_UNKNOWN", "RDZV_TRIES", "SUCCEEDED_GRACE_S", "LaunchOwner", "LaunchStatus",
+           "Launches", "LogChunk", "Order"]
 
 log = logging.getLogger("hetpilot.daemon")
 
@@ -133,11 +135,35 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
+class _Wakeable(Protocol):
+    def wake(self) -> None: ...
+
+
+class LaunchOwner(Protocol):
+    """What the launches need of the control plane: the agents and jobs."""
+
+    @property
+    def store(self) -> Store: ...
+
+    @property
+    def config(self) -> DaemonConfig: ...
+
+    def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]: ...
+
+    def drained(self) -> Mapping[str, DrainRecord]: ...
+
+    def is_up(self, host: str) -> bool: ...
+
+    def job_loop(self, job_id: str) -> _Wakeable | None: ...
+
+    async def end_job(self, rec: JobRecord, state: str, reason: str) -> JobRecord: ...
+
+
 class Launches:
     """The launches of every job, kept in the store and mirrored here. Runs on the
     event loop (the control plane's thread)."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: LaunchOwner) -> None:
         self.plane = plane
         self.store = plane.store
         config = plane.config

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
+from .controlplane import ControlPlane
 from .records import (
     LAUNCH_RUNNING,
     AgentRecord,
@@ -24,9 +24,6 @@ from .records import (
     DrainRecord,
     LinkReport,
 )
-
-if TYPE_CHECKING:
-    from .core import ControlPlane
 
 __all__ = ["NODE_DOWN", "NODE_DRAINING", "NODE_UP", "DeviceView", "JobSpeed", "NodeView",
            "node_views"]

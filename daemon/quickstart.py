@@ -1,7 +1,7 @@
 """A daemon that works on one machine as started, without writing any config.
 
-Why: a daemon with no tokens configured used to start and then refuse every
-call (UNAUTHENTICATED), which looked like a broken install. Two ways out,
+Why: a daemon with no tokens configured would start and then refuse every
+call (UNAUTHENTICATED), which looks like a broken install. Two ways out,
 both loud about what they do:
 
 * ``--insecure-local`` (:func:`insecure_auth`): no tokens at all, for a trial
@@ -17,7 +17,6 @@ both loud about what they do:
 
 from __future__ import annotations
 
-import ipaddress
 import logging
 import os
 import secrets
@@ -27,24 +26,13 @@ from pathlib import Path
 
 from .config import AuthConfig
 
-__all__ = ["GENERATED_OWNER", "generated_auth", "insecure_auth", "is_loopback"]
+__all__ = ["GENERATED_OWNER", "announce_generated", "generated_auth", "insecure_auth"]
 
 log = logging.getLogger("hetpilot.daemon")
 
 GENERATED_OWNER = "admin"
 OWNER_TOKEN_FILE = "owner.token"
 CLUSTER_TOKEN_FILE = "cluster.token"
-
-
-def is_loopback(listen: str) -> bool:
-    """Whether ``host:port`` listens on this machine only (127.0.0.0/8, ::1, localhost)."""
-    host = listen.rpartition(":")[0].strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _say(message: str) -> None:

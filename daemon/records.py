@@ -351,7 +351,7 @@ class LinkTime(_Json):
 @dataclass(frozen=True, kw_only=True)
 class MeasurementRecord(_Json):
     """What one device measured on the job's own layers (a rank's Attach): the latest
-    per (job, device) is kept and fitted by :mod:`hetpilot.daemon.measured`."""
+    per (job, device) is kept and fitted by :mod:`hetpilot.daemon.measured_fit`."""
 
     job_id: str
     device_id: str

@@ -36,7 +36,7 @@ from hetpilot.v1 import (
 
 from .auth import Authenticator, AuthInterceptor
 from .config import DaemonConfig, TlsConfig
-from .core import ControlPlane
+from .controlplane import ControlPlane
 from .decode import DecodeInterceptor
 from .errors import StateDirInUse
 from .metrics import Metrics

@@ -25,7 +25,7 @@ from hetpilot.v1 import (
 
 from . import convert, paging
 from .auth import Authenticator
-from .core import ControlPlane
+from .controlplane import ControlPlane
 from .decode import RateLimitedLog
 from .errors import (
     FailedPrecondition,

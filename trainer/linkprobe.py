@@ -11,7 +11,7 @@ reference model's prediction and the measured iteration on pipelines and
 data-parallel plans (bench/RESULTS-trainer.md, "Fidelity"). So, on Attach, the
 ranks measure their links with the job's own process group and send the figures
 with their layer times; the daemon plans the job with them
-(:mod:`hetpilot.daemon.measured`).
+(:mod:`hetpilot.daemon.measured_fit`).
 
 Per measured pair of ranks (a, b), in a process group of just the two:
 

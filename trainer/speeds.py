@@ -6,7 +6,7 @@ the layer, the dtype and the microbatch size, and differs between devices. So
 each rank times the job's layers on its device and sends the times on Attach
 (:class:`hetpilot.trainer.daemon_link.GrpcPlanSource`); the daemon fits
 device speeds and layer work to them (:mod:`hetpilot.planner.measured`,
-:mod:`hetpilot.daemon.measured`).
+:mod:`hetpilot.daemon.measured_fit`).
 
 :func:`measure_layer_times` walks the layers as the profiler does
 (:mod:`hetpilot.trainer.profile`, whose helpers it uses): each layer runs on the

@@ -11,7 +11,7 @@ from hetpilot.adapt.estimator import Recorded, SlowdownEstimator
 from hetpilot.adapt.features import FEATURES, Workload
 from hetpilot.adapt.online import Adapter
 from hetpilot.daemon.config import DaemonConfig
-from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.controlplane import ControlPlane
 from hetpilot.daemon.records import (
     AgentRecord,
     AgentReport,

@@ -20,9 +20,9 @@ from typing import Any
 import grpc
 import pytest
 from hetpilot.daemon.config import DaemonConfig
-from hetpilot.daemon.control import MAX_BACKOFF_S, backoff_s
-from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.controlplane import ControlPlane
 from hetpilot.daemon.errors import StorageUnavailable
+from hetpilot.daemon.jobloop import MAX_BACKOFF_S, backoff_s
 from hetpilot.daemon.records import AgentRecord, DeviceInfo, JobRecord
 from hetpilot.daemon.store import MemoryStore
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc

@@ -435,7 +435,7 @@ def test_plan_source_sends_measurements_and_keeps_slot_settings(lasting: Running
 def test_unmeasured_devices_take_the_measured_ratio_and_changes_scale() -> None:
     """A mixed cluster: measured devices plan at their fitted speed times what the agents
     report since; the others at their probe times the median measured / probe ratio."""
-    from hetpilot.daemon.measured import fit_job
+    from hetpilot.daemon.measured_fit import fit_job
     from hetpilot.daemon.records import LayerTime, MeasurementRecord
 
     model = _true_model()
@@ -502,7 +502,7 @@ def test_links_measured_by_the_job_are_kept_with_the_daemons_figures_then(
 def test_measured_links_override_the_pair_and_follow_the_agents_changes() -> None:
     """Spec 1's device_links carry the job's figures for the measured pair only: the
     bandwidth scaled by what the agents report now over then, the latency shifted."""
-    from hetpilot.daemon.measured import fit_job
+    from hetpilot.daemon.measured_fit import fit_job
     from hetpilot.daemon.records import LayerTime, LinkTime, MeasurementRecord
 
     model = _true_model()

@@ -4,7 +4,7 @@ store knows get restart_grace_s to report again before they count as down."""
 from __future__ import annotations
 
 from hetpilot.daemon.config import DaemonConfig
-from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.controlplane import ControlPlane
 from hetpilot.daemon.records import AgentRecord
 from hetpilot.daemon.store import MemoryStore
 

@@ -11,7 +11,7 @@ import grpc
 import pytest
 from hetpilot.client.channel import metadata
 from hetpilot.daemon.config import DaemonConfig
-from hetpilot.daemon.core import ControlPlane
+from hetpilot.daemon.controlplane import ControlPlane
 from hetpilot.daemon.records import AgentRecord, DeviceInfo, DrainRecord
 from hetpilot.daemon.store import MemoryStore
 from hetpilot.v1 import (

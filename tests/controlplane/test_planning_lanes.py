@@ -1,5 +1,5 @@
 """The daemon's planning lanes: a job whose solves are long does not hold up the others'
-(daemon/planning.py; the daemon fuzz campaign of 2026-11-24 found two jobs at the
+(daemon/planner_process.py; the daemon fuzz campaign of 2026-11-24 found two jobs at the
 documented limits stopping every other job's slots for minutes)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 from pathlib import Path
 
 import pytest
-from hetpilot.daemon import planning
-from hetpilot.daemon.planning import PlannerProcess
+from hetpilot.daemon import planner_process as planning
+from hetpilot.daemon.planner_process import PlannerProcess
 from hetpilot.daemon.records import JobRecord
 from hetpilot.planner.serde import cluster_from_dict
 
@@ -100,7 +100,7 @@ def test_a_planning_process_whose_daemon_is_gone_ends_even_if_it_went_while_star
     import sys
     import time
 
-    code = ("import sys, time; from hetpilot.daemon.planning import _start; "
+    code = ("import sys, time; from hetpilot.daemon.planner_process import _start; "
             "_start(0, int(sys.argv[1])); time.sleep(60)")
     gone = subprocess.run([sys.executable, "-c", code, "999999999"], timeout=60)
     assert gone.returncode == 0  # ended by the watch, long before its sleep

@@ -2,16 +2,18 @@
 controller, persist the slot (status, controller state, new plan version) in
 one transaction, and wake the plan watchers.
 
-The controller is ``hetpilot.planner.controller.Controller``, persisted with
-its ``to_state()`` and restored with ``from_state()``. Everything but reading
-the live cluster table runs off the event loop: the solve and the controller's (de)serialisation in
-the planning process (:mod:`hetpilot.daemon.planning`), the store's reads and
-transaction in a worker thread; the event loop only awaits.
+The controller (``hetpilot.planner.controller.Controller``) lives in the
+planning process (:mod:`hetpilot.daemon.planner_process`), persisted with its
+``to_state()``; the store's reads and transaction run in a worker thread; the
+event loop only reads the live cluster tables and awaits. The loop reaches the
+control plane only through :class:`LoopOwner`.
 
 A loop never dies of an error: a slot that fails (a solver error, the store
 full, a bug) is logged, shown in the job's warnings, and retried with
 exponential back-off from the controller state last stored.
+See [Note: slots in iterations].
 
+[Note: slots in iterations]
 Slots come every ``slot_s`` seconds, or, for a job with ``slot_iterations = N``,
 each time the trainer's reported iteration (``StageTimingsReport.iteration``,
 the highest any rank reported) has advanced by N since the last slot: a slot is
@@ -21,9 +23,6 @@ falls back to time, so it still gets its first plan and re-plans when devices
 come and go. A reported iteration below the one the last slot saw (the trainer
 restarted from scratch) starts the count again from it. A failing slot retries
 on its back-off, not on iterations.
-
-Each slot plans on the cluster and model the trainer measured when it did
-(:meth:`ControlPlane.planning_inputs`, :mod:`hetpilot.daemon.measured`).
 """
 
 from __future__ import annotations
@@ -34,20 +33,43 @@ import logging
 import time
 from collections.abc import Mapping
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from hetpilot.planner.controller import Controller, ControllerConfig
 from hetpilot.planner.errors import PlanningError
+from hetpilot.planner.types import Cluster
 
+from .config import DaemonConfig
 from .errors import StorageError
-from .records import JobRecord, JobStatus, PlanRecord
+from .metrics import Metrics
+from .planner_process import PlannerProcess
+from .records import DrainRecord, JobRecord, JobStatus, PlanRecord
+from .store import Store
 
-if TYPE_CHECKING:
-    from .core import ControlPlane
-
-__all__ = ["MAX_BACKOFF_S", "JobLoop", "accrue", "backoff_s", "make_controller"]
+__all__ = ["MAX_BACKOFF_S", "JobLoop", "LoopOwner", "accrue", "backoff_s"]
 
 log = logging.getLogger("hetpilot.daemon.control")
+
+
+class LoopOwner(Protocol):
+    """What a job loop needs of the control plane that runs it."""
+
+    @property
+    def planner(self) -> PlannerProcess: ...
+    @property
+    def config(self) -> DaemonConfig: ...
+    @property
+    def store(self) -> Store: ...
+    @property
+    def metrics(self) -> Metrics: ...
+
+    async def planning_inputs(self, rec: JobRecord) -> tuple[Cluster, JobRecord]:
+        """The cluster and job record one slot plans with."""
+    def drained(self) -> Mapping[str, DrainRecord]: ...
+    def loop_done(self, job_id: str, loop: JobLoop) -> None: ...
+    def loop_failed(self, job_id: str, message: str | None) -> None: ...
+    def set_queues(self, job_id: str, queues: Mapping[str, float]) -> None: ...
+    def notify(self, job_id: str) -> None:
+        """A new plan version is stored: wake its watchers."""
 
 MAX_BACKOFF_S = 300.0
 """A failing loop retries at most this far apart (or one slot, if longer)."""
@@ -71,25 +93,10 @@ def accrue(status: JobStatus, rec: JobRecord, now_ms: int) -> dict[str, float]:
     return spent
 
 
-def make_controller(rec: JobRecord, state: Mapping[str, Any] | None) -> Controller:
-    """The job's controller, restored from ``state`` (its to_state()) when given.
-
-    The record's budgets and V win over the state's: an UpdateBudgets that
-    landed after the last slot was recorded is not lost by a restart."""
-    from .core import parse_model, to_job
-
-    model, job = parse_model(rec.model_json), to_job(rec)
-    config = ControllerConfig(slot_s=rec.slot_s)
-    if state:
-        ctrl = Controller.from_state(model, job, state, config)
-    else:
-        ctrl = Controller(model, job, config)
-    ctrl.set_budgets(dict(rec.budgets), rec.V)
-    return ctrl
-
-
 class JobLoop:
-    def __init__(self, plane: ControlPlane, job_id: str) -> None:
+    """The control loop of one job (module docstring), a task on the event loop."""
+
+    def __init__(self, plane: LoopOwner, job_id: str) -> None:
         self.plane = plane
         self.job_id = job_id
         self._task: asyncio.Task[None] | None = None

@@ -1,20 +1,24 @@
-"""The daemon's planning process: every job's controller lives and steps here.
+"""The daemon's planning processes: every job's controller lives and steps here,
+out of the daemon's event loop, in one of a few lanes by how long its solves take.
 
-Why a process and not threads: a solve is Python, numpy and solver code that
-holds the GIL for long stretches (a compiled LP solve never lets go of it), so
-a solve in a thread of the daemon stalled its event loop for up to 0.65 s and
-health checks timed out. In its own process a solve costs the event loop
-nothing, uses the second core, cannot corrupt the daemon's memory, and runs
-under a memory limit (``RLIMIT_AS``): a job that asks for more than the limit
-fails its own slot with an error instead of taking the head node down; the
-process is then started again and every controller is rebuilt from the state
-the store holds. One process, one call at a time, in order: the planner's
-memo tables serve every job, and with more jobs than it can keep up with each
-loop still gets its turn (FIFO) rather than some starving.
+One process per lane, one call at a time, in order (FIFO: with more jobs than a
+lane keeps up with, each loop still gets its turn); the planner's memo tables
+serve every job of the lane. A process runs under a memory limit
+(``RLIMIT_AS``): a job that asks for more fails its own slot with an error; the
+process is started again and every controller rebuilt from the state the store
+holds. A stop does not wait for a solve under way: the process is killed.
+See [Note: why a process] and [Note: lanes].
 
-Lanes, each such a process. A job whose solves take long (a model of a
-thousand layers on tens of devices: 35 s a step on a 2-core VM) would hold up
-every other job's loop behind it for as long as each of its solves takes, so
+[Note: why a process]
+A solve is Python, numpy and solver code that holds the GIL for long stretches
+(a compiled LP solve never lets go of it): in a thread of the daemon it stalled
+the event loop for up to 0.65 s and health checks timed out. In its own process a
+solve costs the event loop nothing, uses the second core, cannot corrupt the
+daemon's memory, and runs under a memory limit.
+
+[Note: lanes]
+A job whose solves take long (a model of a thousand layers on tens of devices:
+35 s a step on a 2-core VM) would hold up every other job's loop behind it, so
 jobs plan in lanes by the time their solves take: under ``LIMITS[0]`` (2 s), under
 ``LIMITS[1]`` (20 s), and longer. A job starts in the lane its size says (layers x
 devices, ``SIZES``), moves up after a solve past its lane's limit and down after
@@ -23,8 +27,6 @@ count: the first after a (re)build also fills the planner's memo tables and
 compiles its LP, several times a warm step. A job changing lanes is rebuilt there
 from its stored state, as after a restart. A lane's process starts when a job
 first needs it.
-
-A stop does not wait for a solve under way: the process is killed.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import logging
 import multiprocessing
 import os
@@ -44,8 +47,11 @@ from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from hetpilot.planner.controller import Controller
+from hetpilot.planner.serde import plan_to_dict
 from hetpilot.planner.types import Cluster
 
+from .job_model import make_controller, parse_model
 from .records import JobRecord
 
 __all__ = ["PlannerCrashed", "PlannerProcess", "StepResult"]
@@ -80,10 +86,10 @@ class StepResult:
 
 # -- in the planning process ------------------------------------------------------
 
-_CONTROLLERS: dict[str, Any] = {}
+_CONTROLLERS: dict[str, Controller] = {}
 _MODEL_JSON: dict[str, str] = {}
 """The model JSON each kept controller plans with: a job's model changes when its
-trainer's measured layer times do (:mod:`hetpilot.daemon.measured`)."""
+trainer's measured layer times do (:mod:`hetpilot.daemon.measured_fit`)."""
 
 
 def _orphan_watch(parent: int) -> None:
@@ -113,11 +119,6 @@ def _start(memory_mb: int, parent: int) -> None:
 
 def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: bool,
           budgets: tuple[dict[str, float], float] | None, cluster: Cluster) -> StepResult:
-    from hetpilot.planner.serde import plan_to_dict
-
-    from .control import make_controller
-    from .core import parse_model
-
     started = time.perf_counter()
     ctrl = None if reset else _CONTROLLERS.get(job_id)
     if ctrl is None:
@@ -189,8 +190,6 @@ LANES = ("light", "heavy", "heaviest")
 
 def _size(rec: JobRecord, cluster: Cluster) -> int:
     """Layers x devices: what a solve's time grows with."""
-    import json
-
     try:
         layers = len(json.loads(rec.model_json).get("layers", ())) if rec.model_json else 0
     except (ValueError, AttributeError):
