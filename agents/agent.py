@@ -26,9 +26,9 @@ import time
 from typing import Any
 
 import grpc
-from hetpilot.client.channel import Endpoint, metadata, open_aio
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
+from hetpilot.channel import Endpoint, metadata, open_aio
 from hetpilot.emulation import EmulationFile
 
 from .config import AgentConfig

@@ -145,7 +145,7 @@ class AgentConfig:
     def cluster_token(self) -> str:
         if self.token or not self.token_file:
             return self.token
-        from hetpilot.client.channel import read_token_file
+        from hetpilot.channel import read_token_file
 
         try:
             return read_token_file(self.token_file, "token_file")

@@ -24,8 +24,9 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import agent_pb2_grpc
+
+from hetpilot.channel import metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 

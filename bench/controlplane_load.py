@@ -24,8 +24,9 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
+
+from hetpilot.channel import metadata
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import Daemon, write_config

@@ -51,21 +51,16 @@ from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import job_from_dict
 from hetpilot.v1 import common_pb2, job_pb2, job_pb2_grpc
 
+from hetpilot.channel import TOKEN_ENV, Endpoint, metadata, open_sync, read_token_file
 from hetpilot.entry import Entry
+from hetpilot.exitcodes import EXIT
 from hetpilot.flags import integer, seconds
 from hetpilot.tomlconfig import ConfigError, check_types
 
-from .channel import TOKEN_ENV, Endpoint, metadata, open_sync, read_token_file
 from .tables import Column, print_table, safe, terminal_width, text
 
-__all__ = ["EXIT", "add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
+__all__ = ["add_arguments", "call", "common_arguments", "job_request_from_toml", "run"]
 
-EXIT = {
-    grpc.StatusCode.INVALID_ARGUMENT: 2, grpc.StatusCode.RESOURCE_EXHAUSTED: 2,
-    grpc.StatusCode.NOT_FOUND: 3, grpc.StatusCode.UNAUTHENTICATED: 4,
-    grpc.StatusCode.PERMISSION_DENIED: 4, grpc.StatusCode.UNAVAILABLE: 5,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 5, grpc.StatusCode.FAILED_PRECONDITION: 6,
-}
 _STATE = {job_pb2.JOB_STATE_PENDING: "pending", job_pb2.JOB_STATE_RUNNING: "running",
           job_pb2.JOB_STATE_CANCELLED: "cancelled", job_pb2.JOB_STATE_SUCCEEDED: "succeeded",
           job_pb2.JOB_STATE_FAILED: "failed", job_pb2.JOB_STATE_UNSPECIFIED: "?"}

@@ -13,9 +13,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from hetpilot.client.channel import check_token
-
 from hetpilot.addresses import check_address, is_loopback
+from hetpilot.channel import check_token
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]

@@ -195,15 +195,17 @@ cluster_token = "{cluster}"
             f"{d} {h.tflops:g} TFLOP/s ${h.price_per_hour:g}/h" for d, h in scenario.DEVICES))
 
     def _stub(self) -> tuple[Any, Any]:
-        from hetpilot.client.channel import Endpoint, open_sync
         from hetpilot.v1 import job_pb2_grpc
+
+        from hetpilot.channel import Endpoint, open_sync
 
         channel = open_sync(Endpoint(address=self.address))
         return channel, job_pb2_grpc.JobServiceStub(channel)
 
     def submit(self) -> str:
-        from hetpilot.client.channel import metadata
         from hetpilot.v1 import job_pb2
+
+        from hetpilot.channel import metadata
 
         from .digits import GLOBAL_BATCH, MICROBATCH
 
@@ -219,8 +221,9 @@ cluster_token = "{cluster}"
 
     def job_info(self) -> dict[str, Any]:
         from google.protobuf.json_format import MessageToDict
-        from hetpilot.client.channel import metadata
         from hetpilot.v1 import job_pb2
+
+        from hetpilot.channel import metadata
 
         channel, stub = self._stub()
         with channel:
@@ -229,8 +232,9 @@ cluster_token = "{cluster}"
         return MessageToDict(info, preserving_proto_field_name=True)
 
     def plans(self, newest: int) -> list[dict[str, Any]]:
-        from hetpilot.client.channel import metadata
         from hetpilot.v1 import job_pb2
+
+        from hetpilot.channel import metadata
 
         out: list[dict[str, Any]] = []
         if newest < 1:

@@ -328,7 +328,7 @@ def launched_defaults(args: argparse.Namespace) -> str | None:
 
 
 def _endpoint(args: argparse.Namespace) -> Any:
-    from hetpilot.client.channel import Endpoint, check_token, read_token_file
+    from hetpilot.channel import Endpoint, check_token, read_token_file
 
     if args.token_file:
         token = read_token_file(args.token_file)
@@ -489,7 +489,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                     link, source = _connect(args, [str(i) for i in ids],
                                             json.dumps(profile) if profile else "", measured)
                 except DaemonError as exc:
-                    from hetpilot.client.cli import EXIT
+                    from hetpilot.exitcodes import EXIT
 
                     failure = [(EXIT.get(exc.code, 5) if exc.code else 5, str(exc))]
                 except (OSError, ValueError) as exc:

@@ -4,7 +4,7 @@ Only rank 0 talks to the daemon (the runtime broadcasts what its source
 returns, and gathers every rank's epoch record to rank 0 for the reporter):
 
 * :class:`DaemonLink`: one channel (TLS and bearer-token metadata from
-  :mod:`hetpilot.client.channel`, whose service config retries the unary calls
+  :mod:`hetpilot.channel`, whose service config retries the unary calls
   on UNAVAILABLE), a deadline on every unary call;
 * :class:`GrpcPlanSource`: Attach for every rank (rank 0 carries the model
   profile for ``profile_on_attach`` jobs; each rank its device's measured layer
@@ -42,10 +42,11 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import grpc
-from hetpilot.client.channel import Endpoint, metadata, open_sync
 from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.serde import plan_from_dict
 from hetpilot.v1 import common_pb2, trainer_pb2, trainer_pb2_grpc
+
+from hetpilot.channel import Endpoint, metadata, open_sync
 
 from .plans import PlanVersion
 

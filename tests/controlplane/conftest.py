@@ -13,8 +13,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hetpilot.client.channel import Endpoint, metadata, open_sync
 from hetpilot.daemon.config import AuthConfig, DaemonConfig
+
+from hetpilot.channel import Endpoint, metadata, open_sync
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 OWNER_TOKEN = "alice-token-123"

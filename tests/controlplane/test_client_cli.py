@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 from hetpilot.agents.config import AgentConfig, ConfigError
 from hetpilot.client import cli
-from hetpilot.client.channel import read_token_file
 from hetpilot.client.cli import InputError, job_request_from_toml
 from hetpilot.client.nodes import print_nodes
 from hetpilot.v1 import cluster_pb2, job_pb2
 
+from hetpilot.channel import read_token_file
 from hetpilot.cli import main
 
 from .conftest import OWNER_TOKEN, RunningDaemon

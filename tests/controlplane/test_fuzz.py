@@ -7,7 +7,6 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -20,6 +19,8 @@ from hetpilot.v1 import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
+from hetpilot.channel import metadata
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 

@@ -11,7 +11,6 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -20,6 +19,8 @@ from hetpilot.v1 import (
     job_pb2,
     job_pb2_grpc,
 )
+
+from hetpilot.channel import metadata
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon
 from .helpers import model_json, register_request, submit_request

@@ -20,8 +20,9 @@ from typing import Any
 
 import pytest
 from hetpilot.agents.launcher import _proc_stat, descendants
-from hetpilot.client.channel import Endpoint, open_sync
 from hetpilot.v1 import job_pb2, job_pb2_grpc
+
+from hetpilot.channel import Endpoint, open_sync
 
 from .conftest import CLUSTER_TOKEN, OWNER_MD, OWNER_TOKEN, wait_endpoints
 from .helpers import wait_until

@@ -12,7 +12,6 @@ from typing import Any
 
 import grpc
 import pytest
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2_grpc,
     cluster_pb2,
@@ -22,6 +21,8 @@ from hetpilot.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+from hetpilot.channel import metadata
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 from .helpers import register_request, report, submit_request, wait_until

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hetpilot.client.channel import Endpoint, metadata
 from hetpilot.client.cli import InputError, job_request_from_toml
 from hetpilot.daemon.store import SqliteStore
 from hetpilot.planner.refmodel import evaluate
@@ -28,6 +27,8 @@ from hetpilot.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+from hetpilot.channel import Endpoint, metadata
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 from .helpers import model_json, register_request, report, submit_request

@@ -9,7 +9,6 @@ from typing import Any
 
 import grpc
 import pytest
-from hetpilot.client.channel import metadata
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.controlplane import ControlPlane
 from hetpilot.daemon.records import AgentRecord, DeviceInfo, DrainRecord
@@ -24,6 +23,8 @@ from hetpilot.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+from hetpilot.channel import metadata
 
 from .conftest import CLUSTER_MD, OTHER_MD, OWNER_MD, start_daemon
 from .helpers import register_request, report, submit_request, wait_until

@@ -16,11 +16,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hetpilot.client.channel import metadata
 from hetpilot.client.tables import Column, print_table
 from hetpilot.daemon.config import AuthConfig
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
 
+from hetpilot.channel import metadata
 from hetpilot.cli import main
 
 from .conftest import (

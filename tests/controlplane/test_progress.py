@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
-from hetpilot.client.channel import metadata
 from hetpilot.daemon.records import JobProgress, TimingsRecord
 from hetpilot.v1 import agent_pb2_grpc, job_pb2, job_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
+from hetpilot.channel import metadata
 from hetpilot.cli import main
 
 from .conftest import CLUSTER_MD, OWNER_MD, OWNER_TOKEN, RunningDaemon

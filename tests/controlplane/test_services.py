@@ -9,7 +9,6 @@ import urllib.request
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hetpilot.client.channel import metadata
 from hetpilot.v1 import (
     agent_pb2,
     agent_pb2_grpc,
@@ -18,6 +17,8 @@ from hetpilot.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+from hetpilot.channel import metadata
 
 from .conftest import CLUSTER_MD, OTHER_MD, OWNER_MD, RunningDaemon
 from .helpers import register_request, report, submit_request

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hetpilot.client.channel import Endpoint, open_sync
 from hetpilot.daemon.config import TlsConfig
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, job_pb2, job_pb2_grpc
+
+from hetpilot.channel import Endpoint, open_sync
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 from .helpers import register_request, report

@@ -21,9 +21,10 @@ from typing import Any
 
 import grpc
 import pytest
-from hetpilot.client.channel import Endpoint, metadata, open_sync
 from hetpilot.daemon.store import SqliteStore
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
+
+from hetpilot.channel import Endpoint, metadata, open_sync
 
 OWNER_TOKEN = "owner-token-trainer"
 CLUSTER_TOKEN = "cluster-token-trainer"
