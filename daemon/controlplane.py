@@ -34,7 +34,7 @@ from .joblogs import HostReader, LineFilter
 from .jobloop import JobLoop
 from .launches import Launches
 from .measured_fit import Measured
-from .membership import Membership, Peers, short_list
+from .membership import Membership, short_list
 from .metrics import Metrics
 from .planner_process import PlannerProcess
 from .records import (
@@ -368,50 +368,16 @@ class ControlPlane:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(ev.wait(), timeout=1.0)
 
-    # -- agents (Membership; these callbacks are its MembershipListener) ----------
-
-    @property
-    def membership_epoch(self) -> int:
-        return self.members.epoch
-
-    def register(self, agent: AgentRecord, previous: str = "") -> tuple[Peers, str]:
-        return self.members.register(agent, previous)
-
-    def report(self, report: AgentReport, registration: str) -> Peers:
-        return self.members.report(report, registration)
-
-    def heartbeat(self, agent_id: str, registration: str) -> Peers:
-        return self.members.heartbeat(agent_id, registration)
-
-    def stream_opened(self, host: str, registration: str) -> None:
-        self.members.stream_opened(host, registration)
-
-    def stream_closed(self, host: str, registration: str) -> None:
-        self.members.stream_closed(host, registration)
+    # -- agents (self.members; the callbacks below are its MembershipListener) ---
 
     def is_up(self, host: str) -> bool:
         return self.members.is_up(host)
-
-    def peers(self, host: str) -> Peers:
-        return self.members.peers(host)
-
-    def sweep(self) -> bool:
-        return self.members.sweep()
 
     def agent_table(self) -> list[tuple[AgentRecord, bool, AgentReport | None]]:
         return self.members.agent_table()
 
     def drained(self) -> Mapping[str, DrainRecord]:
         return self.members.drained()
-
-    def drain(self, host: str, reason: str = "") -> DrainRecord:
-        return self.members.drain(host, reason)
-
-    def resume(self, host: str) -> None:
-        self.members.resume(host)
-
-    def host_times(self, host: str) -> tuple[int, int]:
-        return self.members.host_times(host)
 
     def host_up(self, host: str) -> None:
         self._wake_idle()

@@ -120,7 +120,7 @@ def node_views(plane: ControlPlane, owner: str | None, with_links: bool = False
                        planned_tflops=plane.device_speed(f"{host}:{d.index}"),
                        job_speeds=tuple(speeds.get(f"{host}:{d.index}", ())))
             for d in agent.devices)
-        since, heard = plane.host_times(host)
+        since, heard = plane.members.host_times(host)
         drain = drained.get(host)
         state = NODE_DRAINING if drain is not None else NODE_UP if up else NODE_DOWN
         jobs = tuple(j for j, devs in devices_of.items()

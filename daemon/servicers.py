@@ -230,7 +230,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                        context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
         agent = convert.agent_from_proto(request)
         self._as(agent.host, context)
-        peers, registration = self.plane.register(
+        peers, registration = self.plane.members.register(
             agent, convert.label(request.registration, "registration"))
         cfg = self.plane.config
         return agent_pb2.RegisterResponse(
@@ -250,10 +250,10 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 statuses = convert.launches_from_proto(request)
                 chunks = convert.log_chunks_from_proto(request)
                 self._as(report.agent_id, context)
-                peers = self.plane.report(report, registration)
+                peers = self.plane.members.report(report, registration)
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
-                    self.plane.stream_opened(report.agent_id, registration)
+                    self.plane.members.stream_opened(report.agent_id, registration)
                 ack = agent_pb2.ReportAck(seq=request.seq)
                 if statuses or chunks or self.plane.launches.active():
                     starts, stops = await self.plane.launches.agent_report(
@@ -261,18 +261,18 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     ack.start.extend(convert.order_to_proto(o, self.job_token(o.launch.job_id))
                                      for o in starts)
                     ack.stop.extend(stops)
-                if epoch != self.plane.membership_epoch:
-                    epoch = self.plane.membership_epoch
+                if epoch != self.plane.members.epoch:
+                    epoch = self.plane.members.epoch
                     ack.peers.extend(convert.peers_to_proto(peers))
                 yield ack
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:
-                self.plane.stream_closed(host, registration)
+                self.plane.members.stream_closed(host, registration)
 
     @_unary
     async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,
                         context: grpc.aio.ServicerContext) -> agent_pb2.HeartbeatResponse:
-        peers = self.plane.heartbeat(
+        peers = self.plane.members.heartbeat(
             self._as(convert.name(request.agent_id, "agent_id"), context),
             convert.label(request.registration, "registration"))
         return agent_pb2.HeartbeatResponse(peers=convert.peers_to_proto(peers))
@@ -369,7 +369,7 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
                         context: grpc.aio.ServicerContext) -> cluster_pb2.NodeInfo:
         host, reason = convert.drain_from_proto(request)
         self._admin(context, "draining a host")
-        self.plane.drain(host, reason)
+        self.plane.members.drain(host, reason)
         return self._node(host)
 
     @_unary
@@ -377,5 +377,5 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
                          context: grpc.aio.ServicerContext) -> cluster_pb2.NodeInfo:
         host = convert.name(request.host, "host")
         self._admin(context, "resuming a host")
-        self.plane.resume(host)
+        self.plane.members.resume(host)
         return self._node(host)

@@ -52,7 +52,7 @@ def _plane() -> tuple[ControlPlane, dict[str, str]]:
     """A control plane with hosts h0 and h1, and their registrations."""
     adapter = _adapter()
     plane = ControlPlane(MemoryStore(), DaemonConfig(state_dir="/tmp"), adapter=adapter)
-    regs = {host: plane.register(AgentRecord(host=host, probe_address="", devices=(
+    regs = {host: plane.members.register(AgentRecord(host=host, probe_address="", devices=(
         DeviceInfo(index="0", name="cpu", kind="cpu", tflops=10.0, memory_gb=16.0),)))[1]
         for host in ("h0", "h1")}
     return plane, regs
@@ -68,18 +68,16 @@ def _report(host: str, load: float, seq: int = 1) -> AgentReport:
 
 def test_observed_cluster_uses_predicted_speeds() -> None:
     plane, regs = _plane()
-    plane.report(_report("h0", 0.9), regs["h0"])
-    plane.report(_report("h1", 0.0), regs["h1"])
+    plane.members.report(_report("h0", 0.9), regs["h0"])
+    plane.members.report(_report("h1", 0.0), regs["h1"])
     by = plane.observed_cluster().by_id
     # the forest predicts slowdown ~ 1 + 3 * 0.9 on h0, ~1 on h1
     assert by["h0:0"].tflops < 4.0
     assert by["h1:0"].tflops > 7.0
 
 
-def test_stage_timings_feed_the_estimator() -> None:
-    plane, regs = _plane()
-    plane.report(_report("h0", 0.5), regs["h0"])
-    plane.report(_report("h1", 0.0), regs["h1"])
+def _job_with_plan(plane: ControlPlane) -> None:
+    """Job j1 with plan version 1 on h0:0 and h1:0."""
     model_json = (ROOT / "examples" / "model.json").read_text()
     n_layers = len(json.loads(model_json)["layers"])
     rec = plane.store.create_job(JobRecord(
@@ -93,11 +91,21 @@ def test_stage_timings_feed_the_estimator() -> None:
                             controller_state={}, plan=PlanRecord(
                                 job_id="j1", version=1, slot=0, plan=plan, iteration_s=1.0,
                                 costs={}, queues={}))
+
+
+def _timings(it: int) -> TimingsRecord:
+    return TimingsRecord(job_id="j1", rank=0, plan_version=1, iteration=it,
+                         stages=(StageTiming(stage_index=0, device_id="h0:0", fwd_s=0.2,
+                                             bwd_s=0.4, comm_s=0.0, samples_per_s=10.0),))
+
+
+def test_stage_timings_feed_the_estimator() -> None:
+    plane, regs = _plane()
+    plane.members.report(_report("h0", 0.5), regs["h0"])
+    plane.members.report(_report("h1", 0.0), regs["h1"])
+    _job_with_plan(plane)
     for it in range(4):
-        plane.stage_timings(TimingsRecord(job_id="j1", rank=0, plan_version=1, iteration=it,
-                                          stages=(StageTiming(stage_index=0, device_id="h0:0",
-                                                              fwd_s=0.2, bwd_s=0.4, comm_s=0.0,
-                                                              samples_per_s=10.0),)))
+        plane.stage_timings(_timings(it))
     assert plane.adapter.learned == 4
     err = plane.adapter.status()
     assert err["samples"] == 4 and err["fits"] >= 2  # refit every 4 samples (in this thread)
@@ -107,6 +115,25 @@ def test_stage_timings_feed_the_estimator() -> None:
     assert hist.stage_last_slowdown == pytest.approx(1.0)  # same time each iteration
     assert hist.device_last_slowdown == pytest.approx(1.0)
     assert plane.adapter.history("h1:0", work).stage_last_slowdown == 0.0  # never ran there
+
+
+def test_stage_timings_parse_each_plan_version_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    plane, regs = _plane()
+    plane.members.report(_report("h0", 0.5), regs["h0"])
+    plane.members.report(_report("h1", 0.0), regs["h1"])
+    _job_with_plan(plane)
+    reads: list[tuple[str, int]] = []
+    plans = plane.store.plans
+
+    def counted(job_id: str, after_version: int = 0) -> list[PlanRecord]:
+        reads.append((job_id, after_version))
+        return plans(job_id, after_version)
+
+    monkeypatch.setattr(plane.store, "plans", counted)
+    for it in range(6):
+        plane.stage_timings(_timings(it))
+    assert plane.adapter.learned == 6  # every report was learnt ...
+    assert reads == [("j1", 0)]  # ... from one read of plan version 1
 
 
 def test_a_subnormal_stage_time_is_ignored_and_does_not_poison_later_timings() -> None:

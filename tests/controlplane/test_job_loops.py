@@ -132,7 +132,7 @@ def test_a_storage_fault_fails_the_loop_without_a_traceback(
 
     async def scenario() -> None:
         plane = ControlPlane(LostStore(), DaemonConfig(slot_s=0.05, state_dir="/nonexistent"))
-        plane.register(AgentRecord(host="h0", probe_address="", devices=(
+        plane.members.register(AgentRecord(host="h0", probe_address="", devices=(
             DeviceInfo(index="0", name="emu", kind="emulated", tflops=50.0, memory_gb=80.0,
                        emulated=True),)))
         await plane.start()
@@ -164,7 +164,7 @@ def test_a_failing_loop_retries_with_backoff_and_says_why() -> None:
     async def scenario() -> tuple[list[str], int, int]:
         store = FlakyStore(fail=3)
         plane = ControlPlane(store, DaemonConfig(slot_s=0.05, state_dir="/nonexistent"))
-        plane.register(AgentRecord(host="h0", probe_address="", devices=(
+        plane.members.register(AgentRecord(host="h0", probe_address="", devices=(
             DeviceInfo(index="0", name="emu", kind="emulated", tflops=50.0, memory_gb=80.0,
                        emulated=True),)))
         await plane.start()

@@ -23,35 +23,35 @@ def test_known_agents_stay_up_for_the_restart_grace() -> None:
     plane = _plane(now, grace=5.0)
     assert plane.is_up("a") and plane.is_up("b")
     now[0] = 104.5  # past one heartbeat timeout, within the grace: nobody dropped yet
-    assert not plane.sweep() and plane.is_up("a") and plane.is_up("b")
-    plane.register(AgentRecord(host="a", probe_address="", devices=()))  # a is back
+    assert not plane.members.sweep() and plane.is_up("a") and plane.is_up("b")
+    plane.members.register(AgentRecord(host="a", probe_address="", devices=()))  # a is back
     now[0] = 105.2  # the grace is over: b, silent since the restart, is down; a is not
-    assert plane.sweep()
+    assert plane.members.sweep()
     assert plane.is_up("a") and not plane.is_up("b")
     now[0] = 105.6  # a's own heartbeat timeout (1 s after it came back) rules now
-    assert plane.sweep() and not plane.is_up("a")
+    assert plane.members.sweep() and not plane.is_up("a")
 
 
 def test_grace_shorter_than_the_heartbeat_timeout_means_one_timeout() -> None:
     now = [0.0]
     plane = _plane(now, grace=0.0)
     now[0] = 0.9
-    assert not plane.sweep() and plane.is_up("b")
+    assert not plane.members.sweep() and plane.is_up("b")
     now[0] = 1.1
-    assert plane.sweep() and not plane.is_up("a") and not plane.is_up("b")
+    assert plane.members.sweep() and not plane.is_up("a") and not plane.is_up("b")
 
 
 def test_peers_ring_and_identical_re_registers() -> None:
     now = [0.0]
     plane = _plane(now, grace=5.0)
     for i in range(10):
-        plane.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()))
-    assert [h for h, _ in plane.peers("h8")] == ["h9", "h0", "h1", "h2"]  # the next 4, wrapped
-    assert [h for h, _ in plane.peers("a")] == ["h0", "h1", "h2", "h3"]  # no probe address
-    epoch = plane.membership_epoch
+        plane.members.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()))
+    assert [h for h, _ in plane.members.peers("h8")] == ["h9", "h0", "h1", "h2"]  # the next 4, wrapped
+    assert [h for h, _ in plane.members.peers("a")] == ["h0", "h1", "h2", "h3"]  # no probe address
+    epoch = plane.members.epoch
     # an agent reconnecting with the same address and devices changes nobody's peers
-    plane.register(AgentRecord(host="h3", probe_address="h3:9", devices=()))
-    assert plane.membership_epoch == epoch
-    plane.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
-    assert plane.membership_epoch == epoch + 1
-    assert ("h3", "h3:10") in plane.peers("h2")
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:9", devices=()))
+    assert plane.members.epoch == epoch
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
+    assert plane.members.epoch == epoch + 1
+    assert ("h3", "h3:10") in plane.members.peers("h2")

@@ -55,9 +55,9 @@ def test_observed_cluster_leaves_drained_hosts_out() -> None:
     store.put_drain(DrainRecord(host="a", since_ms=1))  # as a restarted daemon finds it
     plane = ControlPlane(store, DaemonConfig(state_dir="/tmp"))
     assert [d.id for d in plane.observed_cluster().devices] == ["b:0"]
-    plane.resume("a")
+    plane.members.resume("a")
     assert [d.id for d in plane.observed_cluster().devices] == ["a:0", "b:0"] and not store.drains()
-    plane.drain("b", "bad fan")
+    plane.members.drain("b", "bad fan")
     assert [d.id for d in plane.observed_cluster().devices] == ["a:0"]
     assert store.drains()[0].reason == "bad fan"
 
