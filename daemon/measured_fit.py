@@ -1,40 +1,44 @@
-"""A job's cluster and model as its trainer measured them (issue 14).
+"""A job's cluster and model as its trainer measured them: the fit of the layer
+times ranks send on Attach, and the cluster and model a slot plans with from it.
 
 Why: the agents' matmul probe is 10x off a real layer's speed, and by a factor
 that differs between devices, dtypes and microbatch sizes; the trainer's own
-layer times are not. Each rank may send, on Attach, the seconds its device took
-for every layer's forward and backward (:mod:`hetpilot.trainer.speeds`); the
-daemon keeps the latest per (job, device) and, before each of the job's
-slots, fits them (:func:`hetpilot.planner.measured.fit_speeds`): one effective
-TFLOP/s per device and effective GFLOP per layer, in the profile's units. The
-job is then planned on
+layer times (:mod:`hetpilot.trainer.speeds`) are not. The daemon keeps the latest
+measurement per (job, device) (:mod:`hetpilot.daemon.trainers`) and, before each
+of the job's slots, fits them (:func:`hetpilot.planner.measured.fit_speeds`): one
+effective TFLOP/s per device and effective GFLOP per layer, in the profile's
+units. See [Note: measured speeds], [Note: measured links], [Note: which
+measurements count].
 
-* the **model** with those GFLOP (layers no device measured keep the profile's);
-* for a device that measured, ``tflops = r_d * now_d`` with ``r_d = s_d / ref_d``:
-  ``s_d`` its fitted speed, ``ref_d`` the speed the daemon planned it with when
-  the measurement came and ``now_d`` the speed it would plan it with now (the
-  agent's probe, the slowdown estimator, an emulation file). Right after the
-  measurement this is ``s_d`` exactly; when the device later slows down, its
-  measured speed slows down by the same factor, without a new measurement;
-* for a device that did not measure, its probe speed times the median ``r_d``
-  of the devices that did, so a cluster mixing measured and probed devices stays
-  comparable (a probe 10x optimistic on one device is taken to be about as
-  optimistic on the others). A measured device whose ``ref_d`` was unknown (its
-  agent had not registered yet) plans with ``s_d`` as it is.
+[Note: measured speeds]
+The job is planned on the **model** with the fitted GFLOP (layers no device
+measured keep the profile's), and, for a device that measured, on
+``tflops = r_d * now_d`` with ``r_d = s_d / ref_d``: ``s_d`` its fitted speed,
+``ref_d`` the speed the daemon planned it with when the measurement came and
+``now_d`` the speed it would plan it with now (the agent's probe, the slowdown
+estimator, an emulation file). Right after the measurement this is ``s_d``
+exactly; when the device later slows down, its measured speed slows down by the
+same factor, without a new measurement. A device that did not measure gets its
+probe speed times the median ``r_d`` of the devices that did, so a cluster mixing
+measured and probed devices stays comparable (a probe 10x optimistic on one
+device is taken to be about as optimistic on the others). A measured device whose
+``ref_d`` was unknown (its agent had not registered yet) plans with ``s_d`` as it is.
 
-Links: a rank may also send what the job's own process group measured between
-its device and other ranks' devices (:mod:`hetpilot.trainer.linkprobe`: the
-one-way time of an activation-sized message while the ranks compute, and the
-bandwidth of the pair's all-reduce). Each measured pair whose two devices are
-in the cluster becomes a ``device_links`` entry (spec section 1: it overrides
-the host-level figures for that pair only): ``gbps = measured * now / ref`` and
-``latency = measured + (now - ref)`` (at least 0), with ``ref`` the pair's
-figures in the daemon's cluster when the measurement came and ``now`` today's,
-so a link the agents see slow down later slows down for the job too. A pair
-measured from both ends takes the newer measurement.
+[Note: measured links]
+A rank may also send what the job's own process group measured between its
+device and other ranks' devices (:mod:`hetpilot.trainer.linkprobe`: the one-way
+time of an activation-sized message while the ranks compute, and the bandwidth of
+the pair's all-reduce). Each measured pair whose two devices are in the cluster
+becomes a ``device_links`` entry (spec section 1: it overrides the host-level
+figures for that pair only): ``gbps = measured * now / ref`` and
+``latency = measured + (now - ref)`` (at least 0), with ``ref`` the pair's figures
+in the daemon's cluster when the measurement came and ``now`` today's, so a link
+the agents see slow down later slows down for the job too. A pair measured from
+both ends takes the newer measurement.
 
-Rules: only measurements in the dtype of the newest one are used (a trainer
-that switched to bfloat16 supersedes its float32 times); times measured at a
+[Note: which measurements count]
+Only measurements in the dtype of the newest one are used (a trainer that
+switched to bfloat16 supersedes its float32 times); times measured at a
 microbatch size other than the job's are scaled linearly in the microbatch size
 (section 5.1's op time is linear in it); layer indices beyond the model are
 ignored (a measurement sent before the profile of a ``profile_on_attach`` job).
@@ -74,8 +78,8 @@ class Measured:
     """``(measuring device, link)`` of every measured pair, newest measurement last."""
 
     def apply(self, cluster: Cluster) -> Cluster:
-        """``cluster`` with each device's TFLOP/s replaced and the measured links added,
-        as the module docstring says."""
+        """``cluster`` with each device's TFLOP/s replaced and the measured links added
+        ([Note: measured speeds], [Note: measured links])."""
         return self._apply_links(self._apply_speeds(cluster))
 
     def _apply_links(self, cluster: Cluster) -> Cluster:

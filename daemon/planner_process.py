@@ -101,8 +101,8 @@ def _orphan_watch(parent: int) -> None:
 
 def _start(memory_mb: int, parent: int) -> None:
     # the daemon's pid as it gave it, not getppid() here: a daemon that ended while this
-    # process was still starting left it with init as its parent, which it then watched
-    # for ever (found as sleeping planning processes, hours old)
+    # process was still starting has left it with init as its parent, which it would
+    # then watch for ever
     threading.Thread(target=_orphan_watch, args=(parent,), name="orphan-watch",
                      daemon=True).start()
     if memory_mb > 0:
