@@ -78,7 +78,6 @@ class ControlPlane:
         self.store = store
         self.config = config
         self.metrics = metrics or Metrics()
-        self.clock = clock
         # Random-forest slowdown estimator (hetpilot.adapt): fed by reports and
         # stage timings, read by the observed cluster; fits in its own thread.
         self.adapter = adapter if adapter is not None else Adapter()

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.controlplane import ControlPlane
-from hetpilot.daemon.records import AgentRecord
+from hetpilot.daemon.membership import Membership
+from hetpilot.daemon.metrics import Metrics
+from hetpilot.daemon.records import AgentRecord, AgentReport
 from hetpilot.daemon.store import MemoryStore
 
 
@@ -55,3 +57,49 @@ def test_peers_ring_and_identical_re_registers() -> None:
     plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
     assert plane.members.epoch == epoch + 1
     assert ("h3", "h3:10") in plane.members.peers("h2")
+
+
+class _Events:
+    """A MembershipListener that writes down what it is told."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, str]] = []
+
+    def host_up(self, host: str) -> None:
+        self.seen.append(("up", host))
+
+    def registered(self, host: str) -> None:
+        self.seen.append(("registered", host))
+
+    def reported(self, report: AgentReport) -> None:
+        self.seen.append(("reported", report.agent_id))
+
+    def host_drained(self, host: str) -> int:
+        self.seen.append(("drained", host))
+        return 0
+
+    def host_resumed(self, host: str) -> None:
+        self.seen.append(("resumed", host))
+
+
+def test_membership_tells_its_listener_what_changed() -> None:
+    now = [0.0]
+    events = _Events()
+    members = Membership(MemoryStore(), DaemonConfig(state_dir="/tmp", report_interval_s=0.2,
+                                                     heartbeat_timeout_s=1.0),
+                         Metrics(), events, clock=lambda: now[0])
+    _, registration = members.register(AgentRecord(host="a", probe_address="", devices=()))
+    members.register(AgentRecord(host="a", probe_address="", devices=()), registration)
+    members.report(AgentReport(agent_id="a", seq=1, unix_ms=0), members.register(
+        AgentRecord(host="a", probe_address="", devices=()))[1])
+    members.drain("a", "fan")
+    members.drain("a", "again")  # already drained: nothing new
+    members.resume("a")
+    members.resume("a")  # not drained: nothing new
+    now[0] = 5.0
+    assert members.sweep() and not members.is_up("a")
+    members.heartbeat("a", members.register(
+        AgentRecord(host="a", probe_address="", devices=()))[1])
+    assert events.seen == [("up", "a"), ("registered", "a"), ("registered", "a"),
+                           ("registered", "a"), ("reported", "a"), ("drained", "a"),
+                           ("resumed", "a"), ("up", "a"), ("registered", "a")]
