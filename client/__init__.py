@@ -1,2 +1,3 @@
-"""Clients of the hetpilot.v1 contract: channel setup shared by the CLI and the
-agents, and the job-owner CLI (``hetpilot submit|jobs|job|watch|budget|cancel``)."""
+"""The job-owner CLI (``hetpilot submit|jobs|job|watch|budget|cancel|logs``) and the
+``hetpilot nodes|drain|resume`` commands; channels to the daemon are
+:mod:`hetpilot.channel`'s."""

@@ -1,7 +1,8 @@
-"""Channels to the daemon: TLS from files, bearer-token metadata, deadlines,
-and a service-config retry policy that retries only idempotent calls on
-UNAVAILABLE, or CANCELLED by a daemon that is stopping (every unary call of hetpilot.v1 is idempotent: SubmitJob through
-its request_id, the rest by what they do; streams are resumed by callers)."""
+"""Channels to the daemon, shared by the client, the agents and the trainer: TLS
+from files, bearer-token metadata, deadlines, and a service-config retry policy
+that retries only idempotent calls on UNAVAILABLE, or CANCELLED by a daemon that
+is stopping (every unary call of hetpilot.v1 is idempotent: SubmitJob through its
+request_id, the rest by what they do; streams are resumed by callers)."""
 
 from __future__ import annotations
 
