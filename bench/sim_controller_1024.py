@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 from hetpilot.planner.controller import Controller, ControllerConfig
-from hetpilot.planner.search import candidate_plans, clear_memos
+from hetpilot.planner.memos import clear_memos
+from hetpilot.planner.search import candidate_plans
 from hetpilot.sim.scenario import Scenario, Timeline, load_scenario
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 
 import numpy as np
-from hetpilot.planner.partition import vector_makespans
+from hetpilot.planner.makespans import vector_makespans
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -90,7 +90,7 @@ def _cuts(num_layers: int, stages: int) -> np.ndarray:
 def makespans(fwd: Sequence[np.ndarray], bwd: Sequence[np.ndarray],
               comm: Sequence[np.ndarray], schedule: str, micro: int) -> np.ndarray:
     """Spec 5.2 makespan of one group for many candidates at once (arrays of equal length):
-    the planner's column-wise simulation, :func:`hetpilot.planner.partition.vector_makespans`
+    the planner's column-wise simulation, :func:`hetpilot.planner.makespans.vector_makespans`
     (the best plan found is re-scored with the plain reference model)."""
     n = fwd[0].shape[0]
     return vector_makespans(np.column_stack(fwd), np.column_stack(bwd),

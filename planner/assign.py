@@ -37,6 +37,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import memos
 from .errors import SolverError
 
 __all__ = ["CLOSED_FORM", "AssignmentLP", "assign_microbatches", "closed_form", "lp_problem", "solve_lp",
@@ -47,6 +48,7 @@ _SOLVERS = ("CLARABEL", "HIGHS")
 
 _SOLVED: dict[tuple[object, ...], np.ndarray] = {}
 """Solutions by their inputs (bit for bit), shared by the problems of every size."""
+memos.register(_SOLVED.clear)
 
 
 class AssignmentLP:

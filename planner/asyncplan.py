@@ -32,7 +32,8 @@ from typing import Protocol
 
 from .partition import partition_group
 from .refmodel import group_makespan, group_op_times
-from .search import Planner, candidate_plans
+from .search import candidate_plans
+from .structure_planner import Planner
 from .types import Cluster, Group, Job, Model, Plan, Stage
 
 __all__ = ["AsyncChoice", "StepsModel", "choose_by_time_to_accuracy", "cut_points", "mean_staleness",

@@ -149,7 +149,7 @@ class ControllerConfig:
     cost_subsets: bool = True
     """Also search without the least cost-efficient devices when budgets are set."""
     local_search_budget: int = 24
-    """On 5-16 devices: mappings the local search (:class:`~.search.CarriedDescent`)
+    """On 5-16 devices: mappings the local search (:class:`~.carried_descent.CarriedDescent`)
     plans per schedule per slot, resuming from the last slot's best; 0 turns it off."""
     policy: str = "lyapunov"
     """One of :data:`POLICIES`: ``lyapunov`` minimises ``V*T + sum Q*c``;
@@ -414,7 +414,7 @@ class Controller:
         self._mix_err = 0.0  # its running total of cost over the target (cost rate x slots)
         self._tie_dear = False  # this slot's ties go to the dearer plan (tie_share 1)
         self._horizon = float(self.config.repay_slots)  # slots this slot's debt is spread over
-        from .search import CarriedDescent
+        from .carried_descent import CarriedDescent
 
         self._descent = CarriedDescent(self.config.local_search_budget)
 
@@ -430,7 +430,7 @@ class Controller:
 
     @property
     def local_search_planned(self) -> int:
-        """Mappings the carried local search (:class:`~.search.CarriedDescent`) has planned."""
+        """Mappings the carried local search (:class:`~.carried_descent.CarriedDescent`) has planned."""
         return self._descent.planned
 
     @property
@@ -746,7 +746,8 @@ class Controller:
         subsets: list[Cluster] = [observed]
         if self.config.cost_subsets and self._budgets and self.config.policy != "fastest":
             subsets.extend(_cost_subsets(observed, self._budgets))
-        from .search import BIG_CLUSTER, structure_pairs
+        from .search import structure_pairs
+        from .structures import BIG_CLUSTER
 
         narrow = len(observed.devices) > BIG_CLUSTER and getattr(self._search, "narrowable", False)
         pairs: list[tuple[str, str]] | None = None

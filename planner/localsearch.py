@@ -31,7 +31,17 @@ from collections.abc import Callable, Iterator, Sequence
 from .candidates import Candidate
 from .types import Device
 
-__all__ = ["DeviceMapping", "descend", "mapping_key", "neighbours"]
+__all__ = ["LOCAL_SEARCH_BUDGET", "LOCAL_SEARCH_DEVICES", "LOCAL_SEARCH_STARTS", "DeviceMapping",
+           "descend", "mapping_key", "neighbours"]
+
+LOCAL_SEARCH_DEVICES = 16
+"""On clusters of more than :data:`~.structures.EVERY_MAPPING_DEVICES` and up to this many
+devices the best candidates are improved by local search over mappings."""
+LOCAL_SEARCH_STARTS = 3
+"""Candidates per schedule the local search starts from (the fastest distinct mappings)."""
+LOCAL_SEARCH_BUDGET = 300
+"""Mappings planned per schedule, at most, over all starts (a 5-device neighbourhood is
+about 70 mappings, a 16-device one about 500; a planning takes 1-5 ms)."""
 
 DeviceMapping = tuple[tuple[Device, ...], ...]
 """Groups of devices, each in stage order."""
@@ -105,7 +115,7 @@ def descend(start: Candidate, devices: Sequence[Device],
     VGG16 on its 16-GPU cluster: 0.82 against 0.67 s).
 
     ``tried``: mappings planned before on the same cluster, skipped, and updated with
-    those planned now (:class:`.search.CarriedDescent` resumes a descent over slots: a
+    those planned now (:class:`.carried_descent.CarriedDescent` resumes a descent over slots: a
     mapping that was not faster than the best then cannot be faster than the best now)."""
     by_id = {d.id: d for d in devices}
     current = tuple(tuple(by_id[s.device] for s in g.stages) for g in start.plan.groups)

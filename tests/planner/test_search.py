@@ -13,13 +13,8 @@ from hetpilot.planner.assign import AssignmentLP, assign_microbatches
 from hetpilot.planner.baselines import BASELINES, balanced_cuts, uniform_cuts
 from hetpilot.planner.bruteforce import brute_force
 from hetpilot.planner.errors import InfeasibleError
-from hetpilot.planner.partition import (
-    ModelArrays,
-    evaluate_cut,
-    exact_makespan,
-    fast_makespan,
-    partition_group,
-)
+from hetpilot.planner.makespans import exact_makespan, fast_makespan
+from hetpilot.planner.partition import ModelArrays, evaluate_cut, partition_group
 from hetpilot.planner.refmodel import (
     GroupTimes,
     evaluate,
@@ -29,7 +24,8 @@ from hetpilot.planner.refmodel import (
     sync_time,
 )
 from hetpilot.planner.schedules import order
-from hetpilot.planner.search import Planner, candidate_plans, make_plan
+from hetpilot.planner.search import candidate_plans, make_plan
+from hetpilot.planner.structure_planner import Planner
 from hetpilot.planner.types import Cluster, Device, Job, Layer, Link, Model, Network, Stage
 
 from .helpers import flat_cluster, random_model, spec_cluster, spec_model, uniform_model
@@ -254,7 +250,7 @@ def test_fast_makespan_extrapolation_is_close() -> None:
 @pytest.mark.parametrize("seed", range(3))
 def test_exact_makespan_is_the_reference_simulation(seed: int) -> None:
     """One 1f1b simulation answers smaller M from its drains: the same floats, bit for bit."""
-    from hetpilot.planner.partition import _TRACES
+    from hetpilot.planner.makespans import _TRACES
 
     r = random.Random(seed)
     for _ in range(40):
@@ -409,7 +405,7 @@ def test_carried_descent_starts_afresh_when_the_cluster_changes() -> None:
     """A device slowed 4x: the next slot scans again (from the mapping carried over) and
     reaches make_plan's plan on the new cluster; prices, or a speed 5% off (a daemon's
     measurements move every slot), do not restart the scan."""
-    from hetpilot.planner.search import CarriedDescent
+    from hetpilot.planner.carried_descent import CarriedDescent
 
     for seed in range(18, 28):
         cluster, model, job = _uneven_case(seed, devices=5)

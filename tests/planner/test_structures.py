@@ -18,7 +18,8 @@ from hetpilot.planner.partition import (
     partition_group,
 )
 from hetpilot.planner.refmodel import evaluate
-from hetpilot.planner.search import Planner, make_plan
+from hetpilot.planner.search import make_plan
+from hetpilot.planner.structure_planner import Planner
 from hetpilot.planner.types import (
     Cluster,
     Device,

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from hetpilot.planner import assign
 from hetpilot.planner.controller import Controller, ControllerConfig
-from hetpilot.planner.search import clear_memos
+from hetpilot.planner.memos import clear_memos
 from hetpilot.planner.serde import job_from_dict, plan_to_dict
 from hetpilot.planner.types import Cluster, Device, Network
 
