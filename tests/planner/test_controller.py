@@ -14,7 +14,8 @@ from dataclasses import replace
 
 import pytest
 from hetpilot.planner.candidates import Candidate, plan_costs
-from hetpilot.planner.controller import Controller, ControllerConfig
+from hetpilot.planner.control_policies import POLICY_CLASSES
+from hetpilot.planner.controller import POLICIES, Controller, ControllerConfig
 from hetpilot.planner.errors import InfeasibleError, ValidationError
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.switching import CHECKPOINT, layer_owners, switch_cost
@@ -316,6 +317,14 @@ def test_from_state_names_bad_fields() -> None:
 
 
 # -- policies -----------------------------------------------------------------------
+
+def test_every_policy_name_has_its_class() -> None:
+    """ControllerConfig accepts the names of POLICIES; each must build a policy of that name."""
+    assert sorted(POLICY_CLASSES) == sorted(POLICIES)
+    for name in POLICIES:
+        ctl = Controller(MODEL, _job(), ControllerConfig(policy=name))
+        assert ctl._policy.name == name
+
 
 def test_budget_greedy_fits_every_slot_and_fastest_ignores_budgets() -> None:
     cluster = _cluster()

@@ -418,17 +418,18 @@ def test_a_large_debt_is_repaid_at_a_bounded_rate() -> None:
     for _ in range(5):
         ctl.step(cluster)
     assert ctl.to_state()["learned"]["price_per_hour"] == pytest.approx(0.00239, rel=0.05)
-    ctl._debt["price_per_hour"] = 30.0
+    ctl._rate.debt["price_per_hour"] = 30.0
     costs = []
     for _ in range(20):
         costs.append(ctl.step(cluster).costs["price_per_hour"])
         if len(costs) == 1:
-            assert ctl._horizon == 50
-            assert ctl._target() == pytest.approx(3.0 - 30.0 / 50, rel=0.01)
+            assert ctl._rate.horizon == 50
+            assert ctl._rate.target("price_per_hour", 3.0) == pytest.approx(3.0 - 30.0 / 50,
+                                                                           rel=0.01)
         # the smoothed rate rises with the debt, but no further than twice the budget's
         assert 0.00239 * 0.95 < ctl.to_state()["learned"]["price_per_hour"] < 2 * 0.00239
     assert 1.0 not in costs  # never b alone
-    assert ctl._debt["price_per_hour"] < 30.0  # repaying
+    assert ctl._rate.debt["price_per_hour"] < 30.0  # repaying
 
 
 @pytest.mark.parametrize("budget", [1e-200, 5e-324, 1e-10])
