@@ -68,7 +68,7 @@ def _mapping_of(plan: Plan, cluster: Cluster) -> DeviceMapping:
 class CarriedDescent:
     """The controller's local search (:mod:`.localsearch`), carried from slot to slot.
 
-    ``make_plan`` spends up to :data:`LOCAL_SEARCH_BUDGET` plannings per schedule at
+    ``make_plan`` spends up to :data:`~.localsearch.LOCAL_SEARCH_BUDGET` plannings per schedule at
     once (1-3 s on 16 devices); a controller plans every job every slot in one
     process, and 8 jobs on 16 devices fell behind 5 s slots with that. So each slot
     here spends at most ``budget`` plannings per schedule, resuming the descents where
@@ -76,7 +76,7 @@ class CarriedDescent:
     same. The first descent starts from the faster of the mapping carried over and
     this slot's fastest candidate; when it reaches a local optimum the next starts
     from the next fastest distinct candidate, as ``make_plan``'s do, up to
-    :data:`LOCAL_SEARCH_STARTS`. Once all are done on an unchanged cluster, slots cost
+    :data:`~.localsearch.LOCAL_SEARCH_STARTS`. Once all are done on an unchanged cluster, slots cost
     a re-planning of the best mapping only. A changed cluster starts afresh from the
     best mapping carried over: other devices, or a device's speed or memory or a
     link's bandwidth or latency more than :data:`_DRIFT` away from where the scan

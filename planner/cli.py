@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _plan(cluster, model, job: Job, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
-    from .search import make_plan
+    from .search import make_plan  # here: `evaluate` needs no search (start-up time)
 
     try:
         plan = make_plan(cluster, model, job, policy=args.policy)

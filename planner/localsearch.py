@@ -1,6 +1,6 @@
 """Local search over device mappings, from the best structures the search found.
 
-Why: the structures of :mod:`.search` are rules (by host, by speed, stage-major,
+Why: the structures of :mod:`.structures` are rules (by host, by speed, stage-major,
 mixed); on a handful of devices the mapping that wins depends on memory, links
 and which layers are heavy together, which no rule gets right every time. On
 clusters of up to 4 devices every mapping is a structure; on 5 devices a

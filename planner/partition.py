@@ -48,7 +48,7 @@ _EXACT_TOP = 24
 """Cuts of the exhaustive ranking that are simulated exactly."""
 _VECTOR_OPS = 1024
 """Groups of at most this many ops (2 S M) have all their cuts simulated at once
-(:func:`vector_makespans`); longer ones are ranked by the closed-form proxy."""
+(:func:`~.makespans.vector_makespans`); longer ones are ranked by the closed-form proxy."""
 
 _THRESHOLDS = (1.0, 1.03, 1.08, 1.15, 1.3, 1.6)
 _INF = float("inf")
@@ -361,8 +361,8 @@ def exhaustive_cuts(
 
     Vectorised over cuts: stage times and memory (recompute where only it fits, as in
     :func:`_times_for`), then the makespan simulated for every cut at once
-    (:func:`vector_makespans`) when the group has at most :data:`_VECTOR_OPS` ops, else
-    :func:`proxy_makespan`'s closed form, each with the same formulas."""
+    (:func:`~.makespans.vector_makespans`) when the group has at most :data:`_VECTOR_OPS` ops, else
+    :func:`~.makespans.proxy_makespan`'s closed form, each with the same formulas."""
     n = len(devices)
     if n > EXHAUSTIVE_STAGES or n > arr.num_layers or \
             math.comb(arr.num_layers - 1, n - 1) > EXHAUSTIVE_CUTS:

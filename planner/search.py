@@ -132,7 +132,7 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     up to 300 plannings per schedule (1-3 s on 16 devices), so the controller,
     which plans every job every slot in one process, leaves it off (with it, 8 jobs
     on 16 devices fell behind 5 s slots, ``bench/daemon_jobs.py``) and carries a
-    budgeted one from slot to slot instead (:class:`CarriedDescent`).
+    budgeted one from slot to slot instead (:class:`~.carried_descent.CarriedDescent`).
     """
     key = (cluster, model_token(model), job.global_batch, job.microbatch_size,
            tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
@@ -203,9 +203,9 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
 
 def _local_search(planner: Planner, found: Sequence[Candidate],
                   schedules: Sequence[str]) -> list[Candidate]:
-    """Improvements on the :data:`LOCAL_SEARCH_STARTS` fastest distinct mappings of each
+    """Improvements on the :data:`~.localsearch.LOCAL_SEARCH_STARTS` fastest distinct mappings of each
     schedule (:func:`.localsearch.descend`), fastest first, while the schedule's budget
-    of :data:`LOCAL_SEARCH_BUDGET` plannings lasts; labelled ``local/<start>+<n>``."""
+    of :data:`~.localsearch.LOCAL_SEARCH_BUDGET` plannings lasts; labelled ``local/<start>+<n>``."""
     out: list[Candidate] = []
     devices = list(planner.cluster.devices)
     for schedule in schedules:

@@ -250,7 +250,7 @@ class Planner:
         copies of that stage (group order, wrapping around), and every device holds one
         stage, so ``T_sync = max_s AR_s``: ``2 (K-1)/K * param_mb(stage s) * 8 /
         (1000 * min ring gbps) + 2 (K-1) * max ring latency``. All cuts are ranked by
-        the proxy makespan plus that term (:func:`exhaustive_cuts`), the best few
+        the proxy makespan plus that term (:func:`~.partition.exhaustive_cuts`), the best few
         simulated exactly."""
         k = len(groups)
         first = groups[0]
@@ -369,9 +369,9 @@ class Planner:
               makespans: Sequence[float] | None = None) -> Candidate | None:
         """Check validity and score: group makespans (given or simulated) plus sync.
 
-        Built-in schedules use :func:`fast_makespan`, exact up to a few times S
+        Built-in schedules use :func:`~.makespans.fast_makespan`, exact up to a few times S
         microbatches per group and extrapolated from the periodic regime beyond;
-        :func:`make_plan` re-scores its pick with the exact reference model.
+        :func:`~.search.make_plan` re-scores its pick with the exact reference model.
         """
         try:
             all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
