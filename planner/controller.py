@@ -295,9 +295,8 @@ class Controller:
         self._share.mixing = 0.0
         chosen, switch = self._policy.choose(Slot(
             observed=observed, model=self.model, plan=self._plan, running=running, pool=pool,
-            queues=queues, scale=scale,
-            budgets=self._budgets, config=self.config, gate=self._gate,
-            learning=self._learning()))
+            queues=queues, scale=scale, budgets=self._budgets, config=self.config,
+            gate=self._gate, learning=self._learning()))
         switched = running is None or chosen is not running or chosen.plan != self._plan
         if switched and running is not None and chosen is running:  # static: groups left or rejoined
             switch = switch_cost(observed, self.model, self._plan, chosen.plan)
