@@ -37,13 +37,18 @@ from .launcher import Launcher
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
 
-__all__ = ["Agent"]
+__all__ = ["Agent", "ProbeListenError"]
 
 log = logging.getLogger("hetpilot.agent")
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks grpc.aio.EOF
 _KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
          "emulated": common_pb2.DEVICE_KIND_EMULATED}
+
+
+class ProbeListenError(OSError):
+    """The link-probe server cannot listen where it was told (the message names
+    ``--probe-listen``)."""
 
 
 class Agent:
@@ -70,7 +75,8 @@ class Agent:
                 python=config.launch_python, stop_grace_s=config.stop_grace_s,
                 tls={"ca_file": config.ca_file, "cert_file": config.cert_file,
                      "key_file": config.key_file},
-                retention_s=config.launch_retention_s)
+                retention_s=config.launch_retention_s, run_as=config.launching.run_as,
+                output_bytes=config.launching.output_bytes)
         self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]],
                           list[tuple[str, int]]] = ([], [], [])
         """Launch states, output chunks and busy-port refusals of the report awaiting
@@ -134,7 +140,14 @@ class Agent:
 
     async def run(self, stop: asyncio.Event) -> None:
         host, _, port = self.config.probe_listen.rpartition(":")
-        server = await start_probe_server(host.strip("[]"), int(port))
+        try:
+            server = await start_probe_server(host.strip("[]"), int(port))
+        except (OSError, ValueError) as exc:
+            why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+            raise ProbeListenError(
+                f"--probe-listen {self.config.probe_listen}: cannot listen there ({why}); "
+                "another agent on this machine? give each its own port (port 0: any free "
+                "one)") from None
         bound = server.sockets[0].getsockname()[1]
         adv_host = host if host not in ("0.0.0.0", "::", "") else self.config.host
         self.probe_address = self.config.probe_advertise or f"{adv_host}:{bound}"

@@ -1,6 +1,7 @@
 """``hetpilot agent --daemon ADDR [--config agent.toml] [--emulate SPEC ...]``.
 
-Exit codes: 0 stopped by SIGTERM/SIGINT, 2 bad configuration."""
+Exit codes: 0 stopped by SIGTERM/SIGINT, 1 the probe port cannot be listened on
+(``--probe-listen``), 2 bad configuration."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-grace", type=seconds(), metavar="S",
                         help="seconds between SIGTERM and SIGKILL when a launch is stopped "
                              "(default 10)")
+    parser.add_argument("--run-as", choices=("owner", "agent"),
+                        help="whose user launched ranks run as: their job owner's unix user "
+                             "(the default; needs root) or this agent's own (hosts whose "
+                             "owners trust each other); [launch] run_as")
     parser.add_argument("--launch-retention", type=seconds(zero=True), metavar="S",
                         help="seconds a launch's directory is kept after it ended and the "
                              "daemon acknowledged its exit and output (default 86400)")
@@ -59,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
                      emulate_file=args.emulate_file, state_dir=args.state_dir,
                      launch=False if args.no_launch else None,
                      stop_grace_s=args.stop_grace,
-                     launch_retention_s=args.launch_retention)
+                     launch_retention_s=args.launch_retention, run_as=args.run_as)
         config = load_agent_config(args.config, daemon=args.daemon, **flags)
         if not config.daemon:
             env = os.environ.get("HETPILOT_ADDRESS", "")
@@ -73,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     except (ConfigError, OSError) as exc:
         print(f"hetpilot agent: error: {exc}", file=sys.stderr)
         return 2
-    from .agent import Agent
+    from .agent import Agent, ProbeListenError
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -86,6 +91,9 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         asyncio.run(main())
+    except ProbeListenError as exc:
+        print(f"hetpilot agent: error: {exc}", file=sys.stderr)
+        return 1
     finally:
         if held is not None:
             held.close()

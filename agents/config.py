@@ -12,9 +12,10 @@ from typing import Any
 
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
-__all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "load_agent_config", "parse_emulate"]
+__all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "LaunchConfig", "load_agent_config",
+           "parse_emulate"]
 
-
+RUN_AS = ("owner", "agent")
 
 
 def _check(name: str, value: Any, *, positive: bool = True) -> None:
@@ -44,6 +45,29 @@ class EmulatedDevice:
         _check("emulate.power_watts", self.power_watts, positive=False)
         if not isinstance(self.count, int) or not 1 <= self.count <= 64:
             raise ConfigError(f"emulate.count: must be an integer in [1, 64], got {self.count!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaunchConfig:
+    """``[launch]``: how this host runs the ranks it launches."""
+
+    run_as: str = "owner"
+    """``"owner"``: each launch's ranks run as its job owner's unix user (the daemon's
+    owner tokens file names it); the agent must run as root (or hold CAP_SETUID and
+    CAP_SETGID), and a launch whose owner has none fails naming why. ``"agent"``:
+    every launch runs as the agent's own user, for hosts whose owners trust each
+    other (they can read each other's tokens, output and environment)."""
+    output_bytes: int = 256 * 1024 * 1024
+    """Output of one launch kept on this host; past it the oldest is dropped (a marker
+    line says how much, where). The daemon keeps its own copy (``log_bytes_per_host``)."""
+
+    def __post_init__(self) -> None:
+        if self.run_as not in RUN_AS:
+            raise ConfigError(f"launch.run_as: must be \"owner\" or \"agent\", got "
+                              f"{self.run_as!r}")
+        if not isinstance(self.output_bytes, int) or self.output_bytes < 65536:
+            raise ConfigError(f"launch.output_bytes: must be an integer >= 65536, got "
+                              f"{self.output_bytes!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,9 +113,11 @@ class AgentConfig:
     its TFLOP/s replace the emulated devices' and its host links replace measured ones.
     Off when empty (the default)."""
     launch: bool = True
-    """Start job ranks when the daemon orders it (jobs submitted with an entry point):
-    the agent then runs job owners' entry points as its own user. False
-    (``--no-launch``): the daemon never launches on this host."""
+    """Start job ranks when the daemon orders it (jobs submitted with an entry point),
+    as ``[launch]`` says. False (``--no-launch``): the daemon never launches on this
+    host."""
+    launching: LaunchConfig = field(default_factory=LaunchConfig)
+    """The ``[launch]`` table."""
     state_dir: str = ""
     """Where launches keep their records and output (``launches/<id>/``); default
     ``$STATE_DIRECTORY`` (systemd's StateDirectory=), else
@@ -173,9 +199,18 @@ def parse_emulate(text: str) -> EmulatedDevice:
 
 
 def load_agent_config(path: str | Path | None = None, **overrides: Any) -> AgentConfig:
-    """Read ``[agent]`` and ``[[emulate]]`` from a TOML file; overrides win."""
-    data = read_tables(path, {"agent", "emulate"})
+    """Read ``[agent]``, ``[launch]`` and ``[[emulate]]`` from a TOML file; overrides win
+    (``run_as`` and ``output_bytes`` override ``[launch]``)."""
+    data = read_tables(path, {"agent", "emulate", "launch"})
     top = table(data, "agent")
+    if "launching" in top:
+        raise ConfigError("agent.launching: unknown key (give [launch] as its own table)")
+    launch = table(data, "launch")
+    for key in ("run_as", "output_bytes"):
+        if overrides.get(key) is not None:
+            launch[key] = overrides[key]
+        overrides.pop(key, None)
+    top["launching"] = build(LaunchConfig, launch, "launch")
     if "emulate" in top:
         raise ConfigError("agent.emulate: give each device as its own [[emulate]] table")
     entries = data.get("emulate", [])

@@ -3,34 +3,58 @@
 A launch order (``ReportAck.start``, :mod:`hetpilot.daemon.launches`) becomes
 one process tree in its own session::
 
-    python -m hetpilot.agents.runner <dir>/exit -- \\
+    python -m hetpilot.agents.runner --exit <dir>/exit --output <dir>/output \\
+        --output-bytes CAP --parent AGENT_PID [--uid U --gid G --groups ...] -- \\
       python -m torch.distributed.run --nnodes N --nproc-per-node P \\
         --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id LAUNCH \\
         --rdzv-conf is_host=true|false --max-restarts R \\
-        --log-dir <dir>/ranks --tee 3 [--local-addr ADDR] \\
-        (-m MODULE | --no-python COMMAND...) ARGS...
+        --log-dir <work>/ranks [--local-addr ADDR] --no-python \\
+      python -m hetpilot.agents.rankio <work>/env.json -- \\
+        (python -u -m MODULE | COMMAND...) ARGS...
 
-under ``<state_dir>/launches/<launch_id>/``, which holds ``launch.json`` (the
-record), ``output.log`` (everything torchrun and its ranks print: each rank's
-lines carry ``[rank<R>]:``, its global rank, via
-``TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE``), ``ranks/`` (torchrun's per-rank
-files), ``trainer.token`` (0600, removed when the launch ends) and ``exit``
-(written by :mod:`hetpilot.agents.runner`).
+Who runs it (``run_as``). ``"owner"`` (the default): the runner stays the agent's
+user (root) and starts torchrun, and so the ranks, as the order's ``unix_user``
+(the job owner's, from the daemon's owner tokens file): its uid, gid,
+supplementary groups and HOME. A launch without one, or on an agent that cannot
+switch users (not root, no CAP_SETUID/CAP_SETGID), or for a user unknown here or
+root, is not started: it ends with 127 and a reason naming why, and the daemon
+fails its job with it. ``"agent"``: every launch runs as the agent's own user (a
+host whose owners trust each other; what releases before did).
 
-The ranks' environment is the agent's without its ``HETPILOT_*`` variables and
-torchrun's own, plus the job's ``env``, plus ``HETPILOT_JOB_ID``,
+Two directories per launch. ``<state_dir>/launches/<id>/`` is the agent's (0700,
+inside ``launches/`` 0700): ``launch.json`` (the record), ``exit`` (written by
+:mod:`hetpilot.agents.runner`), ``runner.log`` (the runner's own errors) and
+``output/`` (everything torchrun and its ranks print, once, capped at
+``output_bytes``: :mod:`hetpilot.agents.output`; each rank's lines carry
+``[rank<R>]:``, its global rank, from :mod:`hetpilot.agents.rankio`).
+``<state_dir>/work/<id>/`` is the ranks' (owned by their user, 0700, inside
+``work/`` 0711, which no one else may list): ``trainer.token`` and ``env.json``
+(0600, removed when the launch ends), ``ranks/`` (torchrun's files) and the
+ranks' working directory unless the job names one (which the user must be able
+to enter). The state directory itself is 0711.
+
+The environment of the runner and torchrun is the agent's without its
+``HETPILOT_*`` variables and torchrun's own, plus ``HETPILOT_JOB_ID``,
 ``HETPILOT_LAUNCH_ID``, ``HETPILOT_ADDRESS`` (the daemon, as this agent reaches
 it), ``HETPILOT_TOKEN_FILE`` (the job's trainer token: in a file, never on a
 command line), ``HETPILOT_DEVICE_IDS`` (``host:index`` of each local rank,
-comma-separated), ``HETPILOT_CA_FILE``/``CERT_FILE``/``KEY_FILE`` (the agent's
-TLS files, if any), ``CUDA_VISIBLE_DEVICES`` (CUDA devices) and
-``PYTHONUNBUFFERED=1`` (unless the job sets it).
+comma-separated), ``HETPILOT_CA_FILE`` (and, when the ranks run as the agent's
+user, ``CERT_FILE``/``KEY_FILE``: the agent's TLS files, if any),
+``CUDA_VISIBLE_DEVICES`` (CUDA devices), ``PYTHONUNBUFFERED=1`` and, for an
+owner's user, her ``HOME``, ``USER`` and ``LOGNAME``. The job's ``env`` reaches
+the ranks only (rankio sets it), never the runner or torchrun, and cannot
+replace the variables above or torchrun's.
+
+Tied to the agent: the runner gets a signal from the kernel when the agent ends
+and ends the launch's processes within a few seconds
+(:mod:`hetpilot.agents.runner`); a launch never outlives its agent.
 
 Idempotent: a launch id is started at most once in the agent's life. Its
 directory is made before anything starts, and a restarted agent reads every
-directory back: a launch still running is adopted (watched by pid and start
-time, stopped by process group), one that ended is reported with the status its
-runner saved (255 when none was: it died with the agent's SIGKILL or the host).
+directory back: a launch still running (its runner still ending it) is watched
+until it ends; one that ended is reported with the status its runner saved (255
+when none was: it died with SIGKILL or the host), and any of its processes still
+alive are killed.
 
 Rendezvous port: on the host that runs the c10d store (``rdzv_host``) the port
 of ``rdzv_endpoint`` is bound once (SO_REUSEADDR, as the store binds it) before
@@ -44,7 +68,8 @@ is removed ``retention_s`` later (agent ``launch_retention_s``). Running, or
 not acknowledged, it is never touched. Its id is first appended to
 ``launches/.removed`` (the tombstones, read back at start), so a restarted
 agent neither adopts nor starts it again; the directory is renamed to
-``.trash-<id>`` and deleted (a restart finishes a deletion it cut short).
+``.trash-<id>`` and deleted, and so is its work directory (a restart finishes a
+deletion it cut short).
 
 Stopping: SIGTERM to the launch's process group (runner and torchrun; torchrun
 stops its ranks) and to each rank's own group (torchrun starts ranks in their
@@ -65,10 +90,12 @@ import fcntl
 import json
 import logging
 import os
+import pwd
 import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -76,6 +103,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from .config import RUN_AS
+from .output import DEFAULT_CAP, OutputReader
+from .procs import can_switch_users, descendants, process_table
+from .procs import proc_stat as _proc_stat
+from .procs import signal_process as _signal
 
 __all__ = ["EXIT_UNKNOWN", "LaunchState", "Launcher", "descendants", "port_in_use",
            "process_table"]
@@ -93,8 +126,9 @@ _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 _TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
                  "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
                  "MASTER_ADDR", "MASTER_PORT")
-PREFIX_TEMPLATE = "[rank${rank}]:"
-"""torchrun's prefix of each rank's lines: the global rank (``hetpilot logs --rank``)."""
+AGENT_GONE_GRACE_S = 3.0
+"""Once its agent is gone, a launch's processes get SIGTERM, then SIGKILL this much later
+(at most: the agent's stop grace when shorter)."""
 TOMBSTONES = ".removed"
 """Ids of the launches whose directories were removed (one per line)."""
 MAX_TOMBSTONES = 100_000
@@ -119,72 +153,6 @@ def port_in_use(port: int) -> str | None:
     return None
 
 
-def _proc_stat(pid: int) -> tuple[int, int] | None:
-    """(parent pid, start time in clock ticks) of a live process; None if it is gone."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = text[text.rfind(")") + 2:].split()  # after "pid (comm) "
-    try:
-        if fields[0] == "Z":  # a zombie is gone for our purposes
-            return None
-        return int(fields[1]), int(fields[19])
-    except (IndexError, ValueError):
-        return None
-
-
-_Table = tuple[dict[int, int], dict[int, list[tuple[int, int]]]]
-
-
-def process_table() -> _Table:
-    """One scan of /proc: (pid -> start ticks, parent pid -> [(child, start ticks)])."""
-    children: dict[int, list[tuple[int, int]]] = {}
-    live: dict[int, int] = {}
-    try:
-        names = os.listdir("/proc")
-    except OSError:
-        return live, children
-    for name in names:
-        if not name.isdigit():
-            continue
-        st = _proc_stat(int(name))
-        if st is not None:
-            live[int(name)] = st[1]
-            children.setdefault(st[0], []).append((int(name), st[1]))
-    return live, children
-
-
-def descendants(roots: Mapping[int, int], table: _Table | None = None) -> dict[int, int]:
-    """Every live descendant of ``roots`` (pid -> start ticks; a root whose start time
-    differs is not ours), as pid -> start ticks (``table``: a scan already made)."""
-    live, children = table if table is not None else process_table()
-    found: dict[int, int] = {}
-    todo = [pid for pid, ticks in roots.items() if live.get(pid) == ticks]
-    while todo:
-        for child, ticks in children.get(todo.pop(), ()):
-            if child not in found:
-                found[child] = ticks
-                todo.append(child)
-    return found
-
-
-def _signal(pid: int, ticks: int, sig: int) -> None:
-    """``sig`` to ``pid``'s process group (to ``pid`` if it leads none), if ``pid`` is
-    still the process that started at ``ticks``."""
-    st = _proc_stat(pid)
-    if pid <= 1 or st is None or (ticks and st[1] != ticks):
-        return
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        try:
-            if os.getpgid(pid) == pid:
-                os.killpg(pid, sig)
-                return
-        except ProcessLookupError:
-            return
-        os.kill(pid, sig)
-
-
 @dataclass
 class LaunchState:
     """One launch as the agent knows it (``launch.json`` holds the persisted fields)."""
@@ -192,6 +160,13 @@ class LaunchState:
     launch_id: str
     job_id: str
     dir: Path
+    """``launches/<id>``: the agent's record, the exit status, the output (the agent's
+    user only)."""
+    work: Path | None = None
+    """``work/<id>``: the ranks' own directory (owned by the launch's user, 0700): the
+    trainer token, the job's environment, torchrun's files; None for old records."""
+    user: str = ""
+    """The unix user the ranks run as ("": the agent's own)."""
     pid: int = 0
     start_ticks: int = 0
     exit_code: int | None = None
@@ -209,25 +184,26 @@ class LaunchState:
     tree: dict[int, int] = field(default_factory=dict)
     """Descendants seen (pid -> start ticks): the ranks, to stop even without torchrun."""
 
-    _PERSISTED = ("launch_id", "job_id", "pid", "start_ticks", "exit_code", "reason",
+    _PERSISTED = ("launch_id", "job_id", "user", "pid", "start_ticks", "exit_code", "reason",
                   "stopped", "done", "done_unix")
 
     @property
-    def output(self) -> Path:
-        return self.dir / "output.log"
+    def output(self) -> OutputReader:
+        """The launch's output (:mod:`hetpilot.agents.output`)."""
+        return OutputReader(self.dir / "output")
 
     @property
     def running(self) -> bool:
         return self.exit_code is None
 
     def output_bytes(self) -> int:
-        try:
-            return self.output.stat().st_size
-        except OSError:
-            return 0
+        """Bytes of output the launch has written (its logical size: some may be
+        dropped from the disk past the cap)."""
+        return self.output.end()
 
     def save(self) -> None:
         data = {k: getattr(self, k) for k in self._PERSISTED}
+        data["work"] = str(self.work) if self.work is not None else ""
         data["tree"] = {str(k): v for k, v in self.tree.items()}
         tmp = self.dir / "launch.json.tmp"
         tmp.write_text(json.dumps(data))
@@ -237,8 +213,61 @@ class LaunchState:
     def load(cls, directory: Path) -> LaunchState:
         data = json.loads((directory / "launch.json").read_text())
         state = cls(dir=directory, **{k: data[k] for k in cls._PERSISTED if k in data})
+        state.work = Path(data["work"]) if data.get("work") else None
         state.tree = {int(k): int(v) for k, v in data.get("tree", {}).items()}
         return state
+
+
+@dataclass(frozen=True)
+class User:
+    """The unix user a launch's ranks run as."""
+
+    name: str
+    uid: int
+    gid: int
+    home: str
+    groups: tuple[int, ...] = ()
+    """Supplementary groups (the user's, as ``initgroups`` would set them)."""
+
+
+def _private_dirs(base: Path, records: Path, work: Path) -> None:
+    """The state directory (0711: a launch's user may pass through it to her launch's
+    own directory, never list it), its records (0700: the agent's only) and the
+    ranks' directories' parent (0711)."""
+    base.mkdir(parents=True, exist_ok=True)
+    for path, mode in ((base, 0o711), (records, 0o700), (work, 0o711)):
+        path.mkdir(exist_ok=True)
+        if stat.S_IMODE(path.stat().st_mode) != mode:
+            os.chmod(path, mode)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """A new file only its owner reads (never through a link left in its place)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+
+
+def _cannot_enter(path: Path, who: User) -> str:
+    """Why ``who`` could not work in directory ``path`` (search every directory on the
+    way, read and search the last); "" when she can. The runner changes into it as
+    root, so the kernel would not ask."""
+    groups = {who.gid, *who.groups}
+    parts = [*reversed(path.absolute().parents), path.absolute()]
+    for i, part in enumerate(parts):
+        try:
+            st = os.stat(part)
+        except OSError as exc:
+            return exc.strerror or str(exc)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{part} is not a directory"
+        need = 0o5 if i == len(parts) - 1 else 0o1
+        mode = st.st_mode
+        bits = (mode >> 6 if st.st_uid == who.uid else mode >> 3 if st.st_gid in groups
+                else mode) & 0o7
+        if bits & need != need:
+            return f"user {who.name} may not {'enter' if need == 0o1 else 'use'} {part}"
+    return ""
 
 
 class StateDirInUse(OSError):
@@ -254,7 +283,8 @@ def lock_state_dir(state_dir: Path) -> Any:
     unknown. The lock's file descriptor is not inherited by launches, which outlive
     the agent and must not keep its successor out."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    handle = open(state_dir / "agent.lock", "a+")  # noqa: SIM115 (held for the process)
+    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
+    handle = os.fdopen(fd, "a+")  # held for the process
     try:
         fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -279,8 +309,16 @@ class Launcher:
     def __init__(self, state_dir: Path, *, host: str, daemon: str, python: str = "",
                  stop_grace_s: float = 10.0, local_addr: str = "",
                  tls: Mapping[str, str] | None = None,
-                 retention_s: float = 86400.0) -> None:
-        self.root = Path(state_dir).absolute() / "launches"  # the ranks' cwd is elsewhere
+                 retention_s: float = 86400.0, run_as: str = "owner",
+                 output_bytes: int = DEFAULT_CAP) -> None:
+        if run_as not in RUN_AS:
+            raise ValueError(f"run_as: must be one of {', '.join(RUN_AS)}, got {run_as!r}")
+        base = Path(state_dir).absolute()
+        self.root = base / "launches"  # the agent's: records, exit statuses, output
+        self.work = base / "work"  # the ranks': one directory each, their user's
+        _private_dirs(base, self.root, self.work)
+        self.run_as = run_as
+        self.output_cap = output_bytes
         self.host = host
         self.daemon = daemon
         self.python = python or sys.executable
@@ -301,6 +339,9 @@ class Launcher:
 
     def _load(self) -> None:
         """Every launch this host's agents started before (in any order of restarts)."""
+        for directory in self.work.iterdir():
+            if directory.name.startswith(".trash-") and directory.is_dir():
+                shutil.rmtree(directory, ignore_errors=True)  # a removal cut short
         if not self.root.is_dir():
             return
         try:
@@ -317,6 +358,7 @@ class Launcher:
                 continue
             if directory.name in self._removed:  # cut short before its rename
                 self._delete(directory)
+                self._delete(self.work / directory.name)
                 continue
             try:
                 state = LaunchState.load(directory)
@@ -354,10 +396,15 @@ class Launcher:
 
     @staticmethod
     def _saved_exit(state: LaunchState) -> int | None:
+        """The status the runner saved (its reason, if any, goes to ``state.reason``)."""
         try:
-            return int((state.dir / "exit").read_text().strip())
+            code, _, reason = (state.dir / "exit").read_text().partition("\n")
+            value = int(code.strip())
         except (OSError, ValueError):
             return None
+        if reason.strip():
+            state.reason = reason.strip()[:1000]
+        return value
 
     # -- orders -----------------------------------------------------------------
 
@@ -420,8 +467,9 @@ class Launcher:
                 launch_id=launch_id, job_id=order.job_id, dir=directory,
                 exit_code=EXIT_UNKNOWN, reason="launch directory existed without a record")
             return False
-        directory.mkdir(parents=True)
-        state = LaunchState(launch_id=launch_id, job_id=order.job_id, dir=directory)
+        directory.mkdir(mode=0o700)
+        work = self.work / launch_id
+        state = LaunchState(launch_id=launch_id, job_id=order.job_id, dir=directory, work=work)
         self._launches[launch_id] = state
         state.save()  # before anything starts: a crash from here on never starts it again
         devices = list(order.devices)
@@ -430,19 +478,39 @@ class Launcher:
             self._ended(state, CANNOT_START, f"entry {first[:60]!r} is not a module or a "
                                              "command (empty, or starts with '-')")
             return True
-        cwd = order.workdir or str(directory)
-        if not os.path.isdir(cwd):
-            self._ended(state, CANNOT_START, f"workdir {cwd} is not a directory on {self.host}")
+        who = self.identity(order)
+        if isinstance(who, str):
+            self._ended(state, CANNOT_START, f"not started on {self.host}: {who}")
             return True
-        token = directory / "trainer.token"
-        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write(order.trainer_token + "\n")
-        command = [self.python, "-m", "hetpilot.agents.runner", str(directory / "exit"), "--",
-                   *self.torchrun(order, directory)]
-        env = self.environment(order, token, devices, device_kinds)
+        state.user = who.name if who is not None else ""
+        if work.exists():  # the rest of a launch directory never recorded: not ours
+            shutil.rmtree(work, ignore_errors=True)
+        work.mkdir(mode=0o700)
+        cwd = order.workdir or str(work)
+        why = _cannot_enter(Path(cwd), who) if who is not None else (
+            "" if os.path.isdir(cwd) else "is not a directory")
+        if why:
+            self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
+            return True
+        token = work / "trainer.token"
+        _write_private(token, order.trainer_token + "\n")
+        env_file = work / "env.json"
+        _write_private(env_file, json.dumps(self.job_env(order)))
+        (work / "ranks").mkdir(mode=0o700)
+        if who is not None:  # the ranks' files are their user's; the directory last
+            for path in (token, env_file, work / "ranks", work):
+                os.chown(path, who.uid, who.gid, follow_symlinks=False)
+        command = [self.python, "-m", "hetpilot.agents.runner", "--exit",
+                   str(directory / "exit"), "--output", str(directory / "output"),
+                   "--output-bytes", str(self.output_cap), "--parent", str(os.getpid()),
+                   "--grace", str(min(self.stop_grace_s, AGENT_GONE_GRACE_S))]
+        if who is not None:
+            command += ["--uid", str(who.uid), "--gid", str(who.gid),
+                        "--groups", ",".join(map(str, who.groups))]
+        command += ["--", *self.torchrun(order, work)]
+        env = self.environment(order, token, devices, device_kinds, who)
         try:
-            with open(state.output, "ab") as out:
+            with open(directory / "runner.log", "ab") as out:  # the runner's own errors
                 state.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
                                               stderr=subprocess.STDOUT, env=env, cwd=cwd,
                                               start_new_session=True)
@@ -450,41 +518,85 @@ class Launcher:
             self._ended(state, CANNOT_START, f"cannot start {self.python}: {exc}")
             return True
         state.pid = state.proc.pid
-        stat = _proc_stat(state.pid)
-        state.start_ticks = stat[1] if stat is not None else 0
+        stat_ = _proc_stat(state.pid)
+        state.start_ticks = stat_[1] if stat_ is not None else 0
         state.save()
-        log.info("launch %s (job %s): started %d rank(s) on device(s) %s, rendezvous %s%s "
-                 "(pid %d, output %s)", launch_id, order.job_id, len(devices),
-                 ",".join(devices), order.rdzv_endpoint,
-                 " (hosting the store)" if order.rdzv_host else "", state.pid, state.output)
+        log.info("launch %s (job %s): started %d rank(s) on device(s) %s as %s, rendezvous "
+                 "%s%s (pid %d)", launch_id, order.job_id, len(devices), ",".join(devices),
+                 f"user {who.name}" if who is not None else "the agent's user",
+                 order.rdzv_endpoint, " (hosting the store)" if order.rdzv_host else "",
+                 state.pid)
         return True
 
-    def torchrun(self, order: Any, directory: Path) -> list[str]:
+    def identity(self, order: Any) -> User | str | None:
+        """Who the launch's ranks run as: the order's unix user (a :class:`User`), the
+        agent's own (None, ``run_as = "agent"``), or why they cannot run at all."""
+        if self.run_as == "agent":
+            return None
+        name = order.unix_user
+        if not name:
+            return ("the job's owner has no unix_user (the daemon's owner tokens file) and "
+                    "this agent runs ranks as their owner's user ([launch] run_as = "
+                    "\"owner\"; \"agent\" runs every launch as the agent's own user, for "
+                    "hosts whose owners trust each other)")
+        why = can_switch_users()
+        if why:
+            return (f"{why} (run the agent as root, see deploy/hetpilot-agent.service, or set "
+                    "[launch] run_as = \"agent\" for hosts whose owners trust each other)")
+        try:
+            pw = pwd.getpwnam(name)
+        except KeyError:
+            return f"unix user {name!r} (the job owner's unix_user) does not exist here"
+        if pw.pw_uid == 0:
+            return f"unix user {name!r} is root: ranks never run as root"
+        return User(name=name, uid=pw.pw_uid, gid=pw.pw_gid, home=pw.pw_dir,
+                    groups=tuple(g for g in os.getgrouplist(name, pw.pw_gid) if g != pw.pw_gid))
+
+    def torchrun(self, order: Any, work: Path) -> list[str]:
         cmd = [self.python, "-m", "torch.distributed.run", "--nnodes", str(order.nnodes),
                "--nproc-per-node", str(len(order.devices)), "--rdzv-backend", "c10d",
                "--rdzv-endpoint", order.rdzv_endpoint, "--rdzv-id", order.launch_id,
                "--rdzv-conf", f"is_host={'true' if order.rdzv_host else 'false'}",
-               "--max-restarts", str(order.max_restarts), "--log-dir", str(directory / "ranks"),
-               "--tee", "3"]
+               "--max-restarts", str(order.max_restarts), "--log-dir", str(work / "ranks")]
         if self.local_addr:
             cmd += ["--local-addr", self.local_addr]
-        if order.module:
-            return [*cmd, "-m", order.module, *order.args]
-        return [*cmd, "--no-python", *order.command, *order.args]
+        return [*cmd, "--no-python", *self.rank_command(order, work)]
+
+    def rank_command(self, order: Any, work: Path) -> list[str]:
+        """What torchrun starts for each rank: the entry point under
+        :mod:`hetpilot.agents.rankio` (the job's environment, prefixed lines)."""
+        entry = ([self.python, "-u", "-m", order.module] if order.module
+                 else list(order.command))
+        return [self.python, "-m", "hetpilot.agents.rankio", str(work / "env.json"), "--",
+                *entry, *order.args]
+
+    def job_env(self, order: Any) -> dict[str, str]:
+        """The job's ``[entry.env]`` as its ranks get it: all but the variables the agent
+        and torchrun set themselves."""
+        return {k: v for k, v in order.env.items()
+                if not k.startswith(("HETPILOT_", "TORCHELASTIC_")) and k not in _TORCHRUN_ENV
+                and k != "CUDA_VISIBLE_DEVICES"}
 
     def environment(self, order: Any, token: Path, devices: list[str],
-                    device_kinds: Mapping[str, str]) -> dict[str, str]:
+                    device_kinds: Mapping[str, str], who: User | None = None
+                    ) -> dict[str, str]:
+        """The runner's and torchrun's environment (the ranks get the job's on top):
+        the agent's, less its own and torchrun's variables, and the launch's."""
         env = {k: v for k, v in os.environ.items()
                if not k.startswith(("HETPILOT_", "TORCHELASTIC_")) and k not in _TORCHRUN_ENV}
         env["PYTHONUNBUFFERED"] = "1"
-        env.update(order.env)
+        if who is not None:
+            env.update(HOME=who.home, USER=who.name, LOGNAME=who.name)
+            for key in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME",
+                        "XDG_CACHE_HOME", "XDG_DATA_HOME", "MAIL"):
+                env.pop(key, None)  # the agent's, not the user's
         env.update({
             "HETPILOT_JOB_ID": order.job_id, "HETPILOT_LAUNCH_ID": order.launch_id,
             "HETPILOT_ADDRESS": self.daemon, "HETPILOT_TOKEN_FILE": str(token),
-            "HETPILOT_DEVICE_IDS": ",".join(f"{self.host}:{d}" for d in devices),
-            "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": PREFIX_TEMPLATE})
+            "HETPILOT_DEVICE_IDS": ",".join(f"{self.host}:{d}" for d in devices)})
         for key, value in self.tls.items():
-            env[f"HETPILOT_{key.upper()}"] = value
+            if who is None or key == "ca_file":  # the agent's own certificate stays its own
+                env[f"HETPILOT_{key.upper()}"] = value
         if devices and all(device_kinds.get(d) == "cuda" for d in devices):
             env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
         return env
@@ -563,6 +675,8 @@ class Launcher:
                 log.warning("launch %s: cannot record its removal: %s", state.launch_id, exc)
                 return []
             self._delete(state.dir)
+            if state.work is not None:
+                self._delete(state.work)
             del self._launches[state.launch_id]
             log.info("launch %s (job %s): directory removed (ended and acknowledged %.0f s "
                      "ago; launch_retention_s %g)", state.launch_id, state.job_id,
@@ -607,10 +721,13 @@ class Launcher:
             for pid, ticks in leftover.items():
                 _signal(pid, ticks, signal.SIGKILL)
         if code != 0:
+            said = state.reason  # the runner's (the agent that started it ended)
             state.reason = reason or ("stopped on the daemon's order" if state.stopped
-                                      else self._why(state))
-        with contextlib.suppress(OSError):
-            (state.dir / "trainer.token").unlink(missing_ok=True)
+                                      else "; ".join(x for x in (said, self._why(state)) if x))
+        for secret in ("trainer.token", "env.json"):
+            with contextlib.suppress(OSError):
+                if state.work is not None:
+                    (state.work / secret).unlink(missing_ok=True)
         with contextlib.suppress(OSError):
             state.save()
         log.info("launch %s (job %s): exited with code %d%s", state.launch_id, state.job_id,
@@ -620,13 +737,8 @@ class Launcher:
     def _why(state: LaunchState) -> str:
         """The last lines of the launch's output: its ranks' lines when there are any
         (torchrun's own summary of a failure says little more)."""
-        try:
-            with open(state.output, "rb") as fh:
-                fh.seek(max(0, state.output_bytes() - 32768))
-                lines = [line for line in fh.read().decode("utf-8", "replace").splitlines()
-                         if line.strip()]
-        except OSError:
-            lines = []
+        lines = [line for line in state.output.tail(32768).decode("utf-8", "replace")
+                 .splitlines() if line.strip()]
         ranks = [line for line in lines if line.startswith("[rank")]
         tail = (ranks or lines)[-8:]
         return "\n".join(line[:240] for line in tail)[-1900:] or "no output"
@@ -644,17 +756,10 @@ class Launcher:
         for state in self.statuses():
             if budget <= 0:
                 break
-            size = state.output_bytes()
-            if size <= state.shipped:
-                continue
-            try:
-                with open(state.output, "rb") as fh:
-                    fh.seek(state.shipped)
-                    data = fh.read(min(MAX_CHUNK, budget, size - state.shipped))
-            except OSError:
-                continue
+            offset, data = state.output.read(state.shipped, min(MAX_CHUNK, budget),
+                                             self.output_cap)
             if data:
-                out.append((state.launch_id, state.shipped, data))
+                out.append((state.launch_id, offset, data))
                 budget -= len(data)
         return out
 

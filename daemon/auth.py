@@ -60,10 +60,16 @@ def _bearer(metadata: Iterable[tuple[str, Any]] | None) -> str:
 class Authenticator:
     def __init__(self, config: AuthConfig, job_key: bytes = b"") -> None:
         self._owners = [(token.encode(), owner) for owner, token in config.owner_tokens.items()]
+        self._unix_users = dict(config.owner_unix_users)
         self._cluster = config.cluster_token.encode()
         self.open = config.allow_unauthenticated
         self.cluster_for_trainers = config.cluster_token_for_trainers
         self._job_key = job_key or secrets.token_bytes(32)
+
+    def unix_user(self, owner: str) -> str:
+        """The unix user ``owner``'s ranks run as on launching hosts ("" when none is
+        set: agents that run ranks as their owners refuse her launches)."""
+        return self._unix_users.get(owner, "")
 
     def job_token(self, job_id: str) -> str:
         """The bearer token of ``job_id``'s trainers."""

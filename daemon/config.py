@@ -17,6 +17,8 @@ from hetpilot.addresses import check_address, is_loopback
 from hetpilot.channel import check_token
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
+from .owners import check_unix_user, read_owners
+
 __all__ = ["AuthConfig", "ConfigError", "DaemonConfig", "TlsConfig", "load_daemon_config"]
 
 
@@ -55,7 +57,13 @@ class AuthConfig:
     owner_tokens: dict[str, str] = field(default_factory=dict)
     """Job owner -> bearer token. Owners see and change only their own jobs."""
     owner_tokens_file: str = ""
-    """TOML file of ``owner = "token"`` lines, merged into owner_tokens."""
+    """TOML file of owners, merged into owner_tokens: ``owner = "token"`` lines, or a
+    table per owner (``[alice]`` with ``token = "..."`` and ``unix_user = "alice"``,
+    the user her ranks run as on launching hosts; :mod:`hetpilot.daemon.owners`)."""
+    owner_unix_users: dict[str, str] = field(default_factory=dict)
+    """Job owner -> the unix user her jobs' ranks run as (read from owner_tokens_file's
+    tables, or given inline); an owner without one cannot launch on an agent that runs
+    ranks as their owners."""
     cluster_token: str = ""
     """Bearer token of agents and trainers."""
     cluster_token_file: str = ""
@@ -72,6 +80,8 @@ class AuthConfig:
             if not isinstance(token, str) or len(token) < 8:
                 raise ConfigError(f"auth.owner_tokens.{owner}: token must be >= 8 characters")
             _check_header_safe(token, f"auth.owner_tokens.{owner}")
+        for owner, user in self.owner_unix_users.items():
+            check_unix_user(user, f"auth.owner_unix_users.{owner}")
         if len(set(self.owner_tokens.values())) != len(self.owner_tokens):
             raise ConfigError("auth.owner_tokens: two owners share a token")
         if self.cluster_token and len(self.cluster_token) < 8:
@@ -82,19 +92,19 @@ class AuthConfig:
     def resolved(self) -> AuthConfig:
         """Read the token files into the inline fields."""
         owners = dict(self.owner_tokens)
+        unix_users = dict(self.owner_unix_users)
         if self.owner_tokens_file:
             try:
                 with open(self.owner_tokens_file, "rb") as fh:
                     read = tomllib.load(fh)
             except (OSError, tomllib.TOMLDecodeError) as exc:
                 raise ConfigError(f"auth.owner_tokens_file: {exc}") from None
-            for owner, token in read.items():
-                where = f"auth.owner_tokens_file {self.owner_tokens_file}: {owner}"
-                if not isinstance(token, str):
-                    raise ConfigError(f"{where}: the token must be a string, got "
-                                      f"{type(token).__name__}")
-                _check_header_safe(token, where)
-                owners[owner] = token
+            tokens, users = read_owners(read, f"auth.owner_tokens_file {self.owner_tokens_file}")
+            for owner, token in tokens.items():
+                _check_header_safe(token, f"auth.owner_tokens_file {self.owner_tokens_file}: "
+                                          f"{owner}")
+            owners.update(tokens)
+            unix_users.update(users)
         cluster = self.cluster_token
         if not cluster and self.cluster_token_file:
             try:
@@ -107,7 +117,8 @@ class AuthConfig:
             _check_header_safe(cluster, f"auth.cluster_token_file {self.cluster_token_file}")
         # the checks of __post_init__ again, on the tokens read from the files
         resolved = replace(self, owner_tokens=owners, cluster_token=cluster,
-                           owner_tokens_file="", cluster_token_file="")
+                           owner_unix_users=unix_users, owner_tokens_file="",
+                           cluster_token_file="")
         if cluster and cluster in owners.values():
             raise ConfigError("auth: an owner token equals the cluster token (agents and "
                               "trainers would act as that owner); give each its own")

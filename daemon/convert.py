@@ -405,9 +405,10 @@ def resume_from_proto(req: job_pb2.StreamLogsRequest) -> dict[str, int]:
     return out
 
 
-def order_to_proto(order: Order, trainer_token: str) -> agent_pb2.LaunchOrder:
+def order_to_proto(order: Order, trainer_token: str, unix_user: str = ""
+                   ) -> agent_pb2.LaunchOrder:
     launch, part, entry = order.launch, order.part, order.entry
-    return agent_pb2.LaunchOrder(
+    return agent_pb2.LaunchOrder(unix_user=unix_user,
         launch_id=launch.launch_id, job_id=launch.job_id, nnodes=len(launch.hosts),
         devices=list(part.devices), rdzv_endpoint=launch.rdzv_endpoint,
         rdzv_host=part.rdzv_host, max_restarts=entry.restart_budget, module=entry.module,

@@ -129,6 +129,8 @@ class Order:
     launch: LaunchRecord
     part: HostLaunch
     entry: Entry
+    owner: str = ""
+    """The job's owner: her ranks run as her unix user (``LaunchOrder.unix_user``)."""
 
 
 def _now_ms() -> int:
@@ -367,7 +369,7 @@ class Launches:
                 if store_host is not part and store_host.state == LAUNCH_ORDERED:
                     continue  # until the store's host has its port and runs
                 if rec is not None and not rec.ended and rec.entry:
-                    starts.append(Order(launch=launch, part=part,
+                    starts.append(Order(launch=launch, part=part, owner=rec.owner,
                                         entry=Entry.from_dict(rec.entry)))
             elif now is not None and now.running and not now.stopped \
                     and self._should_stop(rec):

@@ -178,7 +178,8 @@ async def _serve(config: DaemonConfig, stop: asyncio.Event, state_dir: Path) -> 
         ])
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(
-        AgentServicer(plane, config.tls.agents_by_certificate, auth.job_token), server)
+        AgentServicer(plane, config.tls.agents_by_certificate, auth.job_token, auth.unix_user),
+        server)
     trainer_pb2_grpc.add_TrainerServiceServicer_to_server(TrainerServicer(plane, auth), server)
     cluster_pb2_grpc.add_ClusterServiceServicer_to_server(ClusterServicer(plane, auth), server)
     health_servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]

@@ -210,11 +210,14 @@ def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
 
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, plane: ControlPlane, by_certificate: bool = False,
-                 job_token: Callable[[str], str] | None = None) -> None:
+                 job_token: Callable[[str], str] | None = None,
+                 unix_user: Callable[[str], str] | None = None) -> None:
         self.plane = plane
         self.by_certificate = by_certificate
         self.job_token = job_token or (lambda job_id: "")
         """The trainer token of a job, handed to its ranks with each launch order."""
+        self.unix_user = unix_user or (lambda owner: "")
+        """The unix user an owner's ranks run as, sent with each launch order."""
 
     def _as(self, host: str, context: grpc.aio.ServicerContext) -> str:
         """``host``, if the caller may speak for it (tls.agents_by_certificate)."""
@@ -258,8 +261,9 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 if statuses or chunks or self.plane.launches.active():
                     starts, stops = await self.plane.launches.agent_report(
                         report.agent_id, statuses, chunks)
-                    ack.start.extend(convert.order_to_proto(o, self.job_token(o.launch.job_id))
-                                     for o in starts)
+                    ack.start.extend(convert.order_to_proto(
+                        o, self.job_token(o.launch.job_id), self.unix_user(o.owner))
+                        for o in starts)
                     ack.stop.extend(stops)
                 if epoch != self.plane.members.epoch:
                     epoch = self.plane.members.epoch

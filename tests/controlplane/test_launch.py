@@ -101,6 +101,7 @@ cluster_token = "{CLUSTER_TOKEN}"
             self.spawn(f"agent-{host}", "agent", "--host", host, "--probe-listen",
                        "127.0.0.1:0", "--token-file", str(self.tmp / "cluster.token"),
                        "--state-dir", str(self.tmp / f"agent-{host}"), "--stop-grace", "5",
+                       "--run-as", "agent",
                        "--emulate", "tflops=2,memory_gb=8,price_per_hour=1,count=1")
 
     def cli(self, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
@@ -217,8 +218,10 @@ def test_submit_launches_two_ranks_logs_and_cancel(launching: Launching) -> None
     assert rank0.returncode == 0 and rank0.stdout.count("[rank0]:{") == len(records)
     assert all(line.startswith("[rank0]:") for line in rank0.stdout.splitlines())
     assert "[rank0]" not in c.cli("logs", job_id, "--rank", "1").stdout
-    # the agents keep each rank's own output too (torchrun --log-dir)
-    assert list((c.tmp / "agent-hosta" / "launches").glob("*/ranks/*/attempt_0/0/stdout.log"))
+    # one copy of the output on each agent: no per-rank files beside it (torchrun --tee)
+    agent_dir = c.tmp / "agent-hosta"
+    assert list(agent_dir.glob("launches/*/output/*.log"))
+    assert not list(agent_dir.glob("**/stdout.log")) and not list(agent_dir.glob("**/stderr.log"))
     first_done = time.monotonic() - started
 
     # -- a long job, cancelled once its ranks run: its processes are gone -----

@@ -51,8 +51,8 @@ def _free_port() -> int:
 def test_a_launch_directory_goes_only_once_done_and_never_comes_back(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    launcher = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", stop_grace_s=1.0,
-                            retention_s=0.3)
+    launcher = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", run_as="agent",
+                            stop_grace_s=1.0, retention_s=0.3)
     order = _order(workdir=str(work))
     assert launcher.start(order, {})
     state = launcher.get("L1")
@@ -72,7 +72,8 @@ def test_a_launch_directory_goes_only_once_done_and_never_comes_back(tmp_path: P
     assert not state.dir.exists() and "L1" not in launcher
     assert (launcher.root / TOMBSTONES).read_text().split() == ["L1"]
     # a restarted agent neither adopts nor starts it again
-    again = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", retention_s=0.3)
+    again = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", run_as="agent",
+                         retention_s=0.3)
     assert again.get("L1") is None and again.statuses() == []
     assert not again.start(order, {}) and not state.dir.exists()
     # a removal cut short by a restart (recorded, not renamed; renamed, not deleted) ends
@@ -81,7 +82,7 @@ def test_a_launch_directory_goes_only_once_done_and_never_comes_back(tmp_path: P
     (again.root / ".trash-L3").mkdir()
     with open(again.root / TOMBSTONES, "a") as fh:
         fh.write("L2\n")
-    third = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1")
+    third = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", run_as="agent")
     assert sorted(p.name for p in third.root.iterdir()) == [TOMBSTONES]
     assert third.statuses() == [] and not third.start(_order("L2"), {})
     launcher.poll()
@@ -91,7 +92,7 @@ def test_the_store_host_refuses_a_busy_rendezvous_port_without_using_the_id(
         tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
-    launcher = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1")
+    launcher = FakeTorchrun(tmp_path / "agent", host="h", daemon="d:1", run_as="agent")
     with socket.socket() as held:
         held.bind(("127.0.0.1", 0))
         held.listen()
@@ -275,7 +276,8 @@ def test_a_busy_rendezvous_port_on_the_store_host_moves_the_launch(tmp_path: Pat
             [sys.executable, "-m", "hetpilot", "agent", "--daemon", d.address, "--host",
              "hosta", "--probe-listen", "127.0.0.1:0", "--token-file",
              str(tmp_path / "cluster.token"), "--state-dir", str(tmp_path / "agent"),
-             "--emulate", "tflops=2,memory_gb=8,count=1", "--launch-retention", "0"],
+             "--emulate", "tflops=2,memory_gb=8,count=1", "--launch-retention", "0",
+             "--run-as", "agent"],
             stdout=fh, stderr=subprocess.STDOUT, env=env)
     try:
         a = Agents(d)

@@ -24,23 +24,29 @@ from .helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
-# a "torchrun" that prints, writes its pid and the pid of a child (a "rank"), then waits
+# a "torchrun" that starts its rank command (the launcher's: the entry under rankio) as
+# rank 0 in its own session, as torchrun does, writes its pid and the rank's, then waits
 RANKS = """
 import os, subprocess, sys, time
-child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                         start_new_session=True)
+child = subprocess.Popen(sys.argv[1:], env=dict(os.environ, RANK="0"), start_new_session=True)
 open("pids", "w").write(f"{os.getpid()} {child.pid}")
-print("[rank0]:hello", flush=True)
+print("torchrun: started", flush=True)
 if os.environ.get("EXIT_AT_ONCE"):
-    child.kill()
+    time.sleep(0.5)
+    os.killpg(child.pid, 9)
     sys.exit(int(os.environ["EXIT_AT_ONCE"]))
 time.sleep(60)
 """
+RANK = "import time; print('hello', flush=True); time.sleep(60)"
 
 
 class FakeTorchrun(Launcher):
-    def torchrun(self, order: Any, directory: Path) -> list[str]:
-        return [sys.executable, "-c", RANKS]
+    def torchrun(self, order: Any, work: Path) -> list[str]:
+        return [sys.executable, "-c", RANKS, *self.rank_command(order, work)]
+
+    def rank_command(self, order: Any, work: Path) -> list[str]:
+        real = super().rank_command(order, work)
+        return [*real[:real.index("--") + 1], sys.executable, "-c", RANK]
 
 
 def _order(launch_id: str = "L1", **kw: object) -> agent_pb2.LaunchOrder:
@@ -53,7 +59,8 @@ def _order(launch_id: str = "L1", **kw: object) -> agent_pb2.LaunchOrder:
 
 
 def _launcher(tmp: Path, cls: type[Launcher] = FakeTorchrun) -> Launcher:
-    return cls(tmp / "agent", host="h", daemon="127.0.0.1:7070", stop_grace_s=1.0)
+    return cls(tmp / "agent", host="h", daemon="127.0.0.1:7070", stop_grace_s=1.0,
+               run_as="agent")
 
 
 def _pids(workdir: Path) -> list[int]:
@@ -76,20 +83,24 @@ def test_a_launch_starts_once_and_a_restarted_agent_watches_it(tmp_path: Path) -
     torchrun, rank = _pids(work)
     state = launcher.get("L1")
     assert state is not None and state.running and state.pid != torchrun
-    token = state.dir / "trainer.token"
+    assert state.work is not None
+    token = state.work / "trainer.token"
     assert token.read_text().strip() == "hpj_secret"
     assert stat.S_IMODE(token.stat().st_mode) == 0o600
     env = Path(f"/proc/{torchrun}/environ").read_bytes().split(b"\0")
     assert b"HETPILOT_TOKEN_FILE=" + str(token).encode() in env
     assert b"HETPILOT_DEVICE_IDS=h:0,h:1" in env and b"CUDA_VISIBLE_DEVICES=0,1" in env
-    assert b"HETPILOT_JOB_ID=job1" in env and b"A=1" in env and b"PYTHONUNBUFFERED=1" in env
+    assert b"HETPILOT_JOB_ID=job1" in env and b"PYTHONUNBUFFERED=1" in env
+    assert b"A=1" not in env  # the job's environment is the ranks' only
     cmdline = Path(f"/proc/{state.pid}/cmdline").read_bytes()
     assert b"hpj_secret" not in cmdline  # never on a command line
     real = Launcher(tmp_path / "x", host="h", daemon="d:1").torchrun(_order(rdzv_host=True),
                                                                        tmp_path)
     assert real[1:4] == ["-m", "torch.distributed.run", "--nnodes"]
-    assert "is_host=true" in real and real[-3:] == ["-m", "hetpilot", "train"]
-    wait_until("output", lambda: b"[rank0]:hello" in state.output.read_bytes())
+    assert "is_host=true" in real and real[-4:] == ["-u", "-m", "hetpilot", "train"]
+    assert "--tee" not in real and "--redirects" not in real  # one copy of the output
+    wait_until("output", lambda: b"[rank0]:hello\n" in state.output.read_bytes())
+    assert b"torchrun: started\n" in state.output.read_bytes()
 
     # the agent restarts: the launch is known (never started again) and watched
     again = _launcher(tmp_path)
@@ -99,7 +110,7 @@ def test_a_launch_starts_once_and_a_restarted_agent_watches_it(tmp_path: Path) -
     again.poll()
     assert [s.launch_id for s in again.statuses()] == ["L1"]
     chunks = again.chunks()
-    assert chunks and chunks[0][:2] == ("L1", 0) and b"[rank0]:hello" in chunks[0][2]
+    assert chunks and chunks[0][:2] == ("L1", 0) and b"[rank0]:hello\n" in chunks[0][2]
     # stop: SIGTERM to the tree (the rank is in its own session, as torchrun's are)
     assert again.stop("L1") and not again.stop("L1")
     wait_until("the launch to end", lambda: (again.poll(), not again.get("L1").running)[1])
@@ -128,7 +139,8 @@ def test_exit_status_is_read_back_after_a_restart_and_failures_say_why(tmp_path:
     # a new agent reads the status the runner saved (the first never polled)
     again = _launcher(tmp_path)
     ended = again.get("L1")
-    assert ended is not None and ended.exit_code == 3 and "[rank0]:hello" in ended.reason
+    assert ended is not None and ended.exit_code == 3 and "[rank0]:hello" in ended.reason, \
+        ended
     # a launch whose status was never saved (the runner was SIGKILLed with the host)
     (ended.dir / "exit").unlink()
     data = json.loads((ended.dir / "launch.json").read_text())

@@ -466,6 +466,7 @@ class LaunchOrder(_message.Message):
     ENV_FIELD_NUMBER: _builtins.int
     WORKDIR_FIELD_NUMBER: _builtins.int
     TRAINER_TOKEN_FIELD_NUMBER: _builtins.int
+    UNIX_USER_FIELD_NUMBER: _builtins.int
     launch_id: _builtins.str
     job_id: _builtins.str
     nnodes: _builtins.int
@@ -483,6 +484,12 @@ class LaunchOrder(_message.Message):
     trainer_token: _builtins.str
     """The job's trainer token; the agent gives it to the ranks in a file (0600),
     never on a command line.
+    """
+    unix_user: _builtins.str
+    """The unix user the job's owner runs as on launching hosts (the daemon's owner
+    tokens file); empty: none is set. An agent that switches users starts torchrun and
+    the ranks as this user, and refuses the launch without one (unless it runs every
+    launch as itself: its [launch] run_as = "agent").
     """
     @_builtins.property
     def devices(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
@@ -512,10 +519,11 @@ class LaunchOrder(_message.Message):
         env: _abc.Mapping[_builtins.str, _builtins.str] | None = ...,
         workdir: _builtins.str = ...,
         trainer_token: _builtins.str = ...,
+        unix_user: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "command", b"command", "devices", b"devices", "env", b"env", "job_id", b"job_id", "launch_id", b"launch_id", "max_restarts", b"max_restarts", "module", b"module", "nnodes", b"nnodes", "rdzv_endpoint", b"rdzv_endpoint", "rdzv_host", b"rdzv_host", "trainer_token", b"trainer_token", "workdir", b"workdir"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["args", b"args", "command", b"command", "devices", b"devices", "env", b"env", "job_id", b"job_id", "launch_id", b"launch_id", "max_restarts", b"max_restarts", "module", b"module", "nnodes", b"nnodes", "rdzv_endpoint", b"rdzv_endpoint", "rdzv_host", b"rdzv_host", "trainer_token", b"trainer_token", "unix_user", b"unix_user", "workdir", b"workdir"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
