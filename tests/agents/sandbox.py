@@ -1,0 +1,80 @@
+"""What the agent's tenancy tests (and bench/agent_tenancy.py) make on this machine as
+root, and remove after: unix users with unique names, a small file system, a state
+directory others may pass through. Each says why it cannot, for a skip."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+__all__ = ["shared_dir", "small_fs", "unix_users", "why_no_users"]
+
+
+def why_no_users() -> str:
+    """Why this process cannot make unix users that run this Python ("" when it can)."""
+    if os.geteuid() != 0:
+        return "needs root (useradd, and an agent that switches users)"
+    if shutil.which("useradd") is None or shutil.which("userdel") is None:
+        return "no useradd/userdel on this machine"
+    return ""
+
+
+@contextlib.contextmanager
+def unix_users(count: int) -> Iterator[list[str]]:
+    """``count`` new users (with homes), removed with ``userdel -r`` after."""
+    names = [f"hp{uuid.uuid4().hex[:10]}" for _ in range(count)]
+    made: list[str] = []
+    try:
+        for name in names:
+            subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True,
+                           capture_output=True)
+            made.append(name)
+        probe = subprocess.run([sys.executable, "-c", "import hetpilot.agents.rankio"],
+                               user=names[0], capture_output=True, cwd="/")
+        if probe.returncode != 0:
+            import pytest
+
+            pytest.skip(f"a new user cannot run this Python ({sys.executable}): "
+                        f"{probe.stderr.decode(errors='replace').strip()[-200:]}")
+        yield names
+    finally:
+        for name in made:  # -f: even if a process of the test is still ending
+            subprocess.run(["userdel", "-r", "-f", name], capture_output=True)
+
+
+@contextlib.contextmanager
+def shared_dir() -> Iterator[Path]:
+    """A new directory under /tmp that other users may pass through (0711), not list."""
+    path = Path(tempfile.mkdtemp(prefix="hetpilot-", dir="/tmp"))
+    os.chmod(path, 0o711)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def small_fs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` (``mount -t tmpfs -o size=4m``) on a new directory in
+    ``where``, unmounted after; skips the test when it cannot be made."""
+    import pytest
+
+    if os.geteuid() != 0 or shutil.which("mount") is None:
+        pytest.skip("needs root and mount(8) for a small file system")
+    point = where / "smallfs"
+    point.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0711", "tmpfs",
+                           str(point)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield point
+    finally:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
