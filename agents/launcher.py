@@ -486,12 +486,6 @@ class Launcher:
         if work.exists():  # the rest of a launch directory never recorded: not ours
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700)
-        cwd = order.workdir or str(work)
-        why = _cannot_enter(Path(cwd), who) if who is not None else (
-            "" if os.path.isdir(cwd) else "is not a directory")
-        if why:
-            self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
-            return True
         token = work / "trainer.token"
         _write_private(token, order.trainer_token + "\n")
         env_file = work / "env.json"
@@ -500,6 +494,12 @@ class Launcher:
         if who is not None:  # the ranks' files are their user's; the directory last
             for path in (token, env_file, work / "ranks", work):
                 os.chown(path, who.uid, who.gid, follow_symlinks=False)
+        cwd = order.workdir or str(work)
+        why = _cannot_enter(Path(cwd), who) if who is not None else (
+            "" if os.path.isdir(cwd) else "is not a directory")
+        if why:
+            self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
+            return True
         command = [self.python, "-m", "hetpilot.agents.runner", "--exit",
                    str(directory / "exit"), "--output", str(directory / "output"),
                    "--output-bytes", str(self.output_cap), "--parent", str(os.getpid()),

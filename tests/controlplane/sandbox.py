@@ -36,13 +36,17 @@ def unix_users(count: int) -> Iterator[list[str]]:
             subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True,
                            capture_output=True)
             made.append(name)
-        probe = subprocess.run([sys.executable, "-c", "import hetpilot.agents.rankio"],
-                               user=names[0], capture_output=True, cwd="/")
-        if probe.returncode != 0:
+        try:
+            probe = subprocess.run([sys.executable, "-c", "import hetpilot.agents.rankio"],
+                                   user=names[0], capture_output=True, cwd="/")
+            why = probe.stderr.decode(errors="replace").strip()[-200:] if probe.returncode \
+                else ""
+        except OSError as exc:
+            why = str(exc)
+        if why:
             import pytest
 
-            pytest.skip(f"a new user cannot run this Python ({sys.executable}): "
-                        f"{probe.stderr.decode(errors='replace').strip()[-200:]}")
+            pytest.skip(f"a new user cannot run this Python ({sys.executable}): {why}")
         yield names
     finally:
         for name in made:  # -f: even if a process of the test is still ending
