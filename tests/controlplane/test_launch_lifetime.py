@@ -1,0 +1,98 @@
+"""A launch never outlives its agent: kill -9 the agent and every process of its
+launches ends (the runner hears it from the kernel, PR_SET_PDEATHSIG; SIGTERM, then
+SIGKILL to ranks that ignore it, including one that left its parent and session); the
+next agent on that state dir reports how it ended. torchrun is played by a stand-in
+that starts the launcher's rank command as rank 0 in its own session, as torchrun
+does; the agent is a process that holds a real Launcher."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hetpilot.agents.launcher import Launcher
+from hetpilot.agents.procs import proc_stat
+
+from .helpers import wait_until
+
+pytestmark = pytest.mark.timeout(90)
+
+# a rank that ignores SIGTERM and leaves a process of its own behind, orphaned, in a
+# session of its own (it ignores SIGTERM too)
+STUBBORN_RANK = """
+import os, signal, subprocess, sys, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+sleeper = ("import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+           "time.sleep(300)")
+mid = subprocess.run([sys.executable, "-c", "import subprocess, sys; print(subprocess.Popen("
+                      f"[sys.executable, '-c', {sleeper!r}], start_new_session=True, "
+                      "stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).pid)"],
+                     capture_output=True, text=True)
+open("rank-pids", "w").write(f"{os.getpid()} {mid.stdout.strip()}")
+print("ready", flush=True)
+time.sleep(300)
+"""
+STAND_IN = """
+import os, signal, subprocess, sys
+signal.signal(signal.SIGTERM, signal.SIG_IGN)   # a torchrun slow to stop
+child = subprocess.Popen(sys.argv[1:], env=dict(os.environ, RANK="0"), start_new_session=True)
+open("pids", "w").write(f"{os.getpid()} {child.pid}")
+sys.exit(child.wait())
+"""
+AGENT = """
+import json, sys, time
+from hetpilot.agents.launcher import Launcher
+from hetpilot.v1 import agent_pb2
+STAND_IN, RANK, state, work = sys.argv[1:5]
+
+class StandIn(Launcher):
+    def torchrun(self, order, w):
+        return [sys.executable, "-c", STAND_IN, *self.rank_command(order, w)]
+
+launcher = StandIn(state, host="h", daemon="d:1", run_as="agent", stop_grace_s=2.0)
+order = agent_pb2.LaunchOrder(launch_id="L1", job_id="j1", nnodes=1, devices=["0"],
+                              rdzv_endpoint="127.0.0.1:1", workdir=work,
+                              command=[sys.executable, "-c", RANK])
+launcher.start(order, {})
+print(json.dumps({"runner": launcher.get("L1").pid}), flush=True)
+while True:
+    launcher.poll()
+    time.sleep(0.2)
+"""
+
+
+def test_no_process_of_a_launch_outlives_its_agent(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    state = tmp_path / "agent"
+    agent = subprocess.Popen([sys.executable, "-c", AGENT, STAND_IN, STUBBORN_RANK, str(state),
+                              str(work)], stdout=subprocess.PIPE, text=True)
+    try:
+        runner = json.loads(agent.stdout.readline())["runner"]  # type: ignore[union-attr]
+        torchrun, wrapper = map(int, wait_until("the ranks", lambda: (work / "pids").exists()
+                                                and (work / "pids").read_text()).split())
+        rank, orphan = map(int, wait_until("the rank's own process", lambda: (
+            work / "rank-pids").exists() and (work / "rank-pids").read_text()).split())
+        pids = {"runner": runner, "torchrun": torchrun, "rankio": wrapper, "rank": rank,
+                "orphan": orphan}
+        assert all(proc_stat(p) is not None for p in pids.values()), pids
+        assert proc_stat(orphan)[0] == runner  # type: ignore[index]  # the runner adopted it
+        agent.send_signal(signal.SIGKILL)
+        agent.wait(timeout=10)
+        # SIGTERM at once, SIGKILL 2 s later (the agent's stop grace): all gone
+        wait_until("every process of the launch to end", lambda: not [
+            name for name, pid in pids.items() if proc_stat(pid) is not None], timeout=30)
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+            agent.wait()
+    # the next agent on the state dir reads how it ended, and why
+    again = Launcher(state, host="h", daemon="d:1", run_as="agent")
+    ended = again.get("L1")
+    assert ended is not None and not ended.running and ended.exit_code != 0
+    assert "the agent that started it ended" in ended.reason, ended.reason
+    assert b"[rank0]:ready\n" in ended.output.read_bytes()
