@@ -13,7 +13,8 @@ only once its ack arrives (a lost ack means it is sent again, and the daemon
 recognises it by its offset); orders are carried out after the ack, and a
 launch id is started at most once, so an order repeated after a reconnect
 starts nothing twice. Launches run in their own sessions: they go on while the
-agent reconnects or restarts, and the agent that comes back watches them again.
+agent reconnects, and end with the agent process (:mod:`hetpilot.agents.runner`);
+the agent that comes back reports how they ended.
 """
 
 from __future__ import annotations
@@ -175,8 +176,8 @@ class Agent:
             await server.wait_closed()
             running = self.launcher.running() if self.launcher is not None else []
             if running:
-                log.info("%d launch(es) keep running (%s): the next agent on this host "
-                         "watches them again", len(running),
+                log.info("%d launch(es) end with this agent (%s): their runners stop them; "
+                         "the next agent on this host reports how they ended", len(running),
                          ", ".join(s.launch_id for s in running))
 
     async def _connect_loop(self, stop: asyncio.Event) -> None:

@@ -94,6 +94,6 @@ def announce_generated(files: list[Path], address: str) -> None:
          f"{cluster_file} (agents, drain and resume), made on the first start. Use them:\n"
          f"  export HETPILOT_ADDRESS={addr} HETPILOT_TOKEN=\"$(cat {owner_file})\"\n"
          f"  hetpilot agent --daemon {addr} --token-file {cluster_file} "
-         "--emulate tflops=50,memory_gb=24\n"
+         "--run-as agent --emulate tflops=50,memory_gb=24\n"
          f"  hetpilot drain HOST --token-file {cluster_file}\n"
          "Set [auth] owner_tokens_file and cluster_token_file in a config to use your own.")
