@@ -45,32 +45,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "controlplane"))
 
+from helpers import wait_until  # type: ignore[import-not-found]  # noqa: E402
 from hetpilot.agents.launcher import Launcher  # noqa: E402
 from hetpilot.agents.procs import descendants, proc_stat  # noqa: E402
 from hetpilot.v1 import agent_pb2  # noqa: E402
-from sandbox import shared_dir, unix_users, why_no_users  # type: ignore[import-not-found]  # noqa: E402
+from sandbox import (  # type: ignore[import-not-found]  # noqa: E402
+    PROBE,
+    shared_dir,
+    unix_users,
+    why_no_users,
+)
 
 SLEEPER = "import time; print('ready', flush=True); time.sleep(600)"
-PROBE = """
-import json, os, sys
-targets, rank = json.loads(sys.argv[1]), int(sys.argv[2])
-out = {}
-for what, path in targets.items():
-    try:
-        if os.path.isdir(path):
-            out[what] = "listed %d entries" % len(os.listdir(path))
-        else:
-            with open(path, "rb") as fh:
-                out[what] = "READ %d bytes" % len(fh.read())
-    except OSError as exc:
-        out[what] = "denied (%s)" % type(exc).__name__
-try:
-    os.kill(rank, 0)
-    out["signal A's rank (kill -0)"] = "ALLOWED"
-except OSError as exc:
-    out["signal A's rank (kill -0)"] = "denied (%s)" % type(exc).__name__
-print("PROBE " + json.dumps(out), flush=True)
-"""
 STUBBORN = """
 import os, signal, subprocess, sys, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -110,16 +96,6 @@ def _order(launch_id: str, code: str, *args: str, user: str = "", **kw: Any) -> 
                                  trainer_token=f"hpj_{launch_id}_secret", **kw)
 
 
-def _wait(what: str, pred: Any, timeout: float = 120.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(what)
-
-
 def _ended(launcher: Launcher, launch_id: str) -> Any:
     launcher.poll()
     state = launcher.get(launch_id)
@@ -138,7 +114,7 @@ def tenancy(failures: list[str]) -> dict[str, str]:
         launcher.start(_order("LA", SLEEPER, user=alice, env={"SECRET": "a-secret"}), {})
         a = launcher.get("LA")
         assert a is not None and a.work is not None
-        _wait("A's rank", lambda: b"[rank0]:ready" in a.output.read_bytes())
+        wait_until("A's rank", lambda: b"[rank0]:ready" in a.output.read_bytes(), timeout=120)
         tree = descendants({a.pid: a.start_ticks})
         torchrun = next(p for p in tree if (proc_stat(p) or (0, 0))[0] == a.pid)
         rank = next(p for p in tree if Path(f"/proc/{p}/cmdline").read_bytes().startswith(
@@ -163,11 +139,11 @@ def tenancy(failures: list[str]) -> dict[str, str]:
             "B's own trainer token (control)": str(launcher.work / "LB" / "trainer.token"),
         }
         launcher.start(_order("LB", PROBE, json.dumps(targets), str(rank), user=bob), {})
-        b = _wait("B's probe", lambda: _ended(launcher, "LB"))
+        b = wait_until("B's probe", lambda: _ended(launcher, "LB"), timeout=120)
         line = next(x for x in b.output.read_bytes().decode().splitlines() if "PROBE " in x)
         seen: dict[str, str] = json.loads(line.split("PROBE ", 1)[1])
         launcher.stop("LA")
-        _wait("A's launch to end", lambda: _ended(launcher, "LA"))
+        wait_until("A's launch to end", lambda: _ended(launcher, "LA"), timeout=120)
         for what, result in seen.items():
             expect_read = what.startswith(("A's command line", "B's own"))
             if expect_read != (result.startswith(("READ", "listed", "ALLOWED"))):
@@ -192,7 +168,7 @@ def agent_death(trials: int, failures: list[str]) -> dict[str, Any]:
                 def ready(state: Path = state) -> bool:
                     return any(b"[rank0]:ready" in p.read_bytes() for p in state.glob("*.log"))
 
-                _wait("the rank", ready)
+                wait_until("the rank", ready, timeout=120)
                 procs = {runner: (proc_stat(runner) or (0, 0))[1],
                          **descendants({runner: (proc_stat(runner) or (0, 0))[1]})}
                 t0 = time.monotonic()
@@ -236,12 +212,12 @@ def flood(mib: int, failures: list[str]) -> dict[str, Any]:
                     "print('last line', flush=True)\n")
             t0 = time.monotonic()
             launcher.start(_order("A", code), {})
-            a = _wait("the flood", lambda: _ended(launcher, "A"), timeout=300)
+            a = wait_until("the flood", lambda: _ended(launcher, "A"), timeout=300)
             took = time.monotonic() - t0
             work_bytes = sum(f.stat().st_size for f in (disk / "agent" / "work").rglob("*")
                              if f.is_file())
             launcher.start(_order("B", "print('hello from B')"), {})
-            b = _wait("B", lambda: _ended(launcher, "B"))
+            b = wait_until("B", lambda: _ended(launcher, "B"), timeout=120)
             free = os.statvfs(disk)
             result = {
                 "flood_mib": mib, "flood_exit": a.exit_code,

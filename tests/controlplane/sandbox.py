@@ -14,7 +14,30 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["shared_dir", "small_fs", "unix_users", "why_no_users"]
+__all__ = ["PROBE", "shared_dir", "small_fs", "unix_users", "why_no_users"]
+
+PROBE = """
+import json, os, sys
+targets, rank = json.loads(sys.argv[1]), int(sys.argv[2])
+out = {}
+for what, path in targets.items():
+    try:
+        if os.path.isdir(path):
+            out[what] = "listed %d entries" % len(os.listdir(path))
+        else:
+            with open(path, "rb") as fh:
+                out[what] = "READ %d bytes" % len(fh.read())
+    except OSError as exc:
+        out[what] = "denied (%s)" % type(exc).__name__
+try:
+    os.kill(rank, 0)
+    out["signal A's rank (kill -0)"] = "ALLOWED"
+except OSError as exc:
+    out["signal A's rank (kill -0)"] = "denied (%s)" % type(exc).__name__
+print("PROBE " + json.dumps(out), flush=True)
+"""
+"""Another owner's rank: ``python -c PROBE TARGETS_JSON RANK_PID`` tries to read (or
+list) each target and to signal that pid, and prints one line, ``PROBE {what: result}``."""
 
 
 def why_no_users() -> str:
