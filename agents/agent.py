@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import time
 from typing import Any
@@ -38,13 +39,34 @@ from .launcher import Launcher
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
 
-__all__ = ["Agent", "ProbeListenError"]
+__all__ = ["Agent", "ProbeListenError", "exposure"]
 
 log = logging.getLogger("hetpilot.agent")
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks grpc.aio.EOF
 _KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
          "emulated": common_pb2.DEVICE_KIND_EMULATED}
+
+
+def exposure(config: AgentConfig) -> list[str]:
+    """What the ranks this agent launches could read or do that they should not: its
+    secret files readable by other users, or owners' ranks run as root."""
+    out = []
+    if not config.launch:
+        return out
+    if config.launching.run_as == "agent" and os.geteuid() == 0:
+        out.append("[launch] run_as = \"agent\" and the agent runs as root: every owner's "
+                   "ranks run as root on this host")
+    for key in ("token_file", "key_file"):
+        path = getattr(config, key)
+        try:
+            mode = os.stat(path).st_mode if path else 0
+        except OSError:
+            continue
+        if mode & 0o044:
+            out.append(f"{key} {path} is readable by other users (mode {mode & 0o777:o}): "
+                       "launched ranks can read it; chmod 600")
+    return out
 
 
 class ProbeListenError(OSError):
@@ -154,6 +176,8 @@ class Agent:
         self.probe_address = self.config.probe_advertise or f"{adv_host}:{bound}"
         if self.launcher is not None:  # torchrun --local-addr: where peers reach this host
             self.launcher.local_addr = self.probe_address.rpartition(":")[0].strip("[]")
+        for warning in exposure(self.config):
+            log.warning("%s", warning)
         if not self.config.emulate:
             self._cpu = CpuMeter(self.config.job_pattern)
         self.devices = await asyncio.to_thread(discover, self.config, self._cpu)

@@ -6,6 +6,7 @@ torchrun. And a taken probe port ends the agent with one line naming
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -88,3 +89,40 @@ def test_a_taken_probe_port_ends_the_agent_with_one_line(tmp_path: Path) -> None
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
     assert lines[0].startswith(f"hetpilot agent: error: --probe-listen 127.0.0.1:{port}: ")
     assert "in use" in lines[0]
+
+
+def test_the_agent_warns_of_secrets_its_ranks_could_read(tmp_path: Path) -> None:
+    from hetpilot.agents.agent import exposure
+    from hetpilot.agents.config import load_agent_config
+
+    token = tmp_path / "cluster.token"
+    token.write_text("cluster-token-89\n")
+    token.chmod(0o644)
+    config = load_agent_config(None, daemon="h:1", token_file=str(token), run_as="owner")
+    [warning] = exposure(config)
+    assert f"token_file {token} is readable by other users (mode 644)" in warning
+    token.chmod(0o600)
+    assert exposure(config) == []
+    single = load_agent_config(None, daemon="h:1", token_file=str(token), run_as="agent")
+    assert bool(exposure(single)) == (os.geteuid() == 0)  # ranks as root: said
+    assert exposure(load_agent_config(None, daemon="h:1", launch=False)) == []
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ('[launch]\nrun_as = "root"\n', 'launch.run_as: must be "owner" or "agent", got \'root\''),
+    ("[launch]\noutput_bytes = 1000\n", "launch.output_bytes: must be an integer >= 65536"),
+    ('[launch]\noutput_bytes = "1G"\n', "launch.output_bytes: must be an integer"),
+    ("[launch]\nrun_az = 1\n", "launch: unknown key(s) run_az"),
+])
+def test_the_launch_table_is_checked_by_field(tmp_path: Path, text: str, message: str) -> None:
+    from hetpilot.agents.config import ConfigError, load_agent_config
+
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(text)
+    with pytest.raises(ConfigError) as err:
+        load_agent_config(cfg, daemon="h:1")
+    assert message in str(err.value)
+    cfg.write_text('[launch]\nrun_as = "agent"\noutput_bytes = 1048576\n')
+    got = load_agent_config(cfg, daemon="h:1").launching
+    assert (got.run_as, got.output_bytes) == ("agent", 1048576)
+    assert load_agent_config(cfg, daemon="h:1", run_as="owner").launching.run_as == "owner"
