@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hetpilot.agents.agent import exposure
+from hetpilot.agents.config import ConfigError, load_agent_config
 from hetpilot.agents.launcher import Launcher
 from hetpilot.v1 import agent_pb2
 
@@ -92,9 +94,6 @@ def test_a_taken_probe_port_ends_the_agent_with_one_line(tmp_path: Path) -> None
 
 
 def test_the_agent_warns_of_secrets_its_ranks_could_read(tmp_path: Path) -> None:
-    from hetpilot.agents.agent import exposure
-    from hetpilot.agents.config import load_agent_config
-
     token = tmp_path / "cluster.token"
     token.write_text("cluster-token-89\n")
     token.chmod(0o644)
@@ -115,8 +114,6 @@ def test_the_agent_warns_of_secrets_its_ranks_could_read(tmp_path: Path) -> None
     ("[launch]\nrun_az = 1\n", "launch: unknown key(s) run_az"),
 ])
 def test_the_launch_table_is_checked_by_field(tmp_path: Path, text: str, message: str) -> None:
-    from hetpilot.agents.config import ConfigError, load_agent_config
-
     cfg = tmp_path / "agent.toml"
     cfg.write_text(text)
     with pytest.raises(ConfigError) as err:

@@ -4,13 +4,17 @@ the owner's unix user with each launch order (an owner without one: empty)."""
 
 from __future__ import annotations
 
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hetpilot.daemon.auth import Authenticator
 from hetpilot.daemon.config import AuthConfig, ConfigError
-from hetpilot.v1 import agent_pb2_grpc, job_pb2
+from hetpilot.v1 import agent_pb2_grpc, job_pb2, job_pb2_grpc
 
 from .conftest import (
     CLUSTER_MD,
@@ -21,7 +25,7 @@ from .conftest import (
     OWNER_TOKEN,
     start_daemon,
 )
-from .helpers import register_request, report, submit_request
+from .helpers import register_request, report, submit_request, wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,8 +73,6 @@ def test_each_launch_order_names_its_owners_unix_user(tmp_path: Path) -> None:
     try:
         ch = d.channel()
         agents = agent_pb2_grpc.AgentServiceStub(ch)
-        from hetpilot.v1 import job_pb2_grpc
-
         jobs = job_pb2_grpc.JobServiceStub(ch)
         req = register_request("a", 2)
         req.launches = True
@@ -87,4 +89,45 @@ def test_each_launch_order_names_its_owners_unix_user(tmp_path: Path) -> None:
         assert orders["alice"].unix_user == "alice_u"
         assert orders["bob"].unix_user == ""  # none set: agents that switch users refuse it
     finally:
+        d.stop()
+
+
+def test_a_job_whose_owner_has_no_unix_user_fails_naming_why(tmp_path: Path) -> None:
+    """A real agent (default ``run_as = "owner"``) refuses bob's launch: bob has no
+    unix_user; the daemon fails the job with the agent's reason, naming the host.
+    Before, the agent ran bob's command as its own user."""
+    owners = tmp_path / "owners.toml"
+    owners.write_text(OWNERS)
+    d = start_daemon(tmp_path / "state", heartbeat_timeout_s=5.0, rdzv_port_min=29831,
+                     rdzv_port_max=29850,
+                     auth=AuthConfig(owner_tokens_file=str(owners), cluster_token=CLUSTER_TOKEN))
+    (tmp_path / "cluster.token").write_text(CLUSTER_TOKEN + "\n")
+    (tmp_path / "cluster.token").chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPILOT_")}
+    with open(tmp_path / "agent.log", "wb") as log:
+        agent = subprocess.Popen(
+            [sys.executable, "-m", "hetpilot", "agent", "--daemon", d.address, "--host",
+             "hosta", "--probe-listen", "127.0.0.1:0", "--token-file",
+             str(tmp_path / "cluster.token"), "--state-dir", str(tmp_path / "agent"),
+             "--emulate", "tflops=2,memory_gb=8,count=1"],
+            stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        jobs = job_pb2_grpc.JobServiceStub(d.channel())
+        marker = tmp_path / "ran"
+        entry = job_pb2.JobEntry(command=["/bin/touch", str(marker)], ranks_per_host=1, hosts=1)
+        job_id = jobs.SubmitJob(submit_request(entry=entry), metadata=OTHER_MD,
+                                timeout=5).job_id
+
+        def ended() -> object:
+            j = jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), metadata=OTHER_MD, timeout=5)
+            return j.state not in (job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING) and j
+
+        info = wait_until("bob's job to end", ended, timeout=60, period=0.2)
+        assert info.state == job_pb2.JOB_STATE_FAILED, info
+        assert info.reason.startswith("host hosta: could not start: not started on hosta: the "
+                                      "job's owner has no unix_user"), info.reason
+        assert not marker.exists()  # nothing of bob's ran
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
         d.stop()
