@@ -18,34 +18,46 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Sequence
 
 __all__ = ["main"]
 
 MAX_LINE = 64 * 1024
 """A longer line is cut into pieces of this size, each prefixed."""
+LINGER_S = 1.0
+"""How long output is still copied after COMMAND ended, when something else holds
+its pipe open."""
 
 
-def _pump(fd: int, out: int, prefix: bytes) -> None:
+def _pump(fd: int, out: int, prefix: bytes, proc: subprocess.Popen[bytes]) -> None:
+    """Copy ``fd`` to ``out`` line by line with ``prefix`` until its end, or until a
+    moment after ``proc`` ended (a process it left behind may hold the pipe open: the
+    rank is over when COMMAND is)."""
     pending = b""
+    ended_at: float | None = None
     while True:
-        try:
+        ready, _, _ = select.select([fd], [], [], 0.2)
+        if ready:
             data = os.read(fd, 65536)
-        except InterruptedError:  # pragma: no cover - PEP 475 retries
-            continue
-        if not data:
+            if not data:
+                break
+            pending += data
+            lines = pending.split(b"\n")
+            pending = lines.pop()
+            while len(pending) > MAX_LINE:
+                lines.append(pending[:MAX_LINE])
+                pending = pending[MAX_LINE:]
+            if lines:
+                _write(out, b"".join(prefix + line + b"\n" for line in lines))
+        if ended_at is None and proc.poll() is not None:
+            ended_at = time.monotonic()
+        if ended_at is not None and not ready and time.monotonic() - ended_at > LINGER_S:
             break
-        pending += data
-        lines = pending.split(b"\n")
-        pending = lines.pop()
-        while len(pending) > MAX_LINE:
-            lines.append(pending[:MAX_LINE])
-            pending = pending[MAX_LINE:]
-        if lines:
-            _write(out, b"".join(prefix + line + b"\n" for line in lines))
     if pending:
         _write(out, prefix + pending + b"\n")
 
@@ -84,7 +96,7 @@ def main(argv: Sequence[str]) -> int:
         _write(1, prefix + f"hetpilot: cannot start {argv[2]}: {exc}\n".encode())
         return 127
     os.close(write)
-    _pump(read, 1, prefix)
+    _pump(read, 1, prefix, proc)
     code = proc.wait()
     if code < 0:  # end as COMMAND did: by its signal
         signal.signal(-code, signal.SIG_DFL)
