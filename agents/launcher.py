@@ -90,12 +90,10 @@ import fcntl
 import json
 import logging
 import os
-import pwd
 import re
 import shutil
 import signal
 import socket
-import stat
 import subprocess
 import sys
 import time
@@ -106,7 +104,8 @@ from typing import Any
 
 from .config import RUN_AS
 from .output import DEFAULT_CAP, OutputReader
-from .procs import can_switch_users, descendants, process_table
+from .owner import User, cannot_enter, owner_user, private_dirs, write_private
+from .procs import descendants, process_table
 from .procs import proc_stat as _proc_stat
 from .procs import signal_process as _signal
 
@@ -218,58 +217,6 @@ class LaunchState:
         return state
 
 
-@dataclass(frozen=True)
-class User:
-    """The unix user a launch's ranks run as."""
-
-    name: str
-    uid: int
-    gid: int
-    home: str
-    groups: tuple[int, ...] = ()
-    """Supplementary groups (the user's, as ``initgroups`` would set them)."""
-
-
-def _private_dirs(base: Path, records: Path, work: Path) -> None:
-    """The state directory (0711: a launch's user may pass through it to her launch's
-    own directory, never list it), its records (0700: the agent's only) and the
-    ranks' directories' parent (0711)."""
-    base.mkdir(parents=True, exist_ok=True)
-    for path, mode in ((base, 0o711), (records, 0o700), (work, 0o711)):
-        path.mkdir(exist_ok=True)
-        if stat.S_IMODE(path.stat().st_mode) != mode:
-            os.chmod(path, mode)
-
-
-def _write_private(path: Path, text: str) -> None:
-    """A new file only its owner reads (never through a link left in its place)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(text)
-
-
-def _cannot_enter(path: Path, who: User) -> str:
-    """Why ``who`` could not work in directory ``path`` (search every directory on the
-    way, read and search the last); "" when she can. The runner changes into it as
-    root, so the kernel would not ask."""
-    groups = {who.gid, *who.groups}
-    parts = [*reversed(path.absolute().parents), path.absolute()]
-    for i, part in enumerate(parts):
-        try:
-            st = os.stat(part)
-        except OSError as exc:
-            return exc.strerror or str(exc)
-        if not stat.S_ISDIR(st.st_mode):
-            return f"{part} is not a directory"
-        need = 0o5 if i == len(parts) - 1 else 0o1
-        mode = st.st_mode
-        bits = (mode >> 6 if st.st_uid == who.uid else mode >> 3 if st.st_gid in groups
-                else mode) & 0o7
-        if bits & need != need:
-            return f"user {who.name} may not {'enter' if need == 0o1 else 'use'} {part}"
-    return ""
-
-
 class StateDirInUse(OSError):
     """Another live agent process holds the state directory."""
 
@@ -316,7 +263,7 @@ class Launcher:
         base = Path(state_dir).absolute()
         self.root = base / "launches"  # the agent's: records, exit statuses, output
         self.work = base / "work"  # the ranks': one directory each, their user's
-        _private_dirs(base, self.root, self.work)
+        private_dirs(base, self.root, self.work)
         self.run_as = run_as
         self.output_cap = output_bytes
         self.host = host
@@ -487,15 +434,15 @@ class Launcher:
             shutil.rmtree(work, ignore_errors=True)
         work.mkdir(mode=0o700)
         token = work / "trainer.token"
-        _write_private(token, order.trainer_token + "\n")
+        write_private(token, order.trainer_token + "\n")
         env_file = work / "env.json"
-        _write_private(env_file, json.dumps(self.job_env(order)))
+        write_private(env_file, json.dumps(self.job_env(order)))
         (work / "ranks").mkdir(mode=0o700)
         if who is not None:  # the ranks' files are their user's; the directory last
             for path in (token, env_file, work / "ranks", work):
                 os.chown(path, who.uid, who.gid, follow_symlinks=False)
         cwd = order.workdir or str(work)
-        why = _cannot_enter(Path(cwd), who) if who is not None else (
+        why = cannot_enter(Path(cwd), who) if who is not None else (
             "" if os.path.isdir(cwd) else "is not a directory")
         if why:
             self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
@@ -531,26 +478,7 @@ class Launcher:
     def identity(self, order: Any) -> User | str | None:
         """Who the launch's ranks run as: the order's unix user (a :class:`User`), the
         agent's own (None, ``run_as = "agent"``), or why they cannot run at all."""
-        if self.run_as == "agent":
-            return None
-        name = order.unix_user
-        if not name:
-            return ("the job's owner has no unix_user (the daemon's owner tokens file) and "
-                    "this agent runs ranks as their owner's user ([launch] run_as = "
-                    "\"owner\"; \"agent\" runs every launch as the agent's own user, for "
-                    "hosts whose owners trust each other)")
-        why = can_switch_users()
-        if why:
-            return (f"{why} (run the agent as root, see deploy/hetpilot-agent.service, or set "
-                    "[launch] run_as = \"agent\" for hosts whose owners trust each other)")
-        try:
-            pw = pwd.getpwnam(name)
-        except KeyError:
-            return f"unix user {name!r} (the job owner's unix_user) does not exist here"
-        if pw.pw_uid == 0:
-            return f"unix user {name!r} is root: ranks never run as root"
-        return User(name=name, uid=pw.pw_uid, gid=pw.pw_gid, home=pw.pw_dir,
-                    groups=tuple(g for g in os.getgrouplist(name, pw.pw_gid) if g != pw.pw_gid))
+        return None if self.run_as == "agent" else owner_user(order.unix_user)
 
     def torchrun(self, order: Any, work: Path) -> list[str]:
         cmd = [self.python, "-m", "torch.distributed.run", "--nnodes", str(order.nnodes),
