@@ -51,7 +51,7 @@ _KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
 def exposure(config: AgentConfig) -> list[str]:
     """What the ranks this agent launches could read or do that they should not: its
     secret files readable by other users, or owners' ranks run as root."""
-    out = []
+    out: list[str] = []
     if not config.launch:
         return out
     if config.launching.run_as == "agent" and os.geteuid() == 0:
