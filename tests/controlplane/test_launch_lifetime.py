@@ -8,6 +8,7 @@ does; the agent is a process that holds a real Launcher."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -15,9 +16,11 @@ from pathlib import Path
 
 import pytest
 from hetpilot.agents.launcher import Launcher
-from hetpilot.agents.procs import proc_stat
+from hetpilot.agents.procs import descendants, proc_stat
+from hetpilot.v1 import job_pb2, job_pb2_grpc
 
-from .helpers import wait_until
+from .conftest import CLUSTER_TOKEN, OWNER_MD, start_daemon
+from .helpers import submit_request, wait_until
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -96,3 +99,62 @@ def test_no_process_of_a_launch_outlives_its_agent(tmp_path: Path) -> None:
     assert ended is not None and not ended.running and ended.exit_code != 0
     assert "the agent that started it ended" in ended.reason, ended.reason
     assert b"[rank0]:ready\n" in ended.output.read_bytes()
+
+
+def test_a_killed_agents_launch_ends_and_its_job_fails_saying_why(tmp_path: Path) -> None:
+    """With a real daemon, agent and torchrun: kill -9 the agent, every process of its
+    launch ends; the agent started again reports how, and the daemon fails the job
+    naming the host and the reason (before, the rank ran on until an agent came back,
+    and the job stayed RUNNING)."""
+    d = start_daemon(tmp_path / "state", heartbeat_timeout_s=600.0, rdzv_port_min=29871,
+                     rdzv_port_max=29890)
+    token = tmp_path / "cluster.token"
+    token.write_text(CLUSTER_TOKEN + "\n")
+    token.chmod(0o600)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPILOT_")}
+    argv = [sys.executable, "-m", "hetpilot", "agent", "--daemon", d.address, "--host", "hosta",
+            "--probe-listen", "127.0.0.1:0", "--token-file", str(token), "--state-dir",
+            str(tmp_path / "agent"), "--emulate", "tflops=2,memory_gb=8,count=1",
+            "--run-as", "agent"]
+    agents = []
+    try:
+        agents.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, env=env))
+        jobs = job_pb2_grpc.JobServiceStub(d.channel())
+        entry = job_pb2.JobEntry(command=[sys.executable, "-c", "import time; print('up', "
+                                          "flush=True); time.sleep(300)"],
+                                 ranks_per_host=1, hosts=1)
+        job_id = jobs.SubmitJob(submit_request(entry=entry), metadata=OWNER_MD,
+                                timeout=10).job_id
+
+        def job() -> job_pb2.JobInfo:
+            return jobs.GetJob(job_pb2.GetJobRequest(job_id=job_id), metadata=OWNER_MD,
+                               timeout=10)
+
+        runner = wait_until("the launch to run", lambda: [
+            p.pid for p in job().launch if p.state == job_pb2.HOST_LAUNCH_STATE_RUNNING
+            and p.pid], timeout=60)[0]
+        ticks = (proc_stat(runner) or (0, 0))[1]
+
+        def rank_up() -> dict[int, int]:  # runner, torchrun, rankio and the rank
+            tree = descendants({runner: ticks})
+            return len(tree) >= 3 and {runner: ticks, **tree}  # type: ignore[return-value]
+
+        launch = wait_until("the rank to start", rank_up, timeout=60)
+        agents[0].send_signal(signal.SIGKILL)
+        agents[0].wait(timeout=10)
+        wait_until("every process of the launch to end", lambda: not [
+            p for p, t in launch.items() if (proc_stat(p) or (0, -1))[1] == t], timeout=30)
+        agents.append(subprocess.Popen(argv, stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, env=env))
+        info = wait_until("the job to end", lambda: (j := job()).state not in (
+            job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING) and j, timeout=60)
+        assert info.state == job_pb2.JOB_STATE_FAILED
+        assert info.reason.startswith("host hosta: ") and \
+            "stopped: the agent that started it ended" in info.reason, info.reason
+    finally:
+        for agent in agents:
+            if agent.poll() is None:
+                agent.send_signal(signal.SIGTERM)
+                agent.wait(timeout=30)
+        d.stop()
