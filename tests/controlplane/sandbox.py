@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -51,21 +52,23 @@ def why_no_users() -> str:
 
 @contextlib.contextmanager
 def unix_users(count: int) -> Iterator[list[str]]:
-    """``count`` new users (with homes), removed with ``userdel -r`` after."""
+    """``count`` new users (with homes), removed with ``userdel -r`` after. Folders above
+    this Python that others cannot pass through are opened (o+x) for the while and put
+    back after."""
     names = [f"hp{uuid.uuid4().hex[:10]}" for _ in range(count)]
     made: list[str] = []
+    opened: list[tuple[Path, int]] = []
     try:
         for name in names:
             subprocess.run(["useradd", "-m", "-s", "/bin/sh", name], check=True,
                            capture_output=True)
             made.append(name)
-        try:
-            probe = subprocess.run([sys.executable, "-c", "import hetpilot.agents.rankio"],
-                                   user=names[0], capture_output=True, cwd="/")
-            why = probe.stderr.decode(errors="replace").strip()[-200:] if probe.returncode \
-                else ""
-        except OSError as exc:
-            why = str(exc)
+        why = _why_user_cannot_run_python(names[0])
+        if why:
+            # Most often a folder above the interpreter or the checkout is 0700 (root's
+            # home): let others pass through it (o+x, not list) for the test only.
+            opened.extend(_open_for_passage())
+            why = _why_user_cannot_run_python(names[0])
         if why:
             import pytest
 
@@ -74,6 +77,39 @@ def unix_users(count: int) -> Iterator[list[str]]:
     finally:
         for name in made:  # -f: even if a process of the test is still ending
             subprocess.run(["userdel", "-r", "-f", name], capture_output=True)
+        for folder, mode in reversed(opened):
+            with contextlib.suppress(OSError):
+                os.chmod(folder, mode)
+
+
+def _why_user_cannot_run_python(user: str) -> str:
+    import pwd
+
+    gid = pwd.getpwnam(user).pw_gid  # as the agent switches: uid, gid and groups
+    try:
+        probe = subprocess.run([sys.executable, "-c", "import hetpilot.agents.rankio"],
+                               user=user, group=gid, extra_groups=[], capture_output=True,
+                               cwd="/")
+    except OSError as exc:
+        return str(exc)
+    return probe.stderr.decode(errors="replace").strip()[-200:] if probe.returncode else ""
+
+
+def _open_for_passage() -> list[tuple[Path, int]]:
+    """Add o+x to every folder above this Python and the hetpilot package that lacks it;
+    returns (folder, old mode) to put back."""
+    import hetpilot
+
+    opened: list[tuple[Path, int]] = []
+    leaves = {Path(sys.executable).resolve(), Path(sys.executable).absolute(),
+              Path(sys.prefix).resolve(), Path(hetpilot.__file__).resolve()}
+    for leaf in leaves:
+        for folder in reversed(leaf.parents):
+            mode = folder.stat().st_mode & 0o7777
+            if not mode & stat.S_IXOTH and all(f != folder for f, _ in opened):
+                os.chmod(folder, mode | stat.S_IXOTH)
+                opened.append((folder, mode))
+    return opened
 
 
 @contextlib.contextmanager

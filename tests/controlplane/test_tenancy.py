@@ -150,8 +150,9 @@ def test_a_launch_that_cannot_run_as_its_owner_fails_saying_why(tmp_path: Path) 
                   "o = agent_pb2.LaunchOrder(launch_id='L9', job_id='j', command=['true'], "
                   f"unix_user={alice!r})\n"
                   "l.start(o, {}); print(l.get('L9').reason)\n")
-        done = subprocess.run([sys.executable, "-c", script], user=alice, capture_output=True,
-                              text=True, timeout=60, cwd="/",
+        done = subprocess.run([sys.executable, "-c", script], user=alice,
+                              group=pwd.getpwnam(alice).pw_gid, extra_groups=[],
+                              capture_output=True, text=True, timeout=60, cwd="/",
                               env={**os.environ, "HOME": pwd.getpwnam(alice).pw_dir})
         assert done.returncode == 0, done.stderr
         assert "without CAP_SETUID and CAP_SETGID" in done.stdout
