@@ -41,8 +41,8 @@ import torch
 from hetpilot.adapt.staleness import fit, mean_staleness
 from hetpilot.planner.asyncplan import choose_by_time_to_accuracy, cut_points, pipeline_cut
 from hetpilot.planner.types import Cluster, Device, Job, Layer, Model, Network
-from hetpilot.trainer._ttafns import LAYERS, Speeds, digits_mlp
 from hetpilot.trainer.async_pipeline import Phase, PipeConfig, run_local
+from hetpilot.trainer.testing.tta import LAYERS, Speeds, digits_mlp
 from torch import nn
 
 

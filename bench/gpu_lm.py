@@ -60,7 +60,7 @@ from hetpilot.trainer.calibration import StageCalibration, stage_ratio
 from hetpilot.trainer.examples import gpt
 from hetpilot.trainer.launch import free_port
 from hetpilot.trainer.profile import profile_model
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from hetpilot.trainer.speeds import as_measurement, measure_layer_times
 from torch import nn
 
@@ -130,8 +130,8 @@ def _hetpilot(job: dict[str, Any], args: argparse.Namespace, dev: torch.device,
     """Seconds of each timed iteration of hetpilot's trainer on the one-stage plan, and
     the slot record of the timed iterations (the fields the stage-timing correction reads)."""
     trainer = Trainer(job["layers"], job["loss"], job["optimizer"], job["dataset"],
-                      global_batch=args.batch, device_id=DEVICE_ID, device=dev, dtype=dtype,
-                      merge_optimizers=merge)
+                      TrainerConfig(global_batch=args.batch, device_id=DEVICE_ID, device=dev,
+                                    dtype=dtype, merge_optimizers=merge))
     trainer.switch(plan_from_dict(_plan(len(job["layers"]), args)))
     times: list[float] = []
     ops = [0.0, 0.0, 0]

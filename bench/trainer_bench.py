@@ -47,7 +47,7 @@ from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from
 from hetpilot.planner.types import Job
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.profile import layer_times, profile_model
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from torch import nn
 
 SPEEDS = (1.0, 1.0, 0.5, 0.25)
@@ -174,9 +174,9 @@ def _bench_worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
     trainer = Trainer(
         make_layers(layers_n, width), nn.functional.mse_loss,
         lambda p: torch.optim.SGD(p, lr=1e-4),
-        dataset(batch * (4 * its + 8), width), global_batch=batch,
-        device_id=f"emu:{rank}", slowdown=factor,
-        emulate_tflops=tflops, layer_gflop=gflop if target else None,
+        dataset(batch * (4 * its + 8), width),
+        TrainerConfig(global_batch=batch, device_id=f"emu:{rank}", slowdown=factor,
+                      emulate_tflops=tflops, layer_gflop=gflop if target else None),
     )
     for name in ("even-dp", "hetpilot", "even-dp-again"):
         plan = plan_from_dict(cfg["plans"][name.replace("-again", "")])

@@ -52,7 +52,7 @@ from hetpilot.planner.serde import cluster_from_dict, model_from_dict, plan_from
 from hetpilot.trainer.calibration import StageCalibration
 from hetpilot.trainer.plans import StaticPlanSource
 from hetpilot.trainer.profile import profile_model
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from hetpilot.trainer.speeds import as_measurement, measure_layer_times
 from torch import nn
 
@@ -103,7 +103,7 @@ def run(condition: str, args: argparse.Namespace, prof: dict[str, Any], cpu: int
     predictions = [("attach", _predict(attach, prof, plan, batch))]
     trainer = Trainer(layers, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=1e-4),
                       dataset(batch * (args.slots * args.slot_iterations + 1), WIDTHS),
-                      global_batch=batch, device_id=DEVICE,
+                      TrainerConfig(global_batch=batch, device_id=DEVICE),
                       plan_source=StaticPlanSource([plan]))
 
     def send(per_rank: list[Any]) -> None:

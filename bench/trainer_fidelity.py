@@ -55,6 +55,7 @@ Run: .venv/bin/python bench/trainer_fidelity.py [--batch 256 --micro 32 --iterat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
 import os
@@ -79,7 +80,7 @@ from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.linkprobe import measure_links, synthetic_op_ms
 from hetpilot.trainer.plans import check_plan
 from hetpilot.trainer.profile import profile_model
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from hetpilot.trainer.speeds import measure_layer_times
 from torch import nn
 
@@ -283,8 +284,9 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
     measure()
     plans = _plans(widths, batch, micro)
     trainer = Trainer(layers, nn.functional.mse_loss, lambda p: torch.optim.SGD(p, lr=1e-4),
-                      dataset(batch * 4, widths), global_batch=batch,
-                      device_id=f"cpu:{rank}", overlap_sync=False)
+                      dataset(batch * 4, widths),
+                      TrainerConfig(global_batch=batch, device_id=f"cpu:{rank}",
+                                    overlap_sync=False))
     runs = [(name, False) for name in plans]
     runs += [(name, True) for name in ("even-dp", "uneven-dp")]
     visits: list[dict[str, Any]] = []
@@ -298,7 +300,8 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
         if rep:
             measure()
         for name, overlap in runs if rep % 2 == 0 else runs[::-1]:
-            trainer.overlap_sync = overlap  # read when the switch rebuilds the grad sync
+            # read when the switch rebuilds the grad sync
+            trainer.config = dataclasses.replace(trainer.config, overlap_sync=overlap)
             trainer.switch(plan_from_dict(plans[name]))
             visit: dict[str, Any] = {"key": name + (" (overlap)" if overlap else ""),
                                      "iters": [], "stats": []}

@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from hetpilot.planner.serde import plan_from_dict
 from hetpilot.trainer.launch import spawn
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from torch import nn
 
 
@@ -65,7 +65,7 @@ def _worker(rank: int, world: int, out: str, cfg: dict[str, Any]) -> None:
         layers = [nn.Linear(width, width) for _ in range(cfg["layers"])]
         data = torch.utils.data.TensorDataset(torch.randn(64, width), torch.randn(64, width))
         trainer = Trainer(layers, nn.functional.mse_loss, lambda p: torch.optim.Adam(p, lr=1e-4),
-                          data, global_batch=8, device_id=f"emu:{rank}")
+                          data, TrainerConfig(global_batch=8, device_id=f"emu:{rank}"))
         trainer.switch(plan_from_dict(_plan(cfg["layers"], 0)))
         trainer.train_step()  # Adam state exists from here on
         for moved in range(1, cfg["layers"]):

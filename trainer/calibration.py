@@ -1,5 +1,5 @@
-"""Layer times kept true to what each stage takes in training (issue 14: the daemon
-"keeps learning from stage timings").
+"""Layer times kept true to what each stage takes in training, so the daemon keeps
+learning from stage timings.
 
 Why: the layer times a rank sends on Attach (:mod:`hetpilot.trainer.speeds`) are one
 measurement, taken once before the job runs, one layer class at a time. It can be off
@@ -15,7 +15,7 @@ microbatch size. The daemon fits it like any measurement
 (:meth:`hetpilot.trainer.daemon_link.GrpcPlanSource.update_measurements`): a
 measurement without links keeps the links measured before.
 
-The rules, and the choices where the issue is silent:
+The rules, and the choices made:
 
 * **Predicted** time of one microbatch on a stage: the sum over its layers of the
   measured forward and backward, with the forward counted again when the stage
@@ -55,7 +55,7 @@ from hetpilot.planner.types import Plan
 __all__ = ["StageCalibration", "stage_ratio"]
 
 BAND = 0.10
-"""Measured / predicted outside [1 / (1 + BAND), 1 + BAND] counts as off: the issue's
+"""Measured / predicted outside [1 / (1 + BAND), 1 + BAND] counts as off: the project's
 10% prediction target."""
 CONFIRM = 3
 """Slots in a row that must be off on the same side before a correction."""

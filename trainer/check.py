@@ -52,7 +52,7 @@ must be equal), and by the mean loss:
   the same runs: <= 0.046 (bfloat16), <= 0.015 (float16).
 
 The references compute on one thread, as each rank does: on the machine's 2
-threads a kernel summed in another order, and ``_jobfns:decoder_tiny``
+threads a kernel summed in another order, and ``testing.activation_jobs:decoder_tiny``
 (``nn.TransformerDecoderLayer``, causal mask, Adam, whose key biases' noise
 Adam turns into full steps) was 0.75 from one process in bfloat16; on one
 thread it is exactly equal. Where either comparison is above its tolerance,
@@ -110,10 +110,10 @@ from torch import nn
 
 from .jobspec import load_job
 from .launch import BACKENDS, spawn
+from .layers import copy_layers
 from .plans import check_plan, random_plan
 from .preflight import preflight
 from .replicas import full_state
-from .runtime import copy_layers
 
 __all__ = ["BUILTIN_JOB", "MIXED_TOLERANCE", "Difference", "make_layers", "run_check",
            "summarize_plan"]
@@ -175,7 +175,7 @@ def summarize_plan(plan: Plan) -> str:
 
 
 def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
-    from .runtime import Trainer
+    from .runtime import Trainer, TrainerConfig
 
     device = _rank_device(cfg["device"], cfg["backend"], rank)
     if device.type == "cuda":
@@ -184,8 +184,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     plans = [plan_from_dict(p) for p in cfg["plans"]]
     trainer = Trainer(
         spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-        global_batch=spec["global_batch"], device_id=f"local:{rank}", seed=cfg["seed"],
-        dtype=getattr(torch, cfg["dtype"]), device=device,
+        TrainerConfig(global_batch=spec["global_batch"], device_id=f"local:{rank}",
+                      seed=cfg["seed"], dtype=getattr(torch, cfg["dtype"]), device=device),
     )
     out = Path(cfg["out"])
     if rank == 0:  # rank 0's modules are the runtime's starting point: the reference's too

@@ -368,7 +368,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
     from .checkpoint import has_checkpoint
     from .plans import FilePlanSource, check_plan
-    from .runtime import JsonlReporter, NoPlanError, Trainer
+    from .records import JsonlReporter
+    from .runtime import NoPlanError, Trainer, TrainerConfig
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -517,15 +518,16 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                 r(record)
 
         try:
-            trainer = Trainer(
-                spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-                global_batch=spec["global_batch"], device_id=device_id, plan_source=source,
-                device=device,
-                slowdown=args.emulate_slowdown, emulate_tflops=tflops, layer_gflop=layer_gflop,
-                reporter=report if reporters else None,
+            config = TrainerConfig(
+                global_batch=spec["global_batch"], device_id=device_id, device=device,
+                slowdown=args.emulate_slowdown, emulate_tflops=tflops,
+                layer_gflop=layer_gflop,
                 report_from_rank0=daemon, keep_plan_on_refusal=daemon,
                 emulate_file=args.emulate_file,
-                dtype=getattr(torch, args.dtype) if args.dtype else None,
+                dtype=getattr(torch, args.dtype) if args.dtype else None)
+            trainer = Trainer(
+                spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"], config,
+                plan_source=source, reporter=report if reporters else None,
                 eval_dataset=spec.get("eval_dataset"), metric=spec.get("metric"),
             )
         except ValidationError:
@@ -603,13 +605,13 @@ def _with_sample(spec: dict[str, Any]) -> dict[str, Any]:
     with its own message)."""
     if "sample" in spec or "dataset" not in spec:
         return spec
-    from .runtime import Trainer
+    from .batches import collate
 
     data = spec["dataset"]
     try:
         k = min(int(spec.get("microbatch_size") or 8), int(spec.get("global_batch") or 8),
                 len(data))
-        sample = Trainer._collate(data, range(k), 0)
+        sample = collate(data, range(k), 0)
     except Exception:
         return spec
     return {**spec, "sample": sample}
@@ -648,11 +650,11 @@ def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
         return as_measurement(times, m, dtype_label(precision.compute_dtype))
     if precision.param_dtype not in (None, torch.float32):
         return None
-    from .runtime import Trainer
+    from .batches import collate
 
     dataset = spec["dataset"]  # targets of m samples, for the loss's time
     try:
-        targets = Trainer._collate(dataset, [i % len(dataset) for i in range(m)], 1)
+        targets = collate(dataset, [i % len(dataset) for i in range(m)], 1)
         times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
                                     autocast_dtype=precision.compute_dtype,
                                     loss=(spec["loss"], targets))

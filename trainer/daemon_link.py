@@ -1,7 +1,9 @@
 """Plans from the daemon and stage timings back to it, over ``hetpilot.v1.TrainerService``.
 
-Only rank 0 talks to the daemon (the runtime broadcasts what its source
-returns, and gathers every rank's epoch record to rank 0 for the reporter):
+Only rank 0 talks to the daemon: a plan is parsed here, once, from the proto's JSON into
+the :class:`~hetpilot.planner.types.Plan` dataclass, which
+:mod:`~hetpilot.trainer.planfeed` broadcasts to the other ranks as it is; every rank's
+record is gathered to rank 0 for the reporter (:mod:`~hetpilot.trainer.records`):
 
 * :class:`DaemonLink`: one channel (TLS and bearer-token metadata from
   :mod:`hetpilot.channel`, whose service config retries the unary calls
@@ -229,8 +231,10 @@ class GrpcPlanSource:
                 self._latest = PlanVersion(int(pv.version), plan)
                 self._cond.notify_all()
 
-    def poll(self, after_version: int) -> PlanVersion | None:
-        """The newest plan the daemon published above ``after_version``; never blocks or raises."""
+    def poll(self, after_version: int, *, epoch: int = 0, step: int = 0
+             ) -> PlanVersion | None:
+        """The newest plan the daemon published above ``after_version``; never blocks or raises
+        (the daemon times its plans itself: the position is not used)."""
         with self._cond:
             latest = self._latest
         return latest if latest is not None and latest.version > after_version else None

@@ -119,11 +119,10 @@ whose parameters differ in dtype or device, or include a non-contiguous paramete
 the copying path. Frozen parameters (``requires_grad=False``) keep their place in the
 buffer as zeros but never get a ``.grad``, so an optimizer holding them leaves them be.
 
-**Using it in the runtime**: build one per plan from ``Trainer._buckets``
-(``Bucket(self._untied_params(first, end), pg, f"{first}-{end}")``) and
-``_tie_groups``; call ``arm(outs)`` in ``StageRunner.run`` right before the
-``torch.autograd.backward`` of the last backward op, ``finish()`` where
-``_sync_grads()`` was called, and ``close()`` before the next rebuild.
+**Using it in the runtime**: :func:`hetpilot.trainer.rankpart.build_part` builds one per
+plan from the rank's buckets and tie groups; ``arm(outs)`` runs in ``StageRunner.run``
+right before the ``torch.autograd.backward`` of the last backward op, ``finish()`` after
+the stage's ops, and ``close()`` before the next plan's part is built.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Links between a job's ranks as the job's own transport sees them (issue 14).
+"""Links between a job's ranks as the job's own transport sees them.
 
 Why: the daemon plans a job's transfers and gradient sync with the agents' link
 figures (a TCP probe between hosts, a configured intra-host bandwidth), but the

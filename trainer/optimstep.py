@@ -1,4 +1,4 @@
-"""One optimizer step for all the layers a rank holds (issue 14: the trainer at GPU speed).
+"""One optimizer step for all the layers a rank holds, so the trainer keeps GPU speed.
 
 Why: the trainer keeps one optimizer per layer (and per tied parameter), so that a layer
 moves to another rank with its own optimizer state. Stepping them one by one costs a

@@ -1,8 +1,9 @@
 """Where plans come from, and the check that refuses a wrong plan before any rank computes.
 
-A :class:`PlanSource` yields plan versions; rank 0 polls it before every
-iteration and broadcasts what it got, so every rank switches to the same
-version at the same step (:mod:`hetpilot.trainer.runtime`). Two sources are
+A :class:`PlanSource` yields plan versions as parsed
+:class:`~hetpilot.planner.types.Plan` values; rank 0 polls it before every iteration
+and broadcasts what it got, so every rank switches to the same version at the same
+step (:mod:`hetpilot.trainer.planfeed`). Two sources are
 here: :class:`StaticPlanSource` (a fixed list, for tests and benchmarks) and
 :class:`FilePlanSource` (a plan file for offline use; rewriting the file with
 a new ``"version"`` switches the plan at the next iteration).
@@ -52,10 +53,13 @@ class PlanVersion:
 
 
 class PlanSource(Protocol):
-    """Yields plan versions; only rank 0's source is polled."""
+    """Yields plan versions; only rank 0's source is polled, before every iteration."""
 
-    def poll(self, after_version: int) -> PlanVersion | None:
-        """The newest plan with a version above ``after_version``, or None."""
+    def poll(self, after_version: int, *, epoch: int = 0, step: int = 0
+             ) -> PlanVersion | None:
+        """The newest plan with a version above ``after_version``, or None. ``epoch`` and
+        ``step`` are the trainer's position (the next iteration's epoch, the optimizer steps
+        taken), for sources that time their plans by it."""
         ...
 
 
@@ -68,16 +72,12 @@ class StaticPlanSource:
         self._plans = list(plans)
         self._at = list(at_epoch) if at_epoch is not None else list(range(len(plans)))
         self._at_step = list(at_step) if at_step is not None else None
-        self.epoch = 0
-        """Set by the caller (the trainer sets it before each poll)."""
-        self.step = 0
-        """Likewise: optimizer steps taken so far."""
 
-    def poll(self, after_version: int) -> PlanVersion | None:
+    def poll(self, after_version: int, *, epoch: int = 0, step: int = 0
+             ) -> PlanVersion | None:
         best = None
         for i, plan in enumerate(self._plans):
-            due = (self._at_step[i] <= self.step if self._at_step is not None
-                   else self._at[i] <= self.epoch)
+            due = self._at_step[i] <= step if self._at_step is not None else self._at[i] <= epoch
             if i + 1 > after_version and due:
                 best = PlanVersion(i + 1, plan)
         return best
@@ -92,7 +92,8 @@ class FilePlanSource:
         """(mtime_ns, size, inode) of the file last read: the trainer polls every iteration,
         and an unchanged file is not read again."""
 
-    def poll(self, after_version: int) -> PlanVersion | None:
+    def poll(self, after_version: int, *, epoch: int = 0, step: int = 0
+             ) -> PlanVersion | None:
         if after_version > 0:
             try:
                 st = self.path.stat()

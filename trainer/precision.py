@@ -1,6 +1,6 @@
 """Numeric precision of a job: plain casts, or mixed precision with float32 master weights.
 
-``--dtype`` (``Trainer(dtype=...)``) means one of two things:
+``--dtype`` (``TrainerConfig(dtype=...)``) means one of two things:
 
 * ``float32`` / ``float64``: a **plain cast**. Floating parameters, buffers,
   inputs and targets are cast to the dtype and everything computes in it

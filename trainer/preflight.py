@@ -44,8 +44,6 @@ same microbatches, so train-check cannot see it otherwise.
 
 from __future__ import annotations
 
-import copy
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -53,20 +51,17 @@ import torch
 from hetpilot.planner.errors import ValidationError
 from torch import nn
 from torch.utils import _pytree as pytree
-from torch.utils.data import default_collate
 
 from .activations import describe, flatten, map_tensors
-from .itemseed import read_items
+from .layers import build_layer, copy_layers
+from .loss_notes import MEAN_TOLERANCE, gradient_note, job_loss, mean_note, read_batch
+from .optimizer_checks import OnJobParameters, checked_step
 from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
 from .replicas import hidden_reference
-from .runtime import build_layer, copy_layers, place_loss
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
-
-MEAN_TOLERANCE = 1e-9
-"""Relative difference (float64) above which the loss is not taken for a mean over samples."""
 
 
 def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
@@ -110,8 +105,8 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     with torch.random.fork_rng(devices=[]):
         layers, originals = _build(spec["layers"], seed, dtype, bad)
         precision = Precision(torch.float32, compute_dtype) if compute_dtype else Precision()
-        x = _batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
-        target = _batch(spec["dataset"], range(microbatch), 1, dtype, bad, seed)
+        x = read_batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
+        target = read_batch(spec["dataset"], range(microbatch), 1, dtype, bad, seed)
         before = [b.detach().clone() for b in _buffers(layers)]
         params = [[p.detach().clone() for p in layer.parameters()] for layer in layers]
         in_dtype = f" in {str(dtype).removeprefix('torch.')}" if dtype is not None else ""
@@ -143,7 +138,7 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
                     if other is not None:
                         drift = f"item {i} ({type(layer).__name__}) returned {other} values"
             try:
-                loss = _loss(spec, dtype)(x, target)
+                loss = job_loss(spec, dtype)(x, target)
             except Exception as exc:
                 raise bad("loss", f"failed on the last layer's output and a microbatch's "
                                   f"targets: {type(exc).__name__}: {exc}"
@@ -152,15 +147,15 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         if problem is not None:
             raise bad("loss", problem)
         _check_metric(spec.get("metric"), x, target, precision, bad)
-        probe = _loss(spec, dtype)
+        probe = job_loss(spec, dtype)
         _refuse_loss_state(probe, x, target, precision, bad)
         _refuse_loss_on_parameters(spec["layers"], probe, x, target, precision, bad)
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
-        _step(layers, loss, _OnJobParameters(spec["optimizer"], originals), bad)
+        checked_step(layers, loss, OnJobParameters(spec["optimizer"], originals), bad)
         notes = []
         if microbatch < spec["global_batch"]:
-            note = _mean_note(spec, microbatch, seed) or _gradient_note(spec, microbatch, seed)
+            note = mean_note(spec, microbatch, seed) or gradient_note(spec, microbatch, seed)
             if note is not None:
                 notes.append(note)
     return notes
@@ -401,90 +396,6 @@ def _build(specs: Sequence[Any], seed: int, dtype: torch.dtype | None, bad: Any
     return layers, origin
 
 
-class _OnJobParameters:
-    """The job's optimizer factory as preflight calls it: on the job's own parameters, then
-    pointed at the copies preflight steps. The ranks and train-check's reference hand the
-    factory the job's own parameters, so a factory choosing parameter groups by identity
-    (``p is emb.weight``) works there; called on copies, it put every parameter in the
-    other group, and preflight refused valid jobs (an SGD group without weight decay for a
-    sparse embedding: 'add(sparse, dense) is not supported')."""
-
-    def __init__(self, factory: Any, origin: dict[int, tuple[nn.Parameter, nn.Parameter]]
-                 ) -> None:
-        self.factory = factory
-        self.origin = origin
-
-    def _original(self, p: nn.Parameter) -> nn.Parameter:
-        held = self.origin.get(id(p))
-        return held[1] if held is not None else p
-
-    def __call__(self, params: Sequence[nn.Parameter]) -> Any:
-        originals = [self._original(p) for p in params]
-        optim = self.factory(originals)
-        back = {id(o): p for o, p in zip(originals, params, strict=True)}
-        for group in optim.param_groups:
-            group["params"] = [back.get(id(q), q) for q in group["params"]]
-        # and in the optimizer's own attributes: a wrapper clipping the gradient norm over
-        # the list it was given (``self.params``) clipped the originals, which have no
-        # gradients here, so its coupling went unseen and it was not refused
-        _repoint(optim, back, depth=2)
-        return optim
-
-    def dense_copies(self, params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-        """:func:`_dense_copies`, each copy mapped to its parameter's original."""
-        out = _dense_copies(params)
-        for p, q in zip(params, out, strict=True):
-            self.origin[id(q)] = (q, self._original(p))
-        return out
-
-
-def _repoint(obj: Any, back: dict[int, nn.Parameter], depth: int) -> None:
-    """Point the parameters an optimizer keeps in its attributes (lists, tuples, dicts of
-    them; an optimizer it wraps, ``depth`` levels down) at their copies in ``back`` (by
-    the original's id). Lists and dicts change in place, so what shares them still does."""
-    def mapped(value: Any) -> Any:
-        if isinstance(value, torch.Tensor):
-            return back.get(id(value), value)
-        if isinstance(value, list):
-            value[:] = [mapped(v) for v in value]
-        elif isinstance(value, tuple) and not hasattr(value, "_fields"):
-            return tuple(mapped(v) for v in value)
-        elif isinstance(value, dict):
-            for k in list(value):
-                value[k] = mapped(value[k])
-        elif depth > 0 and isinstance(value, torch.optim.Optimizer):
-            for group in value.param_groups:  # a wrapped optimizer steps its own groups
-                group["params"] = [back.get(id(q), q) for q in group["params"]]
-            _repoint(value, back, depth - 1)
-        return value
-
-    try:
-        attributes = list(vars(obj).items())
-    except TypeError:  # no __dict__
-        return
-    for name, value in attributes:
-        if name in ("param_groups", "state", "defaults") or name.startswith("__"):
-            continue
-        new = mapped(value)
-        if new is not value:
-            object.__setattr__(obj, name, new)
-
-
-def _batch(data: Any, indices: Sequence[int], which: int, dtype: torch.dtype | None,
-           bad: Any, seed: int) -> Any:
-    """Inputs (0) or targets (1) of ``indices``, read (seeded per item, as in epoch 0),
-    collated and cast as the ranks do."""
-    try:
-        value = default_collate(read_items(data, indices, which, seed, 0))
-    except (TypeError, RuntimeError) as exc:
-        what = "inputs" if which == 0 else "targets"
-        raise bad("dataset", f"the {what} of items {indices[0]}-{indices[-1]} cannot be "
-                             f"batched (torch's default_collate): {exc}") from exc
-    if dtype is None:
-        return value
-    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, value)
-
-
 def _other_float(value: Any, dtype: torch.dtype) -> str | None:
     """The dtype of a floating tensor leaf of ``value`` that is not ``dtype``, if any."""
     # read the leaves, not map over them: a rebuilt PackedSequence refuses None as its data
@@ -518,218 +429,8 @@ def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
     return ""
 
 
-def _loss(spec: dict[str, Any], dtype: torch.dtype | None) -> Any:
-    """The job's loss as the ranks use it: a copy of a loss module cast to ``dtype``."""
-    loss = spec["loss"]
-    return place_loss(copy.deepcopy(loss), None, dtype) if isinstance(loss, nn.Module) else loss
-
-
 def _buffers(layers: Sequence[nn.Module]) -> list[torch.Tensor]:
     return [b for layer in layers for b in layer.buffers()]
-
-
-def _step(layers: Sequence[nn.Module], loss: torch.Tensor, factory: _OnJobParameters,
-          bad: Any) -> None:
-    """The backward, then each layer's optimizer (over its parameters not already given to
-    an earlier layer's, as the runtime builds them) steps on the copies with the gradients
-    in each form the runtime may hand them: a sparse embedding gradient as the backward
-    leaves it (one group: Adam refuses it), then dense (several groups: the sync sums it
-    into a dense buffer, which SparseAdam refuses)."""
-    if not loss.requires_grad:
-        return
-    try:
-        loss.backward()
-    except RuntimeError as exc:  # e.g. an in-place op on what the backward needs
-        raise bad("layers", f"the backward of one microbatch failed, as it would in one "
-                            f"process: {type(exc).__name__}: {exc}") from exc
-    _refuse_coupled_steps(layers, factory, bad)
-    _refuse_state_outside_state_dict(layers, factory, bad)
-    seen: set[int] = set()
-    for i, layer in enumerate(layers):
-        params = [p for p in layer.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in params)
-        params = [p for p in params if p.requires_grad]  # as the runtime: frozen ones left out
-        if not params:
-            continue
-        forms = ["dense"]
-        if any(p.grad is not None and p.grad.is_sparse for p in params):
-            forms.insert(0, "sparse")  # as the backward leaves them: plans of one group
-        for form in forms:
-            if form == "dense":
-                for p in params:
-                    if p.grad is not None and p.grad.is_sparse:
-                        p.grad = p.grad.to_dense()
-            try:
-                optim = factory(params)  # held: a scheduler's step wrapper holds it weakly
-                optim.step()
-            except Exception as exc:
-                how = ("sparse, as the backward leaves them under a plan of one data-parallel "
-                       "group" if form == "sparse" else "dense, summed over replicas")
-                hint = ("; a sparse embedding needs an optimizer taking both sparse and dense "
-                        "gradients (SGD, Adagrad), or sparse=False" if len(forms) > 1 else "")
-                if "closure" in str(exc).lower():
-                    hint += ("; the runtime calls step() without a closure, as its layers' "
-                             "forwards run on other ranks: optimizers re-evaluating the loss "
-                             "(LBFGS, SAM) are not supported")
-                raise bad("optimizer", f"its step failed on item {i}'s ({type(layer).__name__}) "
-                                       f"gradients as the runtime hands them ({how}): "
-                                       f"{type(exc).__name__}: {exc}{hint}") from exc
-
-
-COUPLED_TOLERANCE = 1e-6
-"""Relative difference (to the largest change) between one optimizer over all the layers'
-parameters and one per layer, above which the optimizer is not taken for per-layer."""
-
-
-def _refuse_coupled_steps(layers: Sequence[nn.Module], factory: _OnJobParameters,
-                          bad: Any) -> None:
-    """An optimizer whose step on one layer's parameters depends on other layers' gradients
-    (a wrapper clipping the gradient norm over all its parameters, a norm or trust ratio
-    taken over the whole model): the runtime gives each layer (and each tied parameter) an
-    optimizer of its own, as the layers sit on different ranks, so that such a step would
-    train other values than the one optimizer over the model the job means. Seen on copies
-    of the parameters and gradients (dense), one step over all of them against one step per
-    layer (the parameter lists as in :func:`_step`). A factory failing here is left to
-    :func:`_step`."""
-    lists: list[list[nn.Parameter]] = []
-    items: list[int] = []
-    seen: set[int] = set()
-    for i, layer in enumerate(layers):
-        params = [p for p in layer.parameters() if id(p) not in seen and p.grad is not None]
-        seen.update(id(p) for p in layer.parameters())
-        if params:
-            lists.append(params)
-            items.append(i)
-    if len(lists) < 2:
-        return
-
-    together = [factory.dense_copies(params) for params in lists]
-    apart = [factory.dense_copies(params) for params in lists]
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            optim = factory([q for qs in together for q in qs])
-            optim.step()
-            for qs in apart:
-                optim = factory(qs)
-                optim.step()
-    except Exception:  # _step says what fails
-        return
-    moved = diff = 0.0
-    where = ""
-    for i, params, a, b in zip(items, lists, together, apart, strict=True):
-        for p, u, v in zip(params, a, b, strict=True):
-            if u.numel() == 0 or not (u.is_floating_point() or u.is_complex()):
-                continue
-            moved = max(moved, float((u.detach() - p.detach()).abs().max()))
-            d = float((u.detach() - v.detach()).abs().max())
-            if d > diff:
-                diff, where = d, f"item {i} ({type(layers[i]).__name__})"
-    if diff > COUPLED_TOLERANCE * max(moved, 1e-30) and diff > 0.0:
-        raise bad("optimizer", "one optimizer over all the layers' parameters steps them to "
-                               "other values than one optimizer per layer does (largest "
-                               f"difference {diff:.3g}, {where}, against a largest change of "
-                               f"{moved:.3g}): its step couples parameters of different "
-                               "layers (a gradient-norm clip or a norm taken over all its "
-                               "parameters), or the factory builds another optimizer (or "
-                               "settings) depending on which parameters it is given, and "
-                               "the runtime gives each layer an optimizer "
-                               "of its own, as layers sit on different ranks; clip or "
-                               "normalise per parameter or per layer, or use an element-wise "
-                               "optimizer (SGD, Adam, AdamW, ...)")
-
-
-def _dense_copies(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
-    """Leaf copies of ``params`` with copies of their gradients (dense)."""
-    out = []
-    for p in params:
-        q = nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad)
-        assert p.grad is not None
-        q.grad = (p.grad.to_dense() if p.grad.is_sparse else p.grad).detach().clone()
-        out.append(q)
-    return out
-
-
-def _refuse_state_outside_state_dict(layers: Sequence[nn.Module], factory: _OnJobParameters,
-                                     bad: Any) -> None:
-    """An optimizer keeping state its ``state_dict`` does not hold (a step count in a
-    Python attribute driving an lr warm-up): a layer's optimizer moves to another rank by
-    its ``state_dict`` when a plan switch moves the layer (and a checkpoint holds that
-    only), so such state would restart there. Seen on copies of the first layer's
-    parameters with gradients: after two steps, one more step of the optimizer against one
-    of a fresh optimizer given its ``state_dict``. A factory failing here is left to
-    :func:`_step`."""
-    params = next(([p for p in layer.parameters() if p.grad is not None]
-                   for layer in layers if any(p.grad is not None for p in layer.parameters())),
-                  [])
-    if not params:
-        return
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            ran = factory.dense_copies(params)
-            optim = factory(ran)
-            optim.step()
-            optim.step()
-            moved = factory.dense_copies(ran)
-            fresh = factory(moved)
-            fresh.load_state_dict(copy.deepcopy(optim.state_dict()))
-            optim.step()
-            fresh.step()
-    except Exception:  # _step says what fails
-        return
-    diff = max((float((a.detach() - b.detach()).abs().max()) for a, b in
-                zip(ran, moved, strict=True) if a.numel() and a.is_floating_point()),
-               default=0.0)
-    change = max((float((a.detach() - p.detach()).abs().max()) for a, p in
-                  zip(ran, params, strict=True) if a.numel() and a.is_floating_point()),
-                 default=0.0)
-    if diff > COUPLED_TOLERANCE * max(change, 1e-30):
-        raise bad("optimizer", f"{type(optim).__name__} steps otherwise after a fresh one "
-                               "is given its state_dict (largest difference "
-                               f"{diff:.3g}, against a change of {change:.3g}): it keeps state "
-                               "outside its state_dict (a step count in a Python attribute), "
-                               "which is lost when a plan switch moves a layer and its "
-                               "optimizer to another rank, or at a checkpoint; keep it in "
-                               "self.state or param_groups (torch's lr schedulers step "
-                               "param_groups' 'lr'), or return it from state_dict")
-    # A scheduler stepped from a hook sets the next step's lr after this one: the
-    # parameters agree, but its count restarted in the fresh one (LambdaLR's lr parts).
-    try:
-        drift = _numbers_apart(optim.state_dict(), fresh.state_dict())
-    except Exception:  # a state_dict that fails here fails where it is used
-        drift = None
-    if drift is not None:
-        raise bad("optimizer", f"{type(optim).__name__}'s state_dict {drift} parts after a "
-                               "step from a fresh one given its state_dict: it keeps state "
-                               "outside its state_dict (a learning-rate scheduler stepped "
-                               "from a hook counts its own steps), which is lost when a plan "
-                               "switch moves a layer and its optimizer to another rank, or at "
-                               "a checkpoint; keep the schedule in param_groups or "
-                               "self.state, or return the scheduler's state from state_dict")
-
-
-def _numbers_apart(ours: Any, theirs: Any, where: str = "") -> str | None:
-    """Where two state_dicts first hold numbers apart (a relative difference above 1e-9;
-    ``['param_groups'][0]['lr']``), or None. Tensors are left to the parameters' check.
-    Read from ``state_dict()``, not ``param_groups``: a wrapper holding a scheduler may keep
-    a ``param_groups`` attribute that loading leaves stale."""
-    if isinstance(ours, dict) and isinstance(theirs, dict):
-        for key in ours:
-            if key in theirs:
-                found = _numbers_apart(ours[key], theirs[key], f"{where}[{key!r}]")
-                if found is not None:
-                    return found
-    elif isinstance(ours, (list, tuple)) and isinstance(theirs, (list, tuple)):
-        for i, (u, v) in enumerate(zip(ours, theirs, strict=False)):
-            found = _numbers_apart(u, v, f"{where}[{i}]")
-            if found is not None:
-                return found
-    elif isinstance(ours, (int, float)) and isinstance(theirs, (int, float)) \
-            and not isinstance(ours, bool) and not isinstance(theirs, bool) \
-            and abs(ours - theirs) > 1e-9 * max(abs(ours), abs(theirs), 1e-30):
-        return where
-    return None
 
 
 def _refuse_written_parameters(layers: Sequence[nn.Module],
@@ -762,166 +463,3 @@ def _refuse_shared_updates(layers: Sequence[nn.Module], before: Sequence[torch.T
                                 "forward updates; ranks holding either layer would update "
                                 "copies of it apart. Layers may share parameters, not "
                                 "updated buffers: give each place its own module")
-
-
-def _eval_float64(spec: dict[str, Any], seed: int) -> tuple[list[nn.Module], Any, Any]:
-    """For the notes' comparisons: copies of the layers in float64 and eval mode, the loss
-    cast alike, and ``batch(start, stop, which)``: the inputs (0) or targets (1) of samples
-    ``start..stop`` as the ranks read them, in float64."""
-    layers = build_layers(copy_layers(spec["layers"]), seed, torch.float64)
-    for layer in layers:
-        layer.eval()
-
-    def batch(start: int, stop: int, which: int) -> Any:
-        return _batch(spec["dataset"], range(start, stop), which, torch.float64, None, seed)
-
-    return layers, _loss(spec, torch.float64), batch
-
-
-def _mean_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
-    """The loss of the first global batch's outputs and targets against the ``m/B``-weighted
-    sum of its microbatches' losses, on the same outputs (each microbatch's forward, float64,
-    layers in eval mode; the outputs concatenated along the batch dimension), so that only
-    the loss is compared. Outputs that do not concatenate (a layer returning in-batch
-    similarities, ``m x m`` logits as CLIP's head does): the forward of the first two
-    microbatches as one against the mean of their losses, the model and loss together. None
-    when they agree, or when the model does not run in float64."""
-    b = spec["global_batch"]
-    try:
-        layers, loss, batch = _eval_float64(spec, seed)
-
-        def forward(x: Any) -> Any:
-            for layer in layers:
-                x = layer(x)
-            return x
-
-        # no gradients here: a layer checkpointing itself would warn that none will come
-        with torch.no_grad(), warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            outs = [forward(batch(k, k + m, 0)) for k in range(0, b, m)]
-            losses = [float(loss(x, batch(k, k + m, 1))) for x, k in zip(outs, range(0, b, m),
-                                                                           strict=True)]
-            parts = sum((m / b) * v for v in losses)
-            try:
-                whole = float(loss(_concat(outs), batch(0, b, 1)))
-                coupled = False
-            except Exception:  # outputs that do not concatenate: two microbatches as one
-                if b < 2 * m:
-                    return None
-                whole = float(loss(forward(batch(0, 2 * m, 0)), batch(0, 2 * m, 1)))
-                parts, coupled = (losses[0] + losses[1]) / 2, True
-    except Exception:  # a model that runs only in its own dtype
-        return None
-    if abs(whole - parts) <= MEAN_TOLERANCE * max(1.0, abs(whole)):
-        return None
-    if coupled:
-        return (f"the objective couples the samples of a microbatch: the first two "
-                f"microbatches of {m} give a loss of {whole:.6g} as one and a mean of "
-                f"{parts:.6g} apart (a layer comparing samples with each other, such as "
-                "in-batch negatives in a contrastive head). Every plan trains on microbatches "
-                f"of {m}, so the objective depends on the microbatch size; train-check "
-                "compares like with like. See docs/trainer.md, 'Loss'.")
-    return (f"the loss is not a mean over samples: on the first global batch's outputs it is "
-            f"{whole:.6g}, but the {m}/{b}-weighted sum of its microbatches' losses is "
-            f"{parts:.6g} (a mean over a varying count or weight, such as cross_entropy's "
-            "ignore_index on padded targets or its class weights (weight=w), or a loss "
-            "comparing samples with each other, such as a contrastive loss's in-batch "
-            "negatives). Every plan trains on the weighted sum, as gradient accumulation "
-            "does, so the objective depends on the microbatch size; "
-            "train-check compares like with like. See docs/trainer.md, 'Loss'.")
-
-
-def _gradient_note(spec: dict[str, Any], m: int, seed: int) -> str | None:
-    """The gradients of the first global batch's mean loss taken as one batch against the
-    ``m/B``-weighted sum of its microbatches' gradients (float64, layers in eval mode), for
-    a loss that is a mean (:func:`_mean_note` found nothing). They differ when the model
-    computes over the microbatch: in its forward (a layer centring by the microbatch's
-    mean, routing or quantising by it: the outputs differ too, and the note says so) or
-    only in its backward (``Embedding(scale_grad_by_freq=True)`` divides each row's
-    gradient by its count in the microbatch). None when they agree, or when the model does
-    not run in float64 or take the whole batch at once."""
-    b = spec["global_batch"]
-    try:
-        layers, loss, batch = _eval_float64(spec, seed)
-        params = [(i, name, p) for i, layer in enumerate(layers)
-                  for name, p in layer.named_parameters() if p.requires_grad]
-
-        def grads(spans: Sequence[tuple[int, int]]) -> tuple[list[torch.Tensor], list[Any]]:
-            for _, _, p in params:
-                p.grad = None
-            outs = []
-            for start, stop in spans:
-                x = batch(start, stop, 0)
-                for layer in layers:
-                    x = layer(x)
-                outs.append(map_tensors(lambda t: t.detach(), x))
-                ((stop - start) / b * loss(x, batch(start, stop, 1))).backward()
-            return [torch.zeros_like(p) if p.grad is None else
-                    p.grad.to_dense() if p.grad.is_sparse else p.grad.clone()
-                    for _, _, p in params], outs
-
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            whole, whole_out = grads([(0, b)])
-            parts, parts_out = grads([(k, k + m) for k in range(0, b, m)])
-    except Exception:  # a model that runs only in its own dtype, or on m samples at a time
-        return None
-    if not params:
-        return None
-    scale = max(1.0, max(float(g.abs().max()) if g.numel() else 0.0 for g in whole))
-    diffs = [float((g - h).abs().max()) if g.numel() else 0.0
-             for g, h in zip(whole, parts, strict=True)]
-    worst = max(range(len(diffs)), key=diffs.__getitem__)
-    if diffs[worst] <= MEAN_TOLERANCE * scale:
-        return None
-    i, name, _ = params[worst]
-    where = (f"for item {i} ({type(layers[i]).__name__}) {name!r} the first global batch's "
-             "gradient taken as one batch and the sum of its microbatches' gradients differ "
-             f"by {diffs[worst]:.3g} (layers in eval mode)")
-    if _outputs_differ(whole_out[0], parts_out):
-        why = ("and so do its outputs: a layer computes over the microbatch in its forward "
-               "(centring or normalising by the microbatch's own statistics outside "
-               "BatchNorm, routing or quantising by them)")
-    else:
-        why = ("although its outputs and the loss, a mean over samples, agree: a backward "
-               "works on the microbatch's gradient as a whole (Embedding(scale_grad_by_freq="
-               "True) divides a row's gradient by its count in the microbatch; a gradient "
-               "hook that clamps or normalises sees one microbatch's gradient, not the "
-               "batch's)")
-    return (f"the gradients depend on how samples are grouped into microbatches: {where}, "
-            f"{why}. Every plan trains on microbatches of {m}, so training depends on the "
-            "microbatch size; train-check compares like with like. See docs/trainer.md, "
-            "'Loss'.")
-
-
-def _outputs_differ(whole: Any, parts: Sequence[Any]) -> bool:
-    """Whether the whole batch's outputs differ from its microbatches' concatenated (False
-    when they do not concatenate)."""
-    try:
-        joined = _concat(parts)
-    except Exception:
-        return False
-    a, b = pytree.tree_leaves(whole), pytree.tree_leaves(joined)
-    return len(a) != len(b) or any(
-        isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor) and x.shape == y.shape
-        and x.is_floating_point()
-        and float((x - y).abs().max()) > MEAN_TOLERANCE * max(1.0, float(x.abs().max()))
-        for x, y in zip(a, b, strict=False))
-
-
-def _concat(values: Sequence[Any]) -> Any:
-    """Microbatch outputs as one batch: tensor leaves concatenated along dimension 0; other
-    leaves must be equal (ValueError otherwise)."""
-    flat = [pytree.tree_flatten(v) for v in values]
-    spec = flat[0][1]
-    if any(s != spec for _, s in flat):
-        raise ValueError("the microbatches' outputs differ in structure")
-    leaves = []
-    for column in zip(*(leaves for leaves, _ in flat), strict=True):
-        if all(isinstance(t, torch.Tensor) and t.dim() > 0 for t in column):
-            leaves.append(torch.cat(column))
-        elif all(not isinstance(v, torch.Tensor) and v == column[0] for v in column):
-            leaves.append(column[0])
-        else:
-            raise ValueError("an output leaf does not concatenate")
-    return pytree.tree_unflatten(leaves, spec)

@@ -29,7 +29,7 @@ runtime does at a cut. Per layer:
   of those layers stores a copy.
 
 Profiling runs on copies of the layers given as modules (one
-``copy.deepcopy`` over all of them (:func:`~hetpilot.trainer.runtime.copy_layers`), so tied parameters stay tied within the
+``copy.deepcopy`` over all of them (:func:`~hetpilot.trainer.layers.copy_layers`), so tied parameters stay tied within the
 copy): the user's modules keep their parameters, gradients and buffers
 (BatchNorm running statistics) as they were. Factories are called.
 
@@ -50,8 +50,8 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 from .activations import register_dataclasses
+from .layers import copy_layers
 from .precision import cast_floating, precision_for
-from .runtime import copy_layers
 
 __all__ = ["flop_counter", "layer_times", "profile_model"]
 

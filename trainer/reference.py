@@ -27,17 +27,17 @@ from torch.utils.data import default_collate
 
 from .activations import map_tensors
 from .itemseed import read_items
+from .layers import build_layer, place_loss
 from .pipeline import loss_problem, microbatch_seed, seeded
 from .plans import check_plan
 from .precision import Precision, cast_floating
 from .replicas import full_state, merge_buffer
-from .runtime import build_layer, place_loss
 
 __all__ = ["ReferenceRun", "build_layers"]
 
 
 def build_layers(specs: Sequence[Any], seed: int, dtype: torch.dtype | None) -> list[nn.Module]:
-    """The layers as the runtime builds them (:func:`~hetpilot.trainer.runtime.build_layer`):
+    """The layers as the runtime builds them (:func:`~hetpilot.trainer.layers.build_layer`):
     modules as given, factories under ``layer_seed``; floating state cast to ``dtype``."""
     out = []
     for layer, spec in enumerate(specs):

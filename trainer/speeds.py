@@ -1,4 +1,4 @@
-"""Seconds per layer on the job's own device, for the daemon to plan with (issue 14).
+"""Seconds per layer on the job's own device, for the daemon to plan with.
 
 Why: the agents' matmul probe says what a device does on one large square
 matmul; a real layer runs 3-15x slower than that, by a factor that depends on
@@ -138,7 +138,7 @@ def measure_layer_times(
         times, x = done[key]
         out.append(times)
     if loss is not None and out:
-        from .runtime import place_loss  # the runtime's rule: a loss module to the device
+        from .layers import place_loss  # the runtime's rule: a loss module to the device
 
         own = copy.deepcopy(loss[0]) if isinstance(loss[0], nn.Module) else loss[0]  # untouched
         fn, targets = place_loss(own, dev, None), _resized(loss[1], microbatch, dev)

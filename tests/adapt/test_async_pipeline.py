@@ -7,8 +7,8 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from hetpilot.trainer._asyncfns import tiny_data, tiny_mlp
 from hetpilot.trainer.async_pipeline import Phase, PipeConfig, run_local
+from hetpilot.trainer.testing.async_jobs import tiny_data, tiny_mlp
 from torch import nn
 
 S, N, MB, LR = 3, 12, 8, 0.1

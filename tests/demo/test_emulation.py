@@ -101,7 +101,7 @@ def test_trainer_rank_follows_the_file(tmp_path: Path) -> None:
     import torch.distributed as dist
     from hetpilot.trainer.launch import free_port
     from hetpilot.trainer.plans import StaticPlanSource
-    from hetpilot.trainer.runtime import Trainer
+    from hetpilot.trainer.runtime import Trainer, TrainerConfig
 
     path = tmp_path / "emu.json"
     write_emulation(path, {"h:0": 0.002})
@@ -114,13 +114,15 @@ def test_trainer_rank_follows_the_file(tmp_path: Path) -> None:
         trainer = Trainer([torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)],
                           torch.nn.functional.mse_loss,
                           lambda p: torch.optim.SGD(p, lr=0.1),
-                          torch.utils.data.TensorDataset(x, y), global_batch=8,
-                          device_id="h:0", plan_source=StaticPlanSource([plan]),
-                          layer_gflop=[(1e-6, 2e-6), (1e-6, 2e-6)], emulate_file=path)
+                          torch.utils.data.TensorDataset(x, y),
+                          TrainerConfig(global_batch=8, device_id="h:0",
+                                        layer_gflop=[(1e-6, 2e-6), (1e-6, 2e-6)],
+                                        emulate_file=path),
+                          plan_source=StaticPlanSource([plan]))
         assert trainer.emulate_tflops == 0.002
         trainer.poll_plan()
         trainer.train_step()
-        runner = trainer._runner
+        runner = trainer._part.runner
         assert runner is not None
         fwd = 4 * 2e-6 / (1000 * 0.002)
         assert runner.fwd_target_s == pytest.approx(fwd)
@@ -133,7 +135,7 @@ def test_trainer_rank_follows_the_file(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="names no speed"):
             Trainer([torch.nn.Linear(3, 2)], torch.nn.functional.mse_loss,
                     lambda p: torch.optim.SGD(p, lr=0.1), torch.utils.data.TensorDataset(x, y),
-                    global_batch=8, device_id="other:0", layer_gflop=[(1e-6, 2e-6)],
-                    emulate_file=path)
+                    TrainerConfig(global_batch=8, device_id="other:0",
+                                  layer_gflop=[(1e-6, 2e-6)], emulate_file=path))
     finally:
         dist.destroy_process_group()

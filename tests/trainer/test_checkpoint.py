@@ -16,7 +16,7 @@ from hetpilot.trainer import checkpoint as ckpt
 from hetpilot.trainer.examples import mlp
 from hetpilot.trainer.launch import free_port, init_local
 from hetpilot.trainer.plans import StaticPlanSource
-from hetpilot.trainer.runtime import Trainer
+from hetpilot.trainer.runtime import Trainer, TrainerConfig
 from torch import nn
 
 PLAN = {"microbatch_size": 4, "schedule": "1f1b",
@@ -132,7 +132,7 @@ def one_rank() -> Iterator[None]:
 def _trainer() -> Trainer:
     spec = mlp()
     return Trainer(spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-                   global_batch=spec["global_batch"], device_id="solo:0",
+                   TrainerConfig(global_batch=spec["global_batch"], device_id="solo:0"),
                    plan_source=StaticPlanSource([plan_from_dict(PLAN)]))
 
 

@@ -320,12 +320,12 @@ def test_source_finish_reports_the_outcome_unless_torchrun_restarts(
 def test_stage_timings_correct_a_measurement_the_device_stopped_matching(
         daemon: Daemon, tmp_path: Path) -> None:
     """Rank 0's device, the faster at Attach, slows down 8x past rank 1's after it
-    (``_jobfns:drowsy_tiny``): rank 0 sees its stage timings disagree with its layer times
+    (``testing.jobs:drowsy_tiny``): rank 0 sees its stage timings disagree with its layer times
     for three slots and sends them again, scaled; the daemon plans with the new ones and
     moves the job off that device. The job gives no ``sample``: the trainer profiles and
     times it on the dataset's first items, so the profile-on-attach job gets its model."""
     job_id = daemon.setup_job()
-    outs = _train_two_ranks(daemon, job_id, tmp_path, "hetpilot.trainer._jobfns:drowsy_tiny",
+    outs = _train_two_ranks(daemon, job_id, tmp_path, "hetpilot.trainer.testing.jobs:drowsy_tiny",
                             16, timeout=90)
     assert daemon.job(job_id).model_name == "drowsy_tiny"
     factors = [float(line.split(" were ")[1].split("x ")[0]) for line in outs[0][1].splitlines()

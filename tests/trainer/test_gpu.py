@@ -38,15 +38,15 @@ def test_one_rank_trains_in_bfloat16_on_cuda(tmp_path: object) -> None:
     from hetpilot.planner.serde import plan_from_dict
     from hetpilot.trainer.examples import gpt
     from hetpilot.trainer.launch import free_port
-    from hetpilot.trainer.runtime import Trainer
+    from hetpilot.trainer.runtime import Trainer, TrainerConfig
 
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0,
                             world_size=1)
     try:
         spec = gpt()
         trainer = Trainer(spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-                          global_batch=spec["global_batch"], device_id="gpu:0",
-                          device="cuda", dtype=torch.bfloat16)
+                          TrainerConfig(global_batch=spec["global_batch"], device_id="gpu:0",
+                                        device="cuda", dtype=torch.bfloat16))
         n = len(spec["layers"])
         trainer.switch(plan_from_dict({"microbatch_size": 4, "schedule": "1f1b", "groups": [
             {"samples": spec["global_batch"], "stages": [{"device": "gpu:0", "layers": [0, n]}]}]}))

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from hetpilot.trainer._rankfns import SWITCH_AT, _midepoch_run, midepoch_reference
 from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.testing.ranks import SWITCH_AT, _midepoch_run, midepoch_reference
 
 
 @pytest.mark.parametrize("dtype", ["float64", "bfloat16", "float16"])

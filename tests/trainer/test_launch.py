@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch.multiprocessing as mp
-from hetpilot.trainer._rankfns import _fails_on_rank
 from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.testing.ranks import _fails_on_rank
 
 
 @pytest.mark.timeout(120)

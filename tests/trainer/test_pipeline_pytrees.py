@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hetpilot.trainer._rankfns import _activation_round_trip
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.pipeline import StageRunner
+from hetpilot.trainer.testing.ranks import _activation_round_trip
 from torch import nn
 
 

@@ -85,8 +85,8 @@ def test_sources(tmp_path) -> None:
     first = src.poll(0)
     assert first is not None and first.version == 1
     assert src.poll(1) is None
-    src.epoch = 2
-    second = src.poll(1)
+    assert src.poll(1, epoch=1) is None
+    second = src.poll(1, epoch=2)
     assert second is not None and second.version == 2
     path = tmp_path / "plan.json"
     import json

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hetpilot.trainer._rankfns import _scaler_run
 from hetpilot.trainer.check import MIXED_TOLERANCE, SAME_PRECISION_TOLERANCE, run_check
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.precision import precision_for
+from hetpilot.trainer.testing.ranks import _scaler_run
 
 
 def test_dtype_names_mean_a_cast_or_mixed_precision() -> None:
@@ -72,7 +72,7 @@ def test_bfloat16_ranks_equal_one_process_computing_on_one_thread() -> None:
     0.5) when the reference computed on the machine's 2 threads; on one, as the ranks,
     every kernel sums in the same order and nothing differs."""
     lines: list[str] = []
-    worst = run_check(2, job="hetpilot.trainer._jobfns:decoder_tiny", dtype="bfloat16",
+    worst = run_check(2, job="hetpilot.trainer.testing.activation_jobs:decoder_tiny", dtype="bfloat16",
                       log=lines.append)
     assert worst["bfloat16 in one process"].value == 0.0, "\n".join(lines)
     assert 0.0 < worst["float32 in one process"].value <= MIXED_TOLERANCE["bfloat16"]
@@ -84,7 +84,7 @@ def test_a_models_own_sensitivity_to_bfloat16_is_not_the_runtimes_error() -> Non
     and up to 36% in the mean loss, above the ranks' 0.1 against float32; the second pass
     counts only beyond that drift, tensor by tensor and in the loss."""
     lines: list[str] = []
-    worst = run_check(2, job="hetpilot.trainer._jobfns:mobile_tiny", dtype="bfloat16",
+    worst = run_check(2, job="hetpilot.trainer.testing.jobs:mobile_tiny", dtype="bfloat16",
                       log=lines.append)
     assert any(line.startswith("above the tolerance") for line in lines), "\n".join(lines)
     f32 = worst["float32 in one process"]
@@ -96,7 +96,7 @@ def test_a_models_own_sensitivity_to_bfloat16_is_not_the_runtimes_error() -> Non
 def test_a_misweighted_rank_still_fails_beyond_the_bfloat16_noise_floor() -> None:
     """The same job with rank 1's loss 3x too heavy (1.2x fails too, by hand): far beyond
     the floors, in both comparisons."""
-    worst = run_check(2, job="hetpilot.trainer._jobfns:misweighted_decoder_tiny",
+    worst = run_check(2, job="hetpilot.trainer.testing.activation_jobs:misweighted_decoder_tiny",
                       dtype="bfloat16", log=lambda _: None)
     assert worst["bfloat16 in one process"].value > 2 * SAME_PRECISION_TOLERANCE
     assert worst["float32 in one process"].value > MIXED_TOLERANCE["bfloat16"]
@@ -108,7 +108,7 @@ def test_complex_parameters_are_compared_up_to_the_tolerance_in_bfloat16() -> No
     its complex tensors had been taken for integer ones, which must be equal, and failed
     the check with an infinite difference though the ranks trained as one process."""
     lines: list[str] = []
-    worst = run_check(2, job="hetpilot.trainer._jobfns:spectral_tiny", dtype="bfloat16",
+    worst = run_check(2, job="hetpilot.trainer.testing.activation_jobs:spectral_tiny", dtype="bfloat16",
                       log=lines.append)
     assert worst["bfloat16 in one process"].value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
     assert worst["float32 in one process"].value <= MIXED_TOLERANCE["bfloat16"], "\n".join(lines)
@@ -130,7 +130,7 @@ def test_float16_loss_scaling_takes_sparse_gradients() -> None:
     stays sparse, and the overflow check (``isfinite``, which sparse tensors lack) crashed
     the rank; it now reads the values, as torch.amp.GradScaler does."""
     lines: list[str] = []
-    worst = run_check(3, job="hetpilot.trainer._jobfns:sparse_tiny", dtype="float16",
+    worst = run_check(3, job="hetpilot.trainer.testing.jobs:sparse_tiny", dtype="float16",
                       log=lines.append)
     assert worst["float16 in one process"].value <= SAME_PRECISION_TOLERANCE, "\n".join(lines)
     assert worst["float32 in one process"].value <= MIXED_TOLERANCE["float16"], "\n".join(lines)

@@ -45,7 +45,7 @@ def test_profile_command_writes_model(tmp_path: Path) -> None:
 
 
 def test_profile_takes_a_sample_from_the_dataset_when_the_job_gives_none(tmp_path: Path) -> None:
-    res = _hetpilot("profile", "--model", "hetpilot.trainer._jobfns:drowsy_tiny")
+    res = _hetpilot("profile", "--model", "hetpilot.trainer.testing.jobs:drowsy_tiny")
     assert res.returncode == 0, res.stderr
     assert len(model_from_dict(json.loads(res.stdout)).layers) == 4
     (tmp_path / "layers_only.py").write_text(

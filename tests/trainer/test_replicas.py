@@ -8,9 +8,9 @@ import math
 from pathlib import Path
 
 import torch
-from hetpilot.trainer._rankfns import REPLICA_CASES, _replica_run
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.replicas import merge_buffer
+from hetpilot.trainer.testing.ranks import REPLICA_CASES, _replica_run
 
 WEIGHTS = (0.25, 0.75)
 

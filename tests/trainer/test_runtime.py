@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 import torch
 from hetpilot.planner.serde import plan_from_dict, plan_to_dict
-from hetpilot.trainer._rankfns import (
+from hetpilot.trainer.launch import spawn
+from hetpilot.trainer.testing.ranks import (
     PLAN_1F1B_2,
     PLAN_A,
     PLAN_CROSSED,
@@ -21,7 +22,6 @@ from hetpilot.trainer._rankfns import (
     one_process_reference,
     reference_states,
 )
-from hetpilot.trainer.launch import spawn
 
 
 def _assert_held_match(out: Path, ranks: int, reference: Any) -> None:
@@ -64,7 +64,7 @@ def test_messages_matched_in_send_order_as_nccl_matches_them(tmp_path: Path) -> 
 @pytest.mark.parametrize(("plan", "ranks"), [(PLAN_1F1B_2, 2), (PLAN_CROSSED, 3)])
 def test_pipelines_train_under_nccl_like_point_to_point(tmp_path: Path, plan: dict[str, Any],
                                                         ranks: int) -> None:
-    """EMULATED NCCL (``_rankfns.NcclLikeP2P``: per rank pair and group one stream running
+    """EMULATED NCCL (``testing.ranks.NcclLikeP2P``: per rank pair and group one stream running
     its messages in posting order, no tags, a send done only when the peer's stream reaches
     the receive): with the gradients in a group of their own, a 1F1B pipeline and the
     crossed custom plan train as one process does."""
@@ -100,8 +100,8 @@ def test_plan_dicts_round_trip() -> None:
 def test_epoch_record_has_loss_and_the_eval_hook_metric(tmp_path: Path) -> None:
     """The held-out metric equals the trained model evaluated in one process (eval mode:
     BatchNorm uses its running statistics), over 4 microbatches of 2, 2, 2, 1 samples."""
-    from hetpilot.trainer._jobfns import bn_tiny
-    from hetpilot.trainer._rankfns import _eval_hook_run
+    from hetpilot.trainer.testing.jobs import bn_tiny
+    from hetpilot.trainer.testing.ranks import _eval_hook_run
     from torch import nn
 
     spawn(_eval_hook_run, 2, (str(tmp_path),), timeout_s=45)
@@ -122,7 +122,7 @@ def test_epoch_record_has_loss_and_the_eval_hook_metric(tmp_path: Path) -> None:
 def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -> None:
     """The runtime's one-index gather of a TensorDataset gives what DataLoader's
     default_collate gives from one sample at a time: values, dtype and shape."""
-    from hetpilot.trainer.runtime import Trainer
+    from hetpilot.trainer.batches import collate
     from torch.utils.data import TensorDataset, default_collate
 
     gen = torch.Generator().manual_seed(0)
@@ -131,7 +131,7 @@ def test_tensor_datasets_are_gathered_exactly_as_default_collate_stacks_them() -
                          torch.randn(40, generator=gen, dtype=torch.float64))
     for indices in ([7, 3, 3, 39, 0], [12], list(range(40))):
         for which in range(3):
-            fast = Trainer._collate(data, indices, which)
+            fast = collate(data, indices, which)
             slow = default_collate([data[i][which] for i in indices])
             assert fast.dtype == slow.dtype and fast.shape == slow.shape
             assert torch.equal(fast, slow)
@@ -144,29 +144,29 @@ def test_items_augmented_at_random_are_read_alike_by_first_and_last_stage() -> N
     generators where they were; another epoch draws anew."""
     import random
 
-    from hetpilot.trainer._jobfns import JointFlip
-    from hetpilot.trainer.runtime import Trainer
+    from hetpilot.trainer.batches import collate
+    from hetpilot.trainer.testing.jobs import JointFlip
 
     data = JointFlip()
     indices = list(range(16))
     torch.manual_seed(1)
     random.seed(1)
-    xs = Trainer._collate(data, indices, 0, 3, 1)
+    xs = collate(data, indices, 0, 3, 1)
     after = (torch.rand(3), random.random())
     torch.manual_seed(1)
     random.seed(1)
     assert torch.equal(torch.rand(3), after[0]) and random.random() == after[1]
     torch.manual_seed(2)
     random.seed(2)  # the last stage's rank: its generators are in another state
-    ys = Trainer._collate(data, indices, 1, 3, 1)
+    ys = collate(data, indices, 1, 3, 1)
     sign = ys[:, :1] / data.y[indices, :1]
     assert torch.allclose(sign.abs(), torch.ones_like(sign))
     assert {float(s) for s in sign} == {-1.0, 1.0}
     shift = xs - sign * data.x[indices]  # the same shift over an item's features
     assert torch.allclose(ys, sign * data.y[indices])
     assert torch.allclose(shift, shift[:, :1].expand_as(shift))
-    assert torch.equal(Trainer._collate(data, indices, 0, 3, 1), xs)
-    assert not torch.equal(Trainer._collate(data, indices, 0, 3, 2), xs)
+    assert torch.equal(collate(data, indices, 0, 3, 1), xs)
+    assert not torch.equal(collate(data, indices, 0, 3, 2), xs)
 
 
 def test_seeded_draws_repeat_and_leave_the_generator_where_it_was() -> None:
@@ -194,7 +194,7 @@ def test_copies_of_an_old_weight_norm_layer_compute_what_it_computes() -> None:
     # which deepcopy refuses: train-check and profile crashed on vocoder-style layers
     import copy
 
-    from hetpilot.trainer.runtime import copy_layers
+    from hetpilot.trainer.layers import copy_layers
     from torch import nn
 
     torch.manual_seed(0)
@@ -214,7 +214,7 @@ def test_copies_of_an_old_weight_norm_layer_compute_what_it_computes() -> None:
 def test_copies_of_a_layer_keep_its_parameters_gradient_hooks() -> None:
     # deepcopy drops them: the pre-flight and the profile ran a backward without the
     # job's gradient clamp (so its note never came) or its raising hook
-    from hetpilot.trainer.runtime import copy_layers
+    from hetpilot.trainer.layers import copy_layers
     from torch import nn
 
     layer, accumulated = nn.Linear(3, 2), []
@@ -229,7 +229,7 @@ def test_copies_of_a_layer_keep_its_parameters_gradient_hooks() -> None:
 
 
 def test_a_layer_keeping_a_computed_tensor_is_refused_naming_it() -> None:
-    from hetpilot.trainer.runtime import copy_layers
+    from hetpilot.trainer.layers import copy_layers
     from torch import nn
 
     layer = nn.Linear(3, 4)

@@ -154,8 +154,8 @@ def test_layers_writing_into_their_input_are_profiled_and_timed() -> None:
     """ReLU(inplace=True) as a layer of its own: the profile and the job's own timing (what
     ``hetpilot train`` sends on Attach) give each layer its input behind a copy, as the
     runtime's stages do, instead of failing on an in-place write into an autograd leaf."""
-    from hetpilot.trainer._jobfns import inplace_tiny
     from hetpilot.trainer.profile import profile_model
+    from hetpilot.trainer.testing.jobs import inplace_tiny
 
     job = inplace_tiny()
     layers = job["layers"]

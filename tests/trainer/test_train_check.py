@@ -85,7 +85,10 @@ def test_builtin_mlp_matches_one_process(ranks: int) -> None:
     ],
 )
 def test_mechanisms_match_one_process(job: str, layers: int) -> None:
-    lines = _check(f"hetpilot.trainer._jobfns:{job}", 3)
+    from hetpilot.trainer.testing import activation_jobs
+
+    module = "activation_jobs" if job in activation_jobs.__all__ else "jobs"
+    lines = _check(f"hetpilot.trainer.testing.{module}:{job}", 3)
     assert _cuts(lines) == set(range(1, layers)), "\n".join(lines)
     if job in ("inplace_tiny", "dropout_tiny", "specnorm_tiny", "rrelu_tiny", "weighted_tiny",
                "dictskip_tiny"):
@@ -98,7 +101,7 @@ def test_rounding_noise_of_a_bias_before_batchnorm_is_not_a_failure() -> None:
     """At 4 ranks the bias before BatchNorm differs by more than the tolerance (Adam scales
     the rounding noise of its zero gradient up), which failed the check before the noise
     floor; the floor names that bias and the run passes."""
-    lines = _check("hetpilot.trainer._jobfns:bnbias_tiny", 4)
+    lines = _check("hetpilot.trainer.testing.jobs:bnbias_tiny", 4)
     plain = [float(m.group(1)) for line in lines
              if (m := re.search(r"max \|diff\| = (\S+) at", line))]
     assert max(plain) > 1e-9, "\n".join(lines)
@@ -178,7 +181,7 @@ def test_cli_names_the_differing_layer_and_exits_1() -> None:
     """A negative tolerance always fails: exit 1 and the layer that differs most."""
     res = subprocess.run(
         [sys.executable, "-m", "hetpilot", "train-check", "--job",
-         "hetpilot.trainer._jobfns:tied_tiny", "--ranks", "2", "--tolerance", "-1"],
+         "hetpilot.trainer.testing.jobs:tied_tiny", "--ranks", "2", "--tolerance", "-1"],
         capture_output=True, text=True, timeout=110)
     assert res.returncode == 1, res.stderr[-2000:]
     assert re.search(r"at plan v\d+, (layer \d+ \(\w+\) '[\w.]+' on rank \d|the mean loss)",
@@ -257,14 +260,15 @@ def test_init_local_refuses_an_unknown_backend() -> None:
 
 
 def staged_pytree_tiny() -> dict[str, Any]:
-    """``_jobfns:pytree_tiny`` (tuple and dict activations, integer and non-tensor leaves)
+    """``testing.activation_jobs:pytree_tiny`` (tuple and dict activations, integer and non-tensor leaves)
     whose ranks send every activation, gradient and moved state through a host copy, as
     CUDA tensors cross under gloo (``activations.through_host``): that path, on the CPU.
     The job function runs in each rank, process group up, where it patches the rule, and
     in the checking process, which it leaves alone; the first staged message touches the
     file ``$STAGED_MARK``."""
     import torch.distributed as dist
-    from hetpilot.trainer import _jobfns, activations
+    from hetpilot.trainer import activations
+    from hetpilot.trainer.testing import activation_jobs
 
     if dist.is_initialized():
         mark = Path(os.environ["STAGED_MARK"])
@@ -275,7 +279,7 @@ def staged_pytree_tiny() -> dict[str, Any]:
             return True
 
         activations.through_host = staged  # wire_device reads it there, the runtime's too
-    return _jobfns.pytree_tiny()
+    return activation_jobs.pytree_tiny()
 
 
 @pytest.mark.slow

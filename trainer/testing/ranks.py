@@ -17,9 +17,10 @@ import torch
 from hetpilot.planner.serde import plan_from_dict
 from torch import nn
 
-from .check import _adam, _dataset, make_layers
-from .plans import StaticPlanSource
-from .runtime import JsonlReporter, Trainer
+from ..check import _adam, _dataset, make_layers
+from ..plans import StaticPlanSource
+from ..records import JsonlReporter
+from ..runtime import Trainer, TrainerConfig
 
 CFG: dict[str, Any] = {"num_layers": 6, "batch": 16, "iterations": 2, "seed": 3}
 
@@ -42,15 +43,16 @@ def _trainer(rank: int, plan: dict, out: Path) -> Trainer:
     return Trainer(
         make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
         _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-        global_batch=CFG["batch"], device_id=f"local:{rank}",
-        plan_source=StaticPlanSource([plan_from_dict(plan)]), seed=CFG["seed"],
-        dtype=torch.float64, reporter=JsonlReporter(out / f"report{rank}.jsonl"),
+        TrainerConfig(global_batch=CFG["batch"], device_id=f"local:{rank}", seed=CFG["seed"],
+                      dtype=torch.float64),
+        plan_source=StaticPlanSource([plan_from_dict(plan)]),
+        reporter=JsonlReporter(out / f"report{rank}.jsonl"),
     )
 
 
 def reference_states() -> list[dict[str, torch.Tensor]]:
     """One process taking the same steps: PLAN_A for epoch 0, PLAN_B for epoch 1."""
-    from .reference import ReferenceRun, build_layers
+    from ..reference import ReferenceRun, build_layers
 
     ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
                        nn.functional.mse_loss, _adam,
@@ -103,7 +105,7 @@ PLAN_CROSSED = {  # 3 stages whose custom orders run the microbatches in other o
 def one_process_reference(plan: dict[str, Any]) -> dict[int, dict[str, torch.Tensor]]:
     """One process taking ``plan``'s steps on a batch of 8 (:func:`_untagged_run`,
     :func:`_nccl_like_run`)."""
-    from .reference import ReferenceRun, build_layers
+    from ..reference import ReferenceRun, build_layers
 
     ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"], torch.float64),
                        nn.functional.mse_loss, _adam,
@@ -119,8 +121,8 @@ def _batch8_run(rank: int, out: str, plan: dict[str, Any], gradient_group: bool)
     trainer = Trainer(
         make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
         _dataset(CFG["batch"] * CFG["iterations"], CFG["seed"]),
-        global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"], dtype=torch.float64,
-        gradient_group=gradient_group)
+        TrainerConfig(global_batch=8, device_id=f"local:{rank}", seed=CFG["seed"],
+                      dtype=torch.float64, gradient_group=gradient_group))
     trainer.switch(plan_from_dict(plan))
     trainer.train_epoch(max_iterations=CFG["iterations"])
     _save_held(trainer, Path(out) / f"held{rank}.pt")
@@ -130,7 +132,7 @@ def _untagged_run(rank: int, world: int, out: str) -> None:
     """PLAN_CROSSED with every message tag 0, so that gloo matches messages between two
     ranks in the order they were sent, as NCCL (which has no tags) does, and gradients in
     a group of their own, as under NCCL."""
-    from . import activations
+    from .. import activations
 
     activations.tag = lambda k, backward, slot: 0
     _batch8_run(rank, out, PLAN_CROSSED, gradient_group=True)
@@ -213,7 +215,7 @@ PLAN_1F1B_2 = {
 def _nccl_like_run(rank: int, world: int, out: str, plan: dict[str, Any],
                    gradient_group: bool) -> None:
     """``plan`` with the pipeline's messages under :class:`NcclLikeP2P` (EMULATED NCCL)."""
-    from . import activations
+    from .. import activations
 
     activations.dist = NcclLikeP2P()  # type: ignore[assignment]
     _batch8_run(rank, out, plan, gradient_group)
@@ -221,7 +223,7 @@ def _nccl_like_run(rank: int, world: int, out: str, plan: dict[str, Any],
 
 def _activation_round_trip(rank: int, world: int, out: str) -> None:
     """Rank 0 sends a nested activation forward, rank 1 sends gradients back."""
-    from .activations import grad_leaves, recv_activation, recv_grads, send_activation, send_grads
+    from ..activations import grad_leaves, recv_activation, recv_grads, send_activation, send_grads
 
     w = torch.ones(3, requires_grad=True)
     if rank == 0:
@@ -252,7 +254,7 @@ def _activation_round_trip(rank: int, world: int, out: str) -> None:
 
 def _eval_hook_run(rank: int, world: int, out: str) -> None:
     """bn_tiny on a 2-stage pipeline with an evaluation hook; rank 0 saves what it needs."""
-    from ._jobfns import bn_tiny
+    from .jobs import bn_tiny
 
     spec = bn_tiny()
     gen = torch.Generator().manual_seed(9)
@@ -262,7 +264,8 @@ def _eval_hook_run(rank: int, world: int, out: str) -> None:
         {"samples": 24, "stages": [{"device": "local:0", "layers": [0, 2]},
                                    {"device": "local:1", "layers": [2, 3]}]}]}
     trainer = Trainer(spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
-                      global_batch=spec["global_batch"], device_id=f"local:{rank}",
+                      TrainerConfig(global_batch=spec["global_batch"],
+                                    device_id=f"local:{rank}"),
                       plan_source=StaticPlanSource([plan_from_dict(plan)]),
                       eval_dataset=held_out, metric=nn.functional.cross_entropy)
     records = trainer.fit(1)
@@ -285,8 +288,9 @@ def _midepoch_run(rank: int, world: int, out_dir: str, dtype: str) -> None:
     out = Path(out_dir)
     trainer = Trainer(
         make_layers(CFG["num_layers"]), nn.functional.mse_loss, _adam,
-        _dataset(CFG["batch"] * 4, CFG["seed"]), global_batch=CFG["batch"],
-        device_id=f"local:{rank}", seed=CFG["seed"], dtype=getattr(torch, dtype),
+        _dataset(CFG["batch"] * 4, CFG["seed"]),
+        TrainerConfig(global_batch=CFG["batch"], device_id=f"local:{rank}", seed=CFG["seed"],
+                      dtype=getattr(torch, dtype)),
         plan_source=StaticPlanSource([plan_from_dict(PLAN_A), plan_from_dict(PLAN_B)],
                                      at_step=[0, SWITCH_AT]),
     )
@@ -301,7 +305,7 @@ def _midepoch_run(rank: int, world: int, out_dir: str, dtype: str) -> None:
 
 def midepoch_reference(dtype: str) -> list[dict[str, torch.Tensor]]:
     """One process: PLAN_A for SWITCH_AT steps, then PLAN_B to the end of epoch 1."""
-    from .reference import ReferenceRun, build_layers
+    from ..reference import ReferenceRun, build_layers
 
     mixed = dtype in ("bfloat16", "float16")
     ref = ReferenceRun(build_layers(make_layers(CFG["num_layers"]), CFG["seed"],
@@ -318,7 +322,7 @@ def midepoch_reference(dtype: str) -> list[dict[str, torch.Tensor]]:
 
 def _scaler_run(rank: int, world: int, out_dir: str) -> None:
     """float16's loss scaler: an overflow on rank 1 alone makes every rank skip and back off."""
-    from .precision import LossScaler
+    from ..precision import LossScaler
 
     scaler = LossScaler(init_scale=1024.0, growth_interval=2)
     seen, unscaled = [], []
@@ -345,7 +349,7 @@ def _replica_run(rank: int, world: int, out: str) -> None:
     """Each rank a replica with :data:`REPLICA_CASES`' buffers; the reconciled values."""
     import torch.distributed as dist
 
-    from .replicas import reconcile_buffers
+    from ..replicas import reconcile_buffers
 
     module = nn.Module()
     before = []

@@ -1,0 +1,154 @@
+"""This rank's part of the running plan: its stage, its process groups, its gradient sync.
+
+:func:`build_part` makes it from a checked plan, the way torchtitan's
+``pipeline_parallel.py`` builds a stage and its schedule from config: the gradient buckets
+of spec 5.3 (maximal runs of layers with the same owners, one process group each), a group
+per tie with more than one holder, and the :class:`~hetpilot.trainer.pipeline.StageRunner`
+of the stage this rank runs (none where the plan leaves it idle). Every rank calls
+``new_group`` for the same groups in the same order, as torch requires.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from hetpilot.planner.types import Plan
+
+from .gradsync import Bucket, GradSync
+from .handoff import Holdings
+from .pipeline import StageRunner
+from .placement import Owners, owner_runs, tie_holders
+from .precision import Precision
+from .replicas import reconcile_buffers, snapshot_buffers, tie_param
+
+__all__ = ["RankPart", "StageSettings", "build_part"]
+
+Orders = list[list[tuple[tuple[bool, int], ...]]]
+"""Each stage's op order, by group and stage (:func:`~hetpilot.trainer.plans.check_plan`)."""
+
+
+@dataclass(frozen=True)
+class StageSettings:
+    """What every stage runner of this rank is built with, whatever the plan."""
+
+    loss_fn: Callable[[Any, Any], torch.Tensor]
+    precision: Precision
+    device: torch.device
+    slowdown: float
+    global_batch: int
+    grad_group: Any
+    """The process group pipeline gradients cross in (None: the default group)."""
+    bucket_cap_mb: float
+    overlap_sync: bool
+
+
+@dataclass
+class RankPart:
+    """What this rank runs under one plan (empty: nothing yet, or idle)."""
+
+    role: tuple[int, int] | None = None
+    """(group, stage) this rank runs; None: the plan leaves it idle."""
+    runner: StageRunner | None = None
+    ops: tuple[tuple[bool, int], ...] = ()
+    buckets: list[tuple[int, int, Any]] = field(default_factory=list)
+    """(first, end, process group) of each gradient bucket this rank takes part in."""
+    tie_groups: list[tuple[int, Any]] = field(default_factory=list)
+    """(tie, process group of its holders) of each tie this rank holds with others."""
+    gradsync: GradSync | None = None
+    groups: list[Any] = field(default_factory=list)
+    """The process groups made for this plan (destroyed by :meth:`close`)."""
+
+    def close(self) -> None:
+        """Collective: stop the gradient sync and destroy this plan's process groups."""
+        if self.gradsync is not None:
+            self.gradsync.close()
+            self.gradsync = None
+        for pg in self.groups:
+            dist.destroy_process_group(pg)
+        self.groups = []
+
+    def snapshot_buffers(self, held: Mapping[int, torch.nn.Module]) -> list[list[torch.Tensor]]:
+        """The replicated layers' buffers before a step (:mod:`hetpilot.trainer.replicas`)."""
+        return [snapshot_buffers([held[la] for la in range(first, end)])
+                for first, end, _ in self.buckets]
+
+    def reconcile_buffers(self, held: Mapping[int, torch.nn.Module],
+                          before: list[list[torch.Tensor]], share: float) -> None:
+        """Replicas' buffers after the step, by the rule of :mod:`hetpilot.trainer.replicas`."""
+        for (first, end, pg), saved in zip(self.buckets, before, strict=True):
+            if saved:
+                reconcile_buffers([held[la] for la in range(first, end)], saved, share, pg)
+
+
+def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings, rank: int,
+               rank_of: Mapping[str, int], settings: StageSettings,
+               targets: Callable[[int, tuple[int, int], bool], tuple[float, float]],
+               min_seconds: Callable[[int, int], float | None] | None) -> RankPart:
+    """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute)``: a
+    stage's emulated forward and backward seconds; ``min_seconds``: an emulated all-reduce's
+    (:class:`~hetpilot.trainer.gradsync.GradSync`)."""
+    part = RankPart()
+    made: dict[tuple[int, ...], Any] = {}
+
+    def group_of(ranks: tuple[int, ...]) -> Any:
+        if ranks not in made:  # every rank calls new_group, in the same order
+            made[ranks] = dist.new_group(ranks=list(ranks))
+            part.groups.append(made[ranks])
+        return made[ranks]
+
+    if len(plan.groups) > 1:
+        for first, end, ranks in owner_runs(owners):
+            pg = group_of(ranks)
+            if rank in ranks:
+                part.buckets.append((first, end, pg))
+    for t, tie in enumerate(holdings.ties):
+        ranks = tuple(tie_holders(tie.layers, owners))
+        if len(ranks) >= 2:
+            pg = group_of(ranks)
+            if rank in ranks:
+                part.tie_groups.append((t, pg))
+    for gi, group in enumerate(plan.groups):
+        for si, stage in enumerate(group.stages):
+            if rank_of[stage.device] == rank:
+                part.role, part.ops = (gi, si), orders[gi][si]
+                part.runner = _stage_runner(plan, gi, si, orders, holdings, rank_of, settings,
+                                            targets)
+    if part.runner is not None:
+        part.gradsync = GradSync(
+            [Bucket(holdings.untied_params(first, end), pg, f"layers {first}-{end - 1}")
+             for first, end, pg in part.buckets],
+            [(tie_param(holdings.ties[t], holdings.held), pg) for t, pg in part.tie_groups],
+            bucket_cap_mb=settings.bucket_cap_mb, overlap=settings.overlap_sync,
+            min_seconds=min_seconds)
+        part.runner.before_last_backward = part.gradsync.arm
+    return part
+
+
+def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdings,
+                  rank_of: Mapping[str, int], settings: StageSettings,
+                  targets: Callable[[int, tuple[int, int], bool], tuple[float, float]]
+                  ) -> StageRunner:
+    """The runner of stage ``si`` of group ``gi``."""
+    stages: Sequence[Any] = plan.groups[gi].stages
+    stage, n = stages[si], len(stages)
+    fwd_t, bwd_t = targets(plan.microbatch_size, stage.layers, stage.recompute)
+    return StageRunner(
+        [holdings.held[layer] for layer in range(*stage.layers)],
+        prev_rank=rank_of[stages[si - 1].device] if si > 0 else None,
+        next_rank=rank_of[stages[si + 1].device] if si + 1 < n else None,
+        recompute=stage.recompute,
+        loss_fn=settings.loss_fn,
+        loss_scale=plan.microbatch_size / settings.global_batch,
+        precision=settings.precision,
+        device=settings.device,
+        slowdown=settings.slowdown,
+        fwd_target_s=fwd_t,
+        bwd_target_s=bwd_t,
+        recv_order=[k for bwd, k in orders[gi][si - 1] if not bwd] if si > 0 else None,
+        grad_order=[k for bwd, k in orders[gi][si + 1] if bwd] if si + 1 < n else None,
+        grad_group=settings.grad_group,
+    )
