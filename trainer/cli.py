@@ -454,8 +454,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         # Not plain env://: under torchrun (torch >= 2.5) the agent keeps one store for
         # the whole job, and a restarted round would read the dead round's gloo/NCCL
         # addresses from it ("connectFullMesh failed ... Connection refused", then a hang).
-        # The ranks agree on a fresh key prefix per round: see hetpilot.trainer.elastic.
-        from .elastic import init_process_group
+        # The ranks agree on a fresh key prefix per round: see hetpilot.trainer.rendezvous.
+        from .rendezvous import init_process_group
 
         init_process_group("nccl" if cuda else "gloo")
     else:

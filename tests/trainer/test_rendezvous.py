@@ -1,4 +1,4 @@
-"""Process-group start-up across torchrun restarts (``hetpilot.trainer.elastic``).
+"""Process-group start-up across torchrun restarts (``hetpilot.trainer.rendezvous``).
 
 The unit test replays what torchrun's shared agent store looks like in a
 restarted round: the previous round's keys are still there. The end-to-end
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 from hetpilot.trainer.checkpoint import export_state_dict, resolve
-from hetpilot.trainer.elastic import round_prefix
+from hetpilot.trainer.rendezvous import round_prefix
 
 
 def _round(port: int, world: int, delays: list[float]) -> list[str]:
@@ -65,7 +65,7 @@ def test_round_prefix_is_fresh_and_shared_despite_old_keys() -> None:
 _WORKER = """
 from datetime import timedelta
 import torch, torch.distributed as dist
-from hetpilot.trainer.elastic import init_process_group
+from hetpilot.trainer.rendezvous import init_process_group
 init_process_group("gloo", timeout=timedelta(seconds=20))
 t = torch.tensor([float(dist.get_rank() + 1)])
 dist.all_reduce(t)

@@ -1,30 +1,32 @@
 """Process-group start-up that survives torchrun's elastic restarts.
 
-The problem (torch >= 2.5, c10d rendezvous, the default): torchrun's agent
-runs the TCPStore that the workers' ``init_process_group`` (``env://``)
-connects to (``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_PORT`` names it),
-and it keeps that one store for the whole job: after a worker dies and the
-agent restarts the group, the new workers find the old workers' keys under
-the same names (``default_pg/0//cpu/...``). Gloo reads a peer's address from
-the store without waiting if the key is there, so a new rank connects to a
-dead process's port ("connectFullMesh failed ... Connection refused") and the
-round fails, again and again, until the restarts run out or it hangs.
-``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (torchrun's environment) avoids it:
-worker rank 0 then hosts a fresh store on a fresh port every round.
+:func:`init_process_group` starts the job's process group under a key prefix that the
+ranks of this round agree on and no earlier round used (:func:`round_prefix`), so that a
+restarted round never connects to a dead round's ranks.
 
-A prefix per ``TORCHELASTIC_RESTART_COUNT`` is not enough: that count is each
-agent's own (with several nodes a healthy node restarts for a failed one
-without counting it, so counts differ between nodes), and restarts for
-membership changes are not counted at all (torch issues 135712, 108158).
+[Note: the agent's store keeps old keys]
+With torch >= 2.5 and c10d rendezvous (the default), torchrun's agent runs the TCPStore
+that the workers' ``init_process_group`` (``env://``) connects to
+(``TORCHELASTIC_USE_AGENT_STORE=True``, ``MASTER_PORT`` names it), and keeps that one
+store for the whole job: after a worker dies and the agent restarts the group, the new
+workers find the old workers' keys under the same names (``default_pg/0//cpu/...``). Gloo
+reads a peer's address from the store without waiting if the key is there, so a new rank
+connects to a dead process's port ("connectFullMesh failed ... Connection refused") and
+the round fails until the restarts run out or it hangs.
+``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` avoids it: worker rank 0 then hosts a fresh store
+on a fresh port every round. A prefix per ``TORCHELASTIC_RESTART_COUNT`` is not enough:
+that count is each agent's own (with several nodes a healthy node restarts for a failed
+one without counting it, so counts differ between nodes), and restarts for membership
+changes are not counted at all.
 
-So the ranks agree on a fresh key prefix through the agent's store itself,
-with a handshake that a previous round's keys cannot fake (:func:`round_prefix`):
-every process draws a random token; each rank k != 0 posts its token; rank 0
-answers each posted token with its own; rank k takes rank 0's token only from
-an answer that carries its own fresh token, so an old answer (from a rank 0
-that died with the old round) is never taken. Rank 0 re-answers until every
-rank has confirmed under the new prefix. Every key of the process group,
-and of the groups made from it, then lives under ``hetpilot/<token>/``.
+[Note: agreeing on a prefix]
+The ranks agree on a fresh key prefix through the agent's store itself, with a handshake
+that a previous round's keys cannot fake: every process draws a random token; each rank
+k != 0 posts its token; rank 0 answers each posted token with its own; rank k takes rank
+0's token only from an answer that carries its own fresh token, so an old answer (from a
+rank 0 that died with the old round) is never taken. Rank 0 re-answers until every rank
+has confirmed under the new prefix. Every key of the process group, and of the groups
+made from it, then lives under ``hetpilot/<token>/``.
 """
 
 from __future__ import annotations
@@ -43,7 +45,8 @@ _ROOT = "hetpilot/elastic/"
 
 
 def uses_agent_store() -> bool:
-    """Whether this worker runs under torchrun with the agent's store shared (see above)."""
+    """Whether this worker runs under torchrun with the agent's store shared
+    ([Note: the agent's store keeps old keys])."""
     return os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
 
 
