@@ -147,18 +147,16 @@ class Holdings:
 
     def ckpt_layer_state(self, layer: int) -> dict[str, Any] | None:
         """Layer ``layer`` from the checkpoint being resumed (None: build it afresh)."""
-        if self.ckpt_dir is None:
-            return None
-        state: dict[str, Any] = ckpt.read_file(self.ckpt_dir, ckpt.layer_file(layer),
-                                               map_location=self.device)
-        return state
+        return self._ckpt_read(ckpt.layer_file(layer))
 
     def ckpt_tie_state(self, t: int) -> dict[str, Any] | None:
         """Tie ``t`` from the checkpoint being resumed (None: keep the module's own value)."""
+        return self._ckpt_read(ckpt.tied_file(t))
+
+    def _ckpt_read(self, name: str) -> dict[str, Any] | None:
         if self.ckpt_dir is None:
             return None
-        state: dict[str, Any] = ckpt.read_file(self.ckpt_dir, ckpt.tied_file(t),
-                                               map_location=self.device)
+        state: dict[str, Any] = ckpt.read_file(self.ckpt_dir, name, map_location=self.device)
         return state
 
     # -- all of them ------------------------------------------------------------

@@ -21,6 +21,7 @@ __all__ = [
     "decoder_tiny",
     "dictskip_tiny",
     "misweighted_decoder_tiny",
+    "packed_tiny",
     "pytree_tiny",
     "spectral_tiny",
 ]
