@@ -28,8 +28,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "export":
         parser.add_argument("checkpoint", metavar="CKPT",
                             help="a `hetpilot train --checkpoint` directory (its latest commit)")
-        parser.add_argument("--out", required=True, metavar="MODEL.pt",
-                            help="write the state_dict of nn.Sequential(*layers) here")
+        into = parser.add_mutually_exclusive_group(required=True)
+        into.add_argument("--out", metavar="MODEL.pt",
+                          help="write one state_dict here: the model's own names where the "
+                               "job gave 'model', else those of nn.Sequential(*layers)")
+        into.add_argument("--hf", metavar="DIR",
+                          help="write a Hugging Face model directory (config.json, "
+                               "model.safetensors) that from_pretrained loads")
         return
     if name == "train-check":
         parser.add_argument("--job", default=None, metavar="MODULE:FN",
@@ -187,7 +192,9 @@ MiB measured for the shipped GPT example's ranks)."""
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        from .export import main as export
+
+        return export(args.checkpoint, args.out, args.hf)
     if args.command == "train-check":
         if args.ranks < 2:
             return _fail(f"--ranks: must be >= 2, got {args.ranks}")
@@ -249,32 +256,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
-
-
-def _export(checkpoint: str, out: str) -> int:
-    """One ``state_dict`` (keys ``"{layer}.{name}"``) from the checkpoint's layer and tie files."""
-    import pickle
-
-    import torch
-
-    from .checkpoint import export_state_dict
-
-    try:
-        state = export_state_dict(checkpoint)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError,
-            pickle.UnpicklingError) as exc:
-        return _fail(f"CKPT: {exc}")
-    path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as exc:
-        tmp.unlink(missing_ok=True)
-        return _fail(f"--out: {exc}")
-    print(f"hetpilot: exported {len(state)} tensors to {out}", file=sys.stderr)
-    return 0
 
 
 def _emulated_tflops(text: str | None, rank: int, world: int) -> float | None:
@@ -385,7 +366,10 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             return _fail(f"{flag}: must be >= {least}, got {value}")
     if (problem := _unwritable(args)) is not None:
         return _fail(problem)
-    try:
+    from .modelnames import model_meta
+
+    try:  # the names checkpoints record: refused now, not at the first save
+        extra = model_meta(spec, f"--model: {args.model}()['model']")
         tflops = _emulated_tflops(args.emulate_tflops, rank, world)
     except ValidationError as exc:
         return _fail(str(exc))
@@ -546,14 +530,14 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             every = args.checkpoint_every
             if args.checkpoint and (record["closed_by"] == "epoch"
                                     or (every and trainer.step - saved_at[0] >= every)):
-                trainer.save_checkpoint(args.checkpoint)
+                trainer.save_checkpoint(args.checkpoint, extra=extra)
                 saved_at[0] = trainer.step
 
         try:
             trainer.fit(args.epochs, max_steps=args.steps, slot_iterations=slot_iterations,
                         slot_s=slot_s, on_record=on_record)
             if args.checkpoint and trainer.step > saved_at[0]:  # stopped by --steps
-                trainer.save_checkpoint(args.checkpoint)  # between saves: --resume goes on here
+                trainer.save_checkpoint(args.checkpoint, extra=extra)  # between saves: --resume goes on here
         except Exception as exc:  # rank 0 with --daemon: the job FAILED (no restart left)
             if hasattr(source, "finish"):
                 source.finish(exc, grpc_reporter)
