@@ -275,6 +275,14 @@ class Difference:
     where: str = "nothing compared"
     beyond_noise: bool = False
     """Counted beyond each tensor's rounding-noise floor (float64, the second pass)."""
+    loss_floor: float = 0.0
+    """How far rounding noise alone moved the mean loss (``NOISE_FACTOR`` times the
+    perturbed copies' distance), the largest over the plans; above the tolerance the
+    check is inconclusive (:func:`inconclusive`)."""
+    floor: float = 0.0
+    """``NOISE_FACTOR`` times the highest tensor floor in that plan."""
+    noisiest: str = ""
+    """Where that was, and the tensor with the highest floor there."""
 
     def update(self, value: float, where: str) -> None:
         """Keep the largest; a NaN is larger than any (it was lost when it came second)."""
@@ -514,7 +522,15 @@ def _compare_plans(tmp: Path, plans: list[Plan], ranks: int, refs: dict[str, Any
             else:
                 what = "rounding noise" if same else f"{next(iter(refs))}'s own drift"
                 log(f"  vs {label}: beyond {what} {here.value:.3e} at {here.where}")
-                log(f"  {what}: {_noisiest(held, after[label], before[label] if same else None, floors[label], names, mixed)}")
+                noisiest = _noisiest(held, after[label], before[label] if same else None,
+                                     floors[label], names, mixed)
+                log(f"  {what}: {noisiest}; the mean loss's floor {loss_floor:.3e}")
+                top = factor * max((f for layer in floors[label] for f in layer.values()),
+                                   default=0.0)
+                if not mixed and (loss_floor, top) > (worst[label].loss_floor,
+                                                      worst[label].floor):
+                    worst[label].loss_floor, worst[label].floor = loss_floor, top
+                    worst[label].noisiest = f"plan v{i + 1}: {noisiest}"
             worst[label].update(here.value, f"plan v{i + 1}, {here.where}")
         log(f"  {sum(len(h) for h in held)} layer replicas; switch: {info['switch']}")
     return worst
@@ -653,6 +669,21 @@ def _compare(held: list[dict[int, dict[str, torch.Tensor]]],
     return here
 
 
+def inconclusive(diff: Difference, limit: float) -> str | None:
+    """Why a float64 check that found nothing beyond its noise floors saw nothing: rounding
+    noise alone moved the mean loss by more than the tolerance, so a runtime error of that
+    size would have been discounted as noise (a BatchNorm normalising 2 values a channel,
+    whose runs two ulps apart part within a few steps). None when the floors allow it."""
+    if not diff.beyond_noise or diff.loss_floor <= limit:
+        return None
+    return (f"rounding noise alone moves the mean loss by up to {diff.loss_floor:.3e} "
+            f"({NOISE_FACTOR:g}x how far {NOISE_COPIES} copies of the reference started 4 ulps "
+            f"away end from it), above the tolerance {limit:g}, so nothing that size could be "
+            f"told from noise ({diff.noisiest}). The model is chaotic at this size: give the "
+            "job a larger microbatch_size (a BatchNorm over few values a channel amplifies "
+            "rounding), check fewer steps (--iterations 1), or a lower learning rate")
+
+
 def rank_failure(text: str, rank: int) -> str:
     """One line for a rank's traceback ``text``: the exception and the innermost frame."""
     lines = [line.strip() for line in text.splitlines() if line.strip()]
@@ -694,6 +725,15 @@ def main(ranks: int, seed: int, tolerance: float | None, timeout_s: float,
         limit = _limit(label, dtype, tolerance)
         fine = diff.value <= limit
         ok = ok and fine
+        if fine and (why := inconclusive(diff, limit)) is not None:
+            print(f"vs {label}: INCONCLUSIVE: {why}")
+            ok = False
+            continue
+        if fine and diff.beyond_noise and diff.floor > limit:
+            print(f"note: a tensor's rounding-noise floor is above the tolerance "
+                  f"({diff.noisiest}): a difference there up to {NOISE_FACTOR:g}x its floor "
+                  f"counts as noise; the mean loss, which rounding moved by "
+                  f"{diff.loss_floor:.3e} at most, barely depends on it")
         kind = "relative difference" if label != dtype else "absolute difference"
         if diff.beyond_noise:
             kind += (" beyond rounding noise" if label.startswith(dtype) else

@@ -41,10 +41,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from hetpilot.planner.errors import ValidationError
 from torch import nn
 from torch.nn import functional as F
-
-from hetpilot.planner.errors import ValidationError
 
 __all__ = ["SUPPORTED", "config_record", "job", "layers", "model_from_record"]
 

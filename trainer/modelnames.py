@@ -13,9 +13,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from torch import nn
-
 from hetpilot.planner.errors import ValidationError
+from torch import nn
 
 __all__ = ["layer_names", "model_meta"]
 
