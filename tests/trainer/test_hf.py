@@ -145,3 +145,28 @@ def test_two_stage_train_then_export_hf_loads_strictly(family: str, tmp_path: Pa
     x = _inputs(job)
     with torch.no_grad():
         assert torch.equal(loaded.eval()(**x).logits, model.eval()(**x).logits)
+
+
+def test_preflight_names_the_op_without_a_float64_kernel() -> None:
+    """Mixtral's default experts path calls torch._grouped_mm, which has no float64 kernel:
+    the refusal names it, not a `.float()` cast the model does not make."""
+    from hetpilot.trainer.preflight import preflight
+
+    with pytest.raises(ValidationError) as caught:
+        preflight(_hfjobs.mixtral_grouped(), "--job: m:f()", 2, seed=0, dtype=torch.float64)
+    text = str(caught.value)
+    assert "torch._grouped_mm has no float64 kernel" in text, text
+    assert ".float()" not in text and 'experts_implementation="eager"' in text
+
+
+def test_float32_islands_of_a_float64_check_are_noted() -> None:
+    """Llama's RMSNorm and rotary embedding compute in float32 inside a float64 model."""
+    from hetpilot.trainer.preflight import preflight
+
+    notes = preflight(_hfjobs.llama(), "--job: m:f()", 2, seed=0, dtype=torch.float64)
+    islands = [n for n in notes if "narrower dtype inside this float64 check" in n]
+    assert islands, notes
+    assert "item 0 (DecoderEmbedding): float32 (" in islands[0]
+    assert "item 1 (DecoderBlock): float32 (" in islands[0] and "rsqrt" in islands[0]
+    assert not [n for n in preflight(_hfjobs.bert(), "--job: m:f()", 2, seed=0,
+                                     dtype=torch.float64) if "narrower dtype" in n]
