@@ -128,8 +128,21 @@ def test_two_stage_train_then_export_hf_loads_strictly(family: str, tmp_path: Pa
     res = _torchrun("train", "--model", f"hetpilot.trainer._hfjobs:{family}",
                     "--plan", str(tmp_path / "plan.json"), "--steps", "3",
                     "--device-id", "local:{local_rank}", "--checkpoint", str(tmp_path / "ck"),
-                    env=env)
+                    "--slot-iterations", "1", "--tensorboard", str(tmp_path / "tb"), env=env)
     assert res.returncode == 0, res.stderr[-3000:]
+    log = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[0] for line in log] == ["step 1", "step 2", "step 3"], res.stdout
+    assert all(" tokens/s | " in line and line.endswith(" | plan v1 | local:0,local:1")
+               for line in log), log
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("train/loss")]
+    assert [step for step, _ in losses] == [1, 2, 3]
+    assert [f"loss {value:.4f}" for _, value in losses] == [ln.split(" | ")[2] for ln in log]
+    assert {"train/tokens_per_s", "train/samples_per_s", "train/iteration_s"} <= set(
+        events.Tags()["scalars"])
     res = _hetpilot("export", str(tmp_path / "ck"), "--hf", str(tmp_path / "hf"))
     assert res.returncode == 0, res.stderr
     assert {"config.json", "model.safetensors"} <= {p.name for p in (tmp_path / "hf").iterdir()}
@@ -170,3 +183,19 @@ def test_float32_islands_of_a_float64_check_are_noted() -> None:
     assert "item 1 (DecoderBlock): float32 (" in islands[0] and "rsqrt" in islands[0]
     assert not [n for n in preflight(_hfjobs.bert(), "--job: m:f()", 2, seed=0,
                                      dtype=torch.float64) if "narrower dtype" in n]
+
+
+def test_tensorboard_without_its_package_is_refused_before_training(tmp_path: Path) -> None:
+    code = ("import sys; sys.modules['tensorboard'] = None; from hetpilot.cli import main; "
+            "sys.exit(main(sys.argv[1:]))")
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"microbatch_size": 4, "schedule": "1f1b", "groups": [
+        {"samples": 16, "stages": [{"device": "solo:0", "layers": [0, 6]}]}]}))
+    res = subprocess.run([sys.executable, "-c", code, "train", "--model",
+                          "hetpilot.trainer.examples:mlp", "--plan", str(plan), "--device-id",
+                          "solo:0", "--tensorboard", str(tmp_path / "tb")],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 2, res.stderr
+    assert res.stderr.startswith("hetpilot: error: --tensorboard: needs the tensorboard "
+                                 "package"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1 and not (tmp_path / "tb").exists()
