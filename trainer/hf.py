@@ -77,15 +77,31 @@ def _attention_kind(config: Any, index: int) -> str:
     return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
 
 
+def _mask(build: Callable[..., Any], config: Any, embeds: torch.Tensor, attention_mask: Any,
+          **more: Any) -> Any:
+    """Call one of HF's mask functions without a cache, in the words of the installed
+    transformers (5.x: ``inputs_embeds``, ``cache``; 4.5x: ``input_embeds``,
+    ``past_key_values`` and ``cache_position``)."""
+    import inspect
+
+    params = inspect.signature(build).parameters
+    kwargs: dict[str, Any] = {"config": config, "attention_mask": attention_mask, **more}
+    kwargs["inputs_embeds" if "inputs_embeds" in params else "input_embeds"] = embeds
+    for name in ("cache", "past_key_values"):
+        if name in params:
+            kwargs[name] = None
+    if "cache_position" in params:
+        kwargs["cache_position"] = torch.arange(embeds.shape[1], device=embeds.device)
+    return build(**{k: v for k, v in kwargs.items() if k in params})
+
+
 def _masks(config: Any, kinds: Sequence[str], embeds: torch.Tensor, attention_mask: Any,
            position_ids: torch.Tensor) -> dict[str, Any]:
     """The causal masks the base model's ``forward`` builds (HF's own functions), by kind."""
     masking = _masking()
     build = {"full_attention": masking.create_causal_mask,
              "sliding_attention": masking.create_sliding_window_causal_mask}
-    return {kind: build[kind](config=config, inputs_embeds=embeds,
-                              attention_mask=attention_mask, cache=None,
-                              position_ids=position_ids)
+    return {kind: _mask(build[kind], config, embeds, attention_mask, position_ids=position_ids)
             for kind in sorted(set(kinds))}
 
 
@@ -202,8 +218,8 @@ class BertEmbedding(nn.Module):
     def forward(self, x: dict[str, torch.Tensor]) -> dict[str, Any]:
         hidden = self.embeddings(input_ids=x["input_ids"],
                                  token_type_ids=x.get("token_type_ids"))
-        mask = _masking().create_bidirectional_mask(
-            config=self.config, inputs_embeds=hidden, attention_mask=x.get("attention_mask"))
+        mask = _mask(_masking().create_bidirectional_mask, self.config, hidden,
+                     x.get("attention_mask"))
         return {"hidden": hidden, "mask": mask}
 
 
