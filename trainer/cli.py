@@ -218,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         from .forkserver import start_early
 
         start_early()  # its torch import overlaps this process's own (check imports torch)
-        from .check import BUILTIN_JOB, main
+        from .traincheck import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
                     job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype,

@@ -18,8 +18,8 @@ transformers = pytest.importorskip("transformers")
 
 from hetpilot.planner.errors import ValidationError  # noqa: E402
 from hetpilot.trainer import _hfjobs, hf  # noqa: E402
-from hetpilot.trainer.check import run_check  # noqa: E402
 from hetpilot.trainer.modelnames import layer_names  # noqa: E402
+from hetpilot.trainer.traincheck import run_check  # noqa: E402
 
 FAMILIES = ("gpt2", "llama", "qwen2", "mixtral", "bert", "bert_classifier")
 

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from hetpilot.trainer.check import (
+from hetpilot.trainer.statediff import (
     MIXED_NOISE_FACTOR,
     NOISE_FACTOR,
     Difference,
     _compare,
     _perturb,
-    run_check,
 )
+from hetpilot.trainer.traincheck import run_check
 from torch import nn
 
 
@@ -226,7 +226,7 @@ def test_backend_nccl_is_refused_where_it_cannot_run() -> None:
     """``--backend nccl`` needs ``--device cuda``, torch with NCCL and a GPU per rank; each
     refusal names ``--backend`` and says which."""
     from hetpilot.planner.errors import ValidationError
-    from hetpilot.trainer.check import check_backend
+    from hetpilot.trainer.traincheck import check_backend
 
     check_backend("gloo", "cpu", 4, 0, False)  # the default needs none of it
     check_backend("nccl", "cuda", 2, 2, True)
