@@ -114,7 +114,7 @@ class DecoderEmbedding(nn.Module):
     rotary cos/sin (``base.rotary_emb``), as ``LlamaModel.forward`` computes them before
     its first block."""
 
-    def __init__(self, base: nn.Module, kinds: Sequence[str]) -> None:
+    def __init__(self, base: Any, kinds: Sequence[str]) -> None:
         super().__init__()
         self.embed_tokens = base.embed_tokens
         self.rotary_emb = base.rotary_emb
@@ -159,7 +159,7 @@ class Head(nn.Module):
         return logits
 
 
-def _llama_layers(model: nn.Module) -> list[nn.Module]:
+def _llama_layers(model: Any) -> list[nn.Module]:
     base, config = model.model, model.config
     n = config.num_hidden_layers
     kinds = [_attention_kind(config, i) for i in range(n)]
@@ -172,7 +172,7 @@ class GPT2Embedding(nn.Module):
     """Layer 0 of GPT-2: token and position embeddings, dropout, the causal mask, as
     ``GPT2Model.forward`` computes them."""
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: Any) -> None:
         super().__init__()
         self.wte, self.wpe, self.drop = base.wte, base.wpe, base.drop
         self.config = base.config
@@ -198,7 +198,7 @@ class GPT2Block(nn.Module):
         return {**x, "hidden": _block_output(hidden)}
 
 
-def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
+def _gpt2_layers(model: Any) -> list[nn.Module]:
     base = model.transformer
     return [GPT2Embedding(base), *(GPT2Block(b) for b in base.h),
             Head(base.ln_f, model.lm_head)]
@@ -210,7 +210,7 @@ def _gpt2_layers(model: nn.Module) -> list[nn.Module]:
 class BertEmbedding(nn.Module):
     """Layer 0 of BERT: ``BertEmbeddings`` and the bidirectional padding mask."""
 
-    def __init__(self, base: nn.Module) -> None:
+    def __init__(self, base: Any) -> None:
         super().__init__()
         self.embeddings = base.embeddings
         self.config = base.config
@@ -254,15 +254,15 @@ class BertClassifierHead(nn.Module):
         return logits
 
 
-def _bert_body(base: nn.Module) -> list[nn.Module]:
+def _bert_body(base: Any) -> list[nn.Module]:
     return [BertEmbedding(base), *(BertBlock(b) for b in base.encoder.layer)]
 
 
-def _bert_mlm_layers(model: nn.Module) -> list[nn.Module]:
+def _bert_mlm_layers(model: Any) -> list[nn.Module]:
     return [*_bert_body(model.bert), BertMaskedLMHead(model.cls)]
 
 
-def _bert_cls_layers(model: nn.Module) -> list[nn.Module]:
+def _bert_cls_layers(model: Any) -> list[nn.Module]:
     return [*_bert_body(model.bert),
             BertClassifierHead(model.bert.pooler, model.dropout, model.classifier)]
 

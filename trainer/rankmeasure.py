@@ -21,13 +21,13 @@ def calibration(trainer: Any, measured: list[Any], source: Any) -> Any:
         return trainer.plan if trainer.version == version else None
 
     def send(per_rank: list[Any]) -> None:
-        rank, factor = calibration.corrections[-1]
+        rank, factor = corrector.corrections[-1]
         print(f"hetpilot: rank {rank}'s stage timings were {factor:.3g}x its measured layer "
               "times for three slots: sending them scaled by that", file=sys.stderr)
         source.update_measurements(per_rank)
 
-    calibration = StageCalibration(measured, plan_of, send)
-    return calibration
+    corrector = StageCalibration(measured, plan_of, send)
+    return corrector
 
 
 
