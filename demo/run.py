@@ -272,7 +272,7 @@ cluster_token = "{cluster}"
                 PY, "-m", "hetpilot", "train", "--model", "hetpilot.demo.digits:job",
                 *source_args, "--epochs", str(self.epochs), "--device-id", device,
                 "--emulate-file", str(self.emu), "--checkpoint", str(ckpt),
-                "--report", str(report)], env=_env(rank, world, port), stdout_pipe=rank == 0)
+                "--report", str(report), "--log-format", "json"], env=_env(rank, world, port), stdout_pipe=rank == 0)
         rank0 = next(p for n, p in self.procs.procs if n == f"{name}-rank0")
         lines: queue.Queue[str | None] = queue.Queue()
 

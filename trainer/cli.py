@@ -28,8 +28,13 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "export":
         parser.add_argument("checkpoint", metavar="CKPT",
                             help="a `hetpilot train --checkpoint` directory (its latest commit)")
-        parser.add_argument("--out", required=True, metavar="MODEL.pt",
-                            help="write the state_dict of nn.Sequential(*layers) here")
+        into = parser.add_mutually_exclusive_group(required=True)
+        into.add_argument("--out", metavar="MODEL.pt",
+                          help="write one state_dict here: the model's own names where the "
+                               "job gave 'model', else those of nn.Sequential(*layers)")
+        into.add_argument("--hf", metavar="DIR",
+                          help="write a Hugging Face model directory (config.json, "
+                               "model.safetensors) that from_pretrained loads")
         return
     if name == "train-check":
         parser.add_argument("--job", default=None, metavar="MODULE:FN",
@@ -127,7 +132,14 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
                         help="also save every N steps, at the end of the slot reaching them "
                              "(default 0: at the end of each epoch only)")
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint if present")
-    parser.add_argument("--report", metavar="FILE.jsonl", help="append per-slot measurements")
+    parser.add_argument("--report", metavar="FILE.jsonl",
+                        help="append every rank's per-slot records (JSON lines)")
+    parser.add_argument("--log-format", choices=("text", "json"), default="text",
+                        help="rank 0's line per slot on stdout: text (step, loss, samples/s, "
+                             "tokens/s, s/it, plan, devices; default) or the JSON record")
+    parser.add_argument("--tensorboard", metavar="DIR", default=None,
+                        help="also write the log's figures as TensorBoard scalars here "
+                             "(needs the tensorboard package)")
     parser.add_argument("--emulate-slowdown", type=number(above=True, what="factor"), default=1.0, metavar="F",
                         help="EMULATION: make this rank F times slower (sleeps); off by default")
     parser.add_argument("--emulate-tflops", default=None, metavar="T[,T...]",
@@ -187,7 +199,9 @@ MiB measured for the shipped GPT example's ranks)."""
 
 def run(args: argparse.Namespace) -> int:
     if args.command == "export":
-        return _export(args.checkpoint, args.out)
+        from .export import main as export
+
+        return export(args.checkpoint, args.out, args.hf)
     if args.command == "train-check":
         if args.ranks < 2:
             return _fail(f"--ranks: must be >= 2, got {args.ranks}")
@@ -204,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         from .forkserver import start_early
 
         start_early()  # its torch import overlaps this process's own (check imports torch)
-        from .check import BUILTIN_JOB, main
+        from .traincheck import BUILTIN_JOB, main
 
         return main(args.ranks, args.seed, args.tolerance, args.timeout,
                     job=args.job or BUILTIN_JOB, iterations=args.iterations, dtype=args.dtype,
@@ -249,32 +263,6 @@ def run(args: argparse.Namespace) -> int:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(rc)
-
-
-def _export(checkpoint: str, out: str) -> int:
-    """One ``state_dict`` (keys ``"{layer}.{name}"``) from the checkpoint's layer and tie files."""
-    import pickle
-
-    import torch
-
-    from .checkpoint import export_state_dict
-
-    try:
-        state = export_state_dict(checkpoint)
-    except (OSError, ValueError, RuntimeError, KeyError, TypeError, EOFError,
-            pickle.UnpicklingError) as exc:
-        return _fail(f"CKPT: {exc}")
-    path = Path(out)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with tmp.open("wb") as fh:
-            torch.save(state, fh)
-        os.replace(tmp, path)
-    except (OSError, RuntimeError) as exc:
-        tmp.unlink(missing_ok=True)
-        return _fail(f"--out: {exc}")
-    print(f"hetpilot: exported {len(state)} tensors to {out}", file=sys.stderr)
-    return 0
 
 
 def _emulated_tflops(text: str | None, rank: int, world: int) -> float | None:
@@ -368,8 +356,10 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
     from .checkpoint import has_checkpoint
     from .plans import FilePlanSource, check_plan
+    from .rankmeasure import calibration, measure, measure_links, sample_size
     from .records import JsonlReporter
     from .runtime import NoPlanError, Trainer, TrainerConfig
+    from .trainlog import tensorboard_problem
 
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
@@ -386,7 +376,12 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             return _fail(f"{flag}: must be >= {least}, got {value}")
     if (problem := _unwritable(args)) is not None:
         return _fail(problem)
-    try:
+    if args.tensorboard and (problem := tensorboard_problem()) is not None:
+        return _fail(problem)
+    from .modelnames import model_meta
+
+    try:  # the names checkpoints record: refused now, not at the first save
+        extra = model_meta(spec, f"--model: {args.model}()['model']")
         tflops = _emulated_tflops(args.emulate_tflops, rank, world)
     except ValidationError as exc:
         return _fail(str(exc))
@@ -479,11 +474,11 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
             ids: list[Any] = [None] * world
             dist.all_gather_object(ids, device_id)
-            sample_m = _sample_size(spec)
+            sample_m = sample_size(spec)
             measured: list[Any] = [None] * world
-            dist.all_gather_object(measured, _measure(args, spec, sample_m, tflops, profile,
+            dist.all_gather_object(measured, measure(args, spec, sample_m, tflops, profile,
                                                       device))
-            _measure_links(args, spec, profile, measured, tflops, [str(i) for i in ids], device)
+            measure_links(args, spec, profile, measured, tflops, [str(i) for i in ids], device)
             failure: list[Any] = [None]
             if rank == 0:
                 try:
@@ -507,7 +502,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             dist.broadcast_object_list(planned, src=0)
             if measured[rank] is not None and planned[0] not in (None, sample_m):
                 again: list[Any] = [None] * world
-                dist.all_gather_object(again, _measure(args, spec, planned[0], tflops,
+                dist.all_gather_object(again, measure(args, spec, planned[0], tflops,
                                                        profile, device))
                 if source is not None:
                     source.update_measurements(again)
@@ -538,24 +533,29 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             trainer.load_checkpoint(args.checkpoint)
         if daemon and rank == 0 and source is not None and not emulated \
                 and any(m is not None for m in measured):
-            reporters.append(_calibration(trainer, measured, source))
+            reporters.append(calibration(trainer, measured, source))
         slot_iterations, slot_s = _slot(args, source)
         saved_at = [trainer.step]
 
+        from .trainlog import TrainLog, tokens_per_sample
+
+        log = TrainLog(tokens_per_sample(spec.get("sample")), lambda: _devices(trainer.plan),
+                       args.tensorboard if rank == 0 else None, args.log_format == "json")
+
         def on_record(record: dict[str, Any]) -> None:
             if rank == 0:
-                print(json.dumps(record), flush=True)
+                print(log(record), flush=True)
             every = args.checkpoint_every
             if args.checkpoint and (record["closed_by"] == "epoch"
                                     or (every and trainer.step - saved_at[0] >= every)):
-                trainer.save_checkpoint(args.checkpoint)
+                trainer.save_checkpoint(args.checkpoint, extra=extra)
                 saved_at[0] = trainer.step
 
         try:
             trainer.fit(args.epochs, max_steps=args.steps, slot_iterations=slot_iterations,
                         slot_s=slot_s, on_record=on_record)
             if args.checkpoint and trainer.step > saved_at[0]:  # stopped by --steps
-                trainer.save_checkpoint(args.checkpoint)  # between saves: --resume goes on here
+                trainer.save_checkpoint(args.checkpoint, extra=extra)  # between saves: --resume goes on here
         except Exception as exc:  # rank 0 with --daemon: the job FAILED (no restart left)
             if hasattr(source, "finish"):
                 source.finish(exc, grpc_reporter)
@@ -564,6 +564,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             raise
         if hasattr(source, "finish"):  # rank 0 with --daemon: the job SUCCEEDED
             source.finish(None, grpc_reporter)
+        log.close()
     except ValidationError as exc:
         return _fail(str(exc))
     finally:
@@ -575,24 +576,6 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             link.close()
         dist.destroy_process_group()
     return 0
-
-
-def _calibration(trainer: Any, measured: list[Any], source: Any) -> Any:
-    """Rank 0's reporter that sends a rank's layer times again when its stage timings
-    keep disagreeing with them (:mod:`hetpilot.trainer.calibration`)."""
-    from .calibration import StageCalibration
-
-    def plan_of(version: int) -> Any:
-        return trainer.plan if trainer.version == version else None
-
-    def send(per_rank: list[Any]) -> None:
-        rank, factor = calibration.corrections[-1]
-        print(f"hetpilot: rank {rank}'s stage timings were {factor:.3g}x its measured layer "
-              "times for three slots: sending them scaled by that", file=sys.stderr)
-        source.update_measurements(per_rank)
-
-    calibration = StageCalibration(measured, plan_of, send)
-    return calibration
 
 
 def _with_sample(spec: dict[str, Any]) -> dict[str, Any]:
@@ -617,104 +600,11 @@ def _with_sample(spec: dict[str, Any]) -> dict[str, Any]:
     return {**spec, "sample": sample}
 
 
-def _sample_size(spec: dict[str, Any]) -> int | None:
-    from .profile import _microbatch_size
-
-    try:
-        return _microbatch_size(spec["sample"]) if "sample" in spec else None
-    except ValueError:
-        return None
-
-
-def _measure(args: argparse.Namespace, spec: dict[str, Any], m: int | None,
-             tflops: float | None, profile: dict[str, Any] | None, device: Any) -> Any:
-    """This rank's layer times for the daemon (:mod:`hetpilot.trainer.speeds`): measured on
-    its device in the job's precision, or, under target-time EMULATION, the times the
-    emulation gives. None (the daemon keeps the agents' probe) with ``--no-measure``,
-    without a ``sample``, or under a plain float64 cast (timed layers run in float32)."""
-    import torch
-
-    from .precision import precision_for
-    from .speeds import as_measurement, dtype_label, emulated_layer_times, measure_layer_times
-
-    if args.no_measure or m is None or args.emulate_slowdown != 1.0:
-        return None
-    precision = precision_for(getattr(torch, args.dtype) if args.dtype else None)
-    if tflops is not None:
-        if profile is None:
-            return None
-        layers = profile["layers"]
-        times = emulated_layer_times([la["fwd_gflop"] for la in layers],
-                                     [la.get("bwd_gflop", 2 * la["fwd_gflop"]) for la in layers],
-                                     m, tflops)
-        return as_measurement(times, m, dtype_label(precision.compute_dtype))
-    if precision.param_dtype not in (None, torch.float32):
-        return None
-    from .batches import collate
-
-    dataset = spec["dataset"]  # targets of m samples, for the loss's time
-    try:
-        targets = collate(dataset, [i % len(dataset) for i in range(m)], 1)
-        times = measure_layer_times(spec["layers"], spec["sample"], m, device=device,
-                                    autocast_dtype=precision.compute_dtype,
-                                    loss=(spec["loss"], targets))
-    except Exception as exc:  # never the end of training: the daemon keeps the probes
-        print(f"hetpilot: timing the job's layers failed ({type(exc).__name__}: {exc}); the "
-              "daemon plans this rank's device with the agents' probe", file=sys.stderr)
-        return None
-    return as_measurement(times, m, dtype_label(precision.compute_dtype))
-
-
-def _measure_links(args: argparse.Namespace, spec: dict[str, Any],
-                   profile: dict[str, Any] | None, measured: list[Any], tflops: float | None,
-                   device_ids: list[str], device: Any) -> None:
-    """Every rank: when every rank measured its real layers (no emulation), measure the
-    links between the ranks with the job's process group
-    (:mod:`hetpilot.trainer.linkprobe`) and add them to ``measured`` (rank 0 sends them)."""
-    import statistics
-
-    import torch.distributed as dist
-
-    from .linkprobe import link_entries, measure_links, synthetic_op_ms
-
-    world, rank = dist.get_world_size(), dist.get_rank()
-    if world < 2:
-        return
-    real: list[Any] = [None] * world
-    dist.all_gather_object(real, measured[rank] is not None and tflops is None
-                           and not args.emulate_file)
-    if not all(real):
-        return
-    size: list[Any] = [_message_bytes(spec, profile)]
-    dist.broadcast_object_list(size, src=0)  # rank 0 has the profile
-    # the synthetic pipeline's ops, from a microbatch through the model as the ranks timed it
-    whole = statistics.median(sum(f + b for f, b in m["layers"].values()) for m in measured)
-    links = measure_links(device, msg_bytes=size[0], op_ms=synthetic_op_ms(whole))
-    if rank == 0:
-        print("hetpilot: links measured by the job: " + ", ".join(
-            f"{device_ids[a]}-{device_ids[b]} {t.gbps:.3g} Gbit/s, "
-            f"{t.latency_s * 1e6:.0f} us (idle {t.idle_latency_s * 1e6:.0f} us)"
-            for (a, b), t in sorted(links.items())), file=sys.stderr)
-    for r, entry in enumerate(link_entries(links, device_ids)):
-        measured[r] = {**measured[r], **entry}
-
-
-def _message_bytes(spec: dict[str, Any], profile: dict[str, Any] | None) -> int:
-    """Bytes of an activation message for the link probe: a microbatch of the sample
-    through the profile's median layer output, else the sample's own bytes."""
-    import statistics
-
-    import torch
-    import torch.utils._pytree as pytree
-
-    m = _sample_size(spec) or 1
-    if profile and profile.get("layers"):
-        nbytes = statistics.median(float(la.get("out_mb", 0.0)) for la in profile["layers"])
-        nbytes *= 1e6 * m
-    else:
-        nbytes = sum(t.numel() * t.element_size() for t in pytree.tree_leaves(spec.get("sample"))
-                     if isinstance(t, torch.Tensor))
-    return int(min(max(nbytes, 4096), 16 * 1024 * 1024))
+def _devices(plan: Any) -> list[str]:
+    """The devices the running plan uses, in its order."""
+    if plan is None:
+        return []
+    return list(dict.fromkeys(s.device for g in plan.groups for s in g.stages))
 
 
 def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .check import make_layers
+from .traincheck import make_layers
 
 __all__ = ["gpt", "lstm", "mlp", "resnet"]
 

@@ -6,7 +6,8 @@ microbatch, ``loss(output, target)``), ``optimizer`` (a factory over a
 parameter list), ``dataset`` (map-style, item ``(input, target)``),
 ``global_batch``; optionally ``sample`` (one microbatch of inputs, for
 profiling; ``hetpilot train`` takes the dataset's first items without it), ``eval_dataset`` and ``metric`` (evaluation at each epoch's end),
-``microbatch_size`` (train-check's choice). Every rank calls it, so it must
+``microbatch_size`` (train-check's choice), ``model`` (the module whose
+tensors the layers hold: checkpoints then record their names in it). Every rank calls it, so it must
 build the same model and data on every rank (seed it).
 
 This module imports no torch: the CLI loads jobs with it.
@@ -28,7 +29,7 @@ from hetpilot.planner.errors import ValidationError
 __all__ = ["TRAIN_KEYS", "load_job"]
 
 TRAIN_KEYS = ("layers", "loss", "optimizer", "dataset", "global_batch")
-OPTIONAL_KEYS = ("microbatch_size", "sample", "eval_dataset", "metric")
+OPTIONAL_KEYS = ("microbatch_size", "sample", "eval_dataset", "metric", "model")
 """The other keys a job function's dict may have (docs/trainer.md)."""
 
 HINTS = {

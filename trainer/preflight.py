@@ -56,6 +56,7 @@ from .activations import describe, flatten, map_tensors
 from .layers import build_layer, copy_layers
 from .loss_notes import MEAN_TOLERANCE, gradient_note, job_loss, mean_note, read_batch
 from .optimizer_checks import OnJobParameters, checked_step
+from .opwatch import OpWatch
 from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
@@ -113,18 +114,22 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         if compute_dtype is not None:
             in_dtype += f" under {str(compute_dtype).removeprefix('torch.')} autocast"
         drift: str | None = None  # the first layer returning floating values of another dtype
+        islands: list[str] = []  # float64: layers computing part in a narrower dtype
         with precision.autocast(torch.device("cpu")):
             for i, layer in enumerate(layers):
                 twin = _twin(layer, x)
+                watch = OpWatch(dtype if dtype == torch.float64 and not compute_dtype else None)
                 try:
-                    with seeded(_PROBE_SEED, torch.device("cpu")):
+                    with seeded(_PROBE_SEED, torch.device("cpu")), watch:
                         x = layer(x)
                 except Exception as exc:
+                    hint = _dtype_hint(exc, dtype, drift, low=compute_dtype, watch=watch)
                     raise bad("layers", f"item {i} ({type(layer).__name__}) failed on a "
                                         f"microbatch of {microbatch} samples{in_dtype}: "
-                                        f"{type(exc).__name__}: {exc}"
-                                        f"{_dtype_hint(exc, dtype, drift, low=compute_dtype)}"
+                                        f"{type(exc).__name__}: {exc}{hint}"
                                         f"{_size_hint(spec, microbatch)}") from exc
+                if watch.narrow:
+                    islands.append(f"item {i} ({type(layer).__name__}): {watch.islands()}")
                 if i + 1 < len(layers):  # a cut may follow: its activation must cross
                     try:
                         describe(flatten(x)[0])
@@ -153,7 +158,10 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         _refuse_written_parameters(layers, params, bad)
         _refuse_shared_updates(layers, before, bad)
         checked_step(layers, loss, OnJobParameters(spec["optimizer"], originals), bad)
-        notes = []
+        notes = [] if not islands else [
+            "parts of the model compute in a narrower dtype inside this float64 check (the "
+            "layer casts and casts back), so those ops are checked in that dtype: "
+            + "; ".join(islands[:4]) + ("; ..." if len(islands) > 4 else "")]
         if microbatch < spec["global_batch"]:
             note = mean_note(spec, microbatch, seed) or gradient_note(spec, microbatch, seed)
             if note is not None:
@@ -416,8 +424,15 @@ def _size_hint(spec: dict[str, Any], microbatch: int) -> str:
 
 
 def _dtype_hint(exc: Exception, dtype: torch.dtype | None, drift: str | None,
-                what: str = "a layer", low: torch.dtype | None = None) -> str:
+                what: str = "a layer", low: torch.dtype | None = None,
+                watch: OpWatch | None = None) -> str:
     text = str(exc).lower()  # "Double"/"Float" in most messages, "double"/"float" in conv's
+    if dtype == torch.float64 and watch is not None and watch.last and watch.lacks_kernel() \
+            and watch.last_inputs == [torch.float64] * len(watch.last_inputs) \
+            and "double" in text:
+        return (f" ({watch.last} has no float64 kernel: it failed on float64 inputs only; "
+                "train-check runs float64, so the layer must take another path there; a "
+                "transformers MoE takes experts_implementation=\"eager\" in its config)")
     if low == torch.float16 and any(words in text for words in _NO_CPU_KERNEL):
         return (" (torch has no float16 kernel for it on a CPU: on CPU ranks use --dtype "
                 "bfloat16; GPU ranks have one, --device cuda)")

@@ -529,8 +529,10 @@ class Trainer:
 
     # -- checkpoints ------------------------------------------------------------
 
-    def save_checkpoint(self, directory: str | Path, keep: int = 2) -> None:
+    def save_checkpoint(self, directory: str | Path, keep: int = 2,
+                        extra: dict[str, Any] | None = None) -> None:
         """Save atomically into ``directory`` (one all ranks see; every rank calls this).
+        ``extra``: more entries for ``meta.json`` (rank 0's; the model's tensor names).
 
         Layout and crash safety: :mod:`hetpilot.trainer.checkpoint`. Rank 0 opens
         a fresh staging directory; each layer's owner in group 0 writes the layer,
@@ -552,6 +554,7 @@ class Trainer:
         }
         if self._scaler is not None:
             meta["loss_scaler"] = self._scaler.state_dict()
+        meta.update({k: v for k, v in (extra or {}).items() if k not in meta})
         saving.save(Path(directory), self.step, meta, keep, plan=self.plan,
                     holdings=self.holdings, owners=self._owners, rank=self.rank,
                     world=self.world, rank_of=self.rank_of)

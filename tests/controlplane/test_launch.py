@@ -38,7 +38,8 @@ slot_s = 0.5
 
 [entry]
 module = "hetpilot"
-args = ["train", "--model", "hetpilot.trainer.examples:mlp", "--epochs", "{epochs}"]
+args = ["train", "--model", "hetpilot.trainer.examples:mlp", "--epochs", "{epochs}",
+        "--log-format", "json"]
 ranks_per_host = 1
 hosts = 2
 

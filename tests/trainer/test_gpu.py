@@ -64,7 +64,7 @@ def test_train_check_on_one_gpu_matches_one_process_in_float64() -> None:
     """``train-check --device cuda``: 2 gloo ranks sharing GPU 0 (activations staged through
     host memory) against one float64 process on the same GPU, within the tolerance (on an
     H100, torch 2.11+cu130: 2.1e-13, as on the CPU)."""
-    from hetpilot.trainer.check import _limit, run_check
+    from hetpilot.trainer.traincheck import _limit, run_check
 
     lines: list[str] = []
     worst = run_check(2, job="hetpilot.trainer.examples:gpt", device="cuda", timeout_s=500,
@@ -77,7 +77,7 @@ def test_train_check_on_one_gpu_matches_one_process_in_float64() -> None:
 def test_train_check_on_one_gpu_in_bfloat16() -> None:
     """The same in bfloat16 mixed precision: against one process in bfloat16 on the GPU and
     against plain float32 there, each within its tolerance (on an H100: 0.25 and 0.034)."""
-    from hetpilot.trainer.check import _limit, run_check
+    from hetpilot.trainer.traincheck import _limit, run_check
 
     lines: list[str] = []
     worst = run_check(2, job="hetpilot.trainer.examples:gpt", device="cuda", dtype="bfloat16",
@@ -100,7 +100,7 @@ def test_train_check_over_nccl_on_two_gpus(dtype: str) -> None:
     """``train-check --device cuda --backend nccl``: rank r on GPU r, activations, gradients,
     the gradient sync and moved state crossing as CUDA tensors over NCCL, against one
     process on GPU 0, within each reference's tolerance."""
-    from hetpilot.trainer.check import _limit, run_check
+    from hetpilot.trainer.traincheck import _limit, run_check
 
     lines: list[str] = []
     worst = run_check(2, job="hetpilot.trainer.examples:gpt", device="cuda", backend="nccl",

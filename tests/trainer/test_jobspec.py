@@ -210,7 +210,7 @@ def test_a_layer_failing_to_be_timed_leaves_the_daemon_its_probes(
     import argparse
 
     import torch
-    from hetpilot.trainer.cli import _measure
+    from hetpilot.trainer.rankmeasure import measure as _measure
 
     class Fails(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from hetpilot.trainer.check import MIXED_TOLERANCE, SAME_PRECISION_TOLERANCE, run_check
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.precision import precision_for
 from hetpilot.trainer.testing.ranks import _scaler_run
+from hetpilot.trainer.traincheck import MIXED_TOLERANCE, SAME_PRECISION_TOLERANCE, run_check
 
 
 def test_dtype_names_mean_a_cast_or_mixed_precision() -> None:
@@ -117,7 +117,7 @@ def test_complex_parameters_are_compared_up_to_the_tolerance_in_bfloat16() -> No
 def test_a_difference_in_the_imaginary_part_is_seen() -> None:
     """``.double()`` of a complex tensor keeps its real part: a complex parameter whose
     imaginary part differed compared as equal in float64."""
-    from hetpilot.trainer.check import _l2, _max_abs
+    from hetpilot.trainer.statediff import _l2, _max_abs
 
     a, b = torch.tensor([1 + 1j, 2 + 0j]), torch.tensor([1 + 2j, 2 + 0j])
     assert _max_abs(a, b) == 1.0 and _l2(a, b) == 1.0

@@ -37,8 +37,10 @@ def test_train_under_torchrun_two_ranks(tmp_path: Path) -> None:
         env=env, capture_output=True, text=True, timeout=50)
     assert res.returncode == 0, res.stderr[-3000:]
     assert "EMULATED device speed" in res.stderr
-    printed = [json.loads(line) for line in res.stdout.splitlines() if line.startswith("{")]
-    assert [r["epoch"] for r in printed] == [0, 1]
+    printed = [line for line in res.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(" | ")[1] for line in printed] == ["epoch 0", "epoch 1"]  # training log
+    assert all(line.endswith(" | plan v1 | local:0,local:1") for line in printed), printed
+    assert "tokens/s" not in res.stdout  # the mlp's inputs are not token ids
     records = [json.loads(line) for line in report.read_text().splitlines()]
     assert sorted((r["rank"], r["epoch"]) for r in records) == [(0, 0), (0, 1), (1, 0), (1, 1)]
     for r in records:

@@ -18,14 +18,14 @@ from typing import Any
 
 import pytest
 import torch
-from hetpilot.trainer.check import (
+from hetpilot.trainer.statediff import (
     MIXED_NOISE_FACTOR,
     NOISE_FACTOR,
     Difference,
     _compare,
     _perturb,
-    run_check,
 )
+from hetpilot.trainer.traincheck import run_check
 from torch import nn
 
 
@@ -229,7 +229,7 @@ def test_backend_nccl_is_refused_where_it_cannot_run() -> None:
     """``--backend nccl`` needs ``--device cuda``, torch with NCCL and a GPU per rank; each
     refusal names ``--backend`` and says which."""
     from hetpilot.planner.errors import ValidationError
-    from hetpilot.trainer.check import check_backend
+    from hetpilot.trainer.traincheck import check_backend
 
     check_backend("gloo", "cpu", 4, 0, False)  # the default needs none of it
     check_backend("nccl", "cuda", 2, 2, True)
@@ -357,3 +357,25 @@ def test_a_job_failing_in_a_rank_exits_2_naming_the_error_and_where(tmp_path: Pa
     assert re.fullmatch(r"hetpilot train-check: error: --job: rank \d failed while training: "
                         r"IndexError: item 37 is corrupt \(at .*flakyjob\.py:\d+\)", last), last
     assert "hetpilot/cli.py" not in res.stderr  # not the checker's own traceback
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_check_that_rounding_noise_swamps_is_inconclusive_not_ok() -> None:
+    """Issue 39's resnet18 at microbatch 2: the last BatchNorms normalise 2 values a channel,
+    float64 runs 4 ulps apart part within a few steps, and the noise floor absorbed every
+    difference: the check printed 'beyond rounding noise 0.000e+00 ... ok'. Now it exits 1
+    saying why, with the layer, the floor against the tolerance and what to change."""
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--job",
+         "hetpilot.trainer.testing.noise_jobs:chaotic_bn", "--ranks", "2", "--iterations", "3"],
+        capture_output=True, text=True, timeout=110,
+        env={**os.environ, "OMP_NUM_THREADS": "1"})
+    last = res.stdout.strip().splitlines()[-1]
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert last.startswith("vs float64: INCONCLUSIVE: rounding noise alone moves the mean "
+                           "loss by up to "), last
+    floor = float(re.search(r"by up to (\S+) ", last).group(1))  # type: ignore[union-attr]
+    assert floor > 1e-9 and "above the tolerance 1e-09" in last
+    assert "at layer" in last and "microbatch_size" in last and "--iterations 1" in last
+    assert " ok" not in last

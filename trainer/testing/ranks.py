@@ -17,10 +17,10 @@ import torch
 from hetpilot.planner.serde import plan_from_dict
 from torch import nn
 
-from ..check import _adam, _dataset, make_layers
 from ..plans import StaticPlanSource
 from ..records import JsonlReporter
 from ..runtime import Trainer, TrainerConfig
+from ..traincheck import _adam, _dataset, make_layers
 
 CFG: dict[str, Any] = {"num_layers": 6, "batch": 16, "iterations": 2, "seed": 3}
 
