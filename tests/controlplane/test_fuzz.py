@@ -25,6 +25,7 @@ from hetpilot.channel import metadata
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
+FZ_SECRET = "fuzz-host-secret-fz"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
@@ -107,7 +108,7 @@ def test_register(fuzz_daemon: RunningDaemon, req: agent_pb2.RegisterRequest) ->
 @given(reqs=st.lists(report, min_size=1, max_size=3))
 def test_report_stream(fuzz_daemon: RunningDaemon, reqs: list[agent_pb2.AgentReport]) -> None:
     stub = agent_pb2_grpc.AgentServiceStub(fuzz_daemon.channel())
-    registration = stub.Register(agent_pb2.RegisterRequest(host="fz", devices=[
+    registration = stub.Register(agent_pb2.RegisterRequest(host="fz", host_secret=FZ_SECRET, devices=[
         agent_pb2.DeviceInfo(index="0", kind=1, tflops=1, memory_gb=1)]), metadata=CLUSTER_MD,
         timeout=5).registration
     for req in reqs[:-1]:  # past the registration check, into the report's handling
