@@ -10,6 +10,8 @@ from hetpilot.daemon.metrics import Metrics
 from hetpilot.daemon.records import AgentRecord, AgentReport
 from hetpilot.daemon.store import MemoryStore
 
+from .helpers import host_secret
+
 
 def _plane(now: list[float], grace: float) -> ControlPlane:
     store = MemoryStore()
@@ -47,14 +49,17 @@ def test_peers_ring_and_identical_re_registers() -> None:
     now = [0.0]
     plane = _plane(now, grace=5.0)
     for i in range(10):
-        plane.members.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()))
+        plane.members.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()),
+                               secret=host_secret(f"h{i}"))
     assert [h for h, _ in plane.members.peers("h8")] == ["h9", "h0", "h1", "h2"]  # the next 4, wrapped
     assert [h for h, _ in plane.members.peers("a")] == ["h0", "h1", "h2", "h3"]  # no probe address
     epoch = plane.members.epoch
     # an agent reconnecting with the same address and devices changes nobody's peers
-    plane.members.register(AgentRecord(host="h3", probe_address="h3:9", devices=()))
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:9", devices=()),
+                           secret=host_secret("h3"))
     assert plane.members.epoch == epoch
-    plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()),
+                           secret=host_secret("h3"))
     assert plane.members.epoch == epoch + 1
     assert ("h3", "h3:10") in plane.members.peers("h2")
 
@@ -88,18 +93,18 @@ def test_membership_tells_its_listener_what_changed() -> None:
     members = Membership(MemoryStore(), DaemonConfig(state_dir="/tmp", report_interval_s=0.2,
                                                      heartbeat_timeout_s=1.0),
                          Metrics(), events, clock=lambda: now[0])
-    _, registration = members.register(AgentRecord(host="a", probe_address="", devices=()))
-    members.register(AgentRecord(host="a", probe_address="", devices=()), registration)
-    members.report(AgentReport(agent_id="a", seq=1, unix_ms=0), members.register(
-        AgentRecord(host="a", probe_address="", devices=()))[1])
+    a = AgentRecord(host="a", probe_address="", devices=())
+    _, registration, _ = members.register(a, secret=host_secret("a"))
+    members.register(a, registration, secret=host_secret("a"))
+    members.report(AgentReport(agent_id="a", seq=1, unix_ms=0),
+                   members.register(a, secret=host_secret("a"))[1])
     members.drain("a", "fan")
     members.drain("a", "again")  # already drained: nothing new
     members.resume("a")
     members.resume("a")  # not drained: nothing new
     now[0] = 5.0
     assert members.sweep() and not members.is_up("a")
-    members.heartbeat("a", members.register(
-        AgentRecord(host="a", probe_address="", devices=()))[1])
+    members.heartbeat("a", members.register(a, secret=host_secret("a"))[1])
     assert events.seen == [("up", "a"), ("registered", "a"), ("registered", "a"),
                            ("registered", "a"), ("reported", "a"), ("drained", "a"),
                            ("resumed", "a"), ("up", "a"), ("registered", "a")]
