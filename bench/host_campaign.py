@@ -145,7 +145,8 @@ class Cluster:
                 [sys.executable, "-m", "hetpilot", "agent", "--daemon", f"127.0.0.1:{self.port}",
                  "--host", "hosta", "--probe-listen", "127.0.0.1:0", "--token-file",
                  str(self.tmp / "cluster.token"), "--state-dir", str(self.tmp / "agent"),
-                 "--stop-grace", "3", "--emulate", "tflops=2,memory_gb=8,count=1"],
+                 "--stop-grace", "3", "--run-as", "agent",
+                 "--emulate", "tflops=2,memory_gb=8,count=1"],
                 stdout=subprocess.DEVNULL, stderr=log, env=self.env)
 
     def registrations(self) -> int:

@@ -81,7 +81,7 @@ def test_a_killed_agent_ends_its_launches_and_a_cancel_waits_for_it(
     # an agent starts again on the host's state dir: both stops are carried out
     c.spawn(f"agent-{host}", "agent", "--host", host, "--probe-listen", "127.0.0.1:0",
             "--token-file", str(c.tmp / "cluster.token"), "--state-dir",
-            str(c.tmp / f"agent-{host}"), "--stop-grace", "5",
+            str(c.tmp / f"agent-{host}"), "--stop-grace", "5", "--run-as", "agent",
             "--emulate", "tflops=2,memory_gb=8,price_per_hour=1,count=1")
     wait_until("the launches' processes to go", lambda: not _alive(procs), timeout=60)
     def exited(job_id: str) -> Any:
