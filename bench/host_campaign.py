@@ -1,6 +1,6 @@
 """Host take-over and agent-death campaign (issue 37.2 and 37.3, the daemon's side).
 
-  .venv/bin/python bench/host_campaign.py [--rounds 3] [--out host_campaign.json]
+  .venv/bin/python bench/host_campaign.py [--rounds 3] [--out host_campaign.json] [--keep DIR]
 
 Loopback only, EMULATED devices, real processes: a ``hetpilot daemon`` on a fixed
 port (so agents follow it across its restarts) and a real ``hetpilot agent``
@@ -267,12 +267,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default="")
+    ap.add_argument("--keep", default="", metavar="DIR",
+                    help="run in DIR and keep it (the daemon's and the agent's logs)")
     args = ap.parse_args()
     failures: list[str] = []
     rounds = []
     with tempfile.TemporaryDirectory(prefix="hetpilot-campaign-") as tmp:
-        if os.environ.get("CAMPAIGN_KEEP"):
-            tmp = os.environ["CAMPAIGN_KEEP"]
+        if args.keep:  # the daemon's and the agent's logs stay there
+            tmp = args.keep
+            Path(tmp).mkdir(parents=True, exist_ok=True)
         c = Cluster(Path(tmp))
         try:
             c.start_daemon()

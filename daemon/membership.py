@@ -212,8 +212,8 @@ class Membership:
                             launches=agent.launches, secret_hash=bound)
         self.store.put_agent(agent)  # the binding with it: durable before the answer
         # a re-register of the same host, address and devices changes no one's peers
-        changed = known is None or replace(known, registered_ms=0) != replace(
-            agent, registered_ms=0)
+        changed = known is None or replace(known, registered_ms=0, secret_hash="") != replace(
+            agent, registered_ms=0, secret_hash="")
         self._agents[agent.host] = agent
         if known is None:
             self._since[agent.host] = _now_ms()
