@@ -38,7 +38,7 @@ device_info = st.builds(agent_pb2.DeviceInfo, index=text, name=text, kind=enum, 
                         memory_gb=floats, price_per_hour=floats, power_watts=floats,
                         emulated=st.booleans())
 register = st.builds(agent_pb2.RegisterRequest, host=text, probe_address=text,
-                     devices=st.lists(device_info, max_size=3) | st.just(
+                     host_secret=text | st.just("s" * 300), devices=st.lists(device_info, max_size=3) | st.just(
                          [agent_pb2.DeviceInfo(index="0", tflops=1, memory_gb=1)] * 70))
 launch_status = st.builds(agent_pb2.LaunchStatus, launch_id=text, job_id=text, state=enum,
                           exit_code=st.integers(-2**31, 2**31 - 1), reason=text | st.just(
@@ -153,6 +153,8 @@ def test_cluster_and_finish(fuzz_daemon: RunningDaemon, req: cluster_pb2.DrainHo
     cluster = cluster_pb2_grpc.ClusterServiceStub(ch)
     assert _code(cluster.DrainHost, req, CLUSTER_MD) in ALLOWED
     assert _code(cluster.ResumeHost, cluster_pb2.ResumeHostRequest(host=req.host),
+                 CLUSTER_MD) in ALLOWED
+    assert _code(cluster.ForgetHost, cluster_pb2.ForgetHostRequest(host=req.host),
                  CLUSTER_MD) in ALLOWED
     assert _code(cluster.ListNodes, cluster_pb2.ListNodesRequest(links=links), OWNER_MD) == \
         grpc.StatusCode.OK

@@ -3,8 +3,10 @@ store knows get restart_grace_s to report again before they count as down."""
 
 from __future__ import annotations
 
+import pytest
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.controlplane import ControlPlane
+from hetpilot.daemon.errors import PermissionDenied
 from hetpilot.daemon.membership import Membership
 from hetpilot.daemon.metrics import Metrics
 from hetpilot.daemon.records import AgentRecord, AgentReport
@@ -108,3 +110,26 @@ def test_membership_tells_its_listener_what_changed() -> None:
     assert events.seen == [("up", "a"), ("registered", "a"), ("registered", "a"),
                            ("registered", "a"), ("reported", "a"), ("drained", "a"),
                            ("resumed", "a"), ("up", "a"), ("registered", "a")]
+
+
+def test_a_host_known_from_before_bindings_is_bound_at_its_next_register() -> None:
+    """Upgrading: a host in the store without a binding is bound by its next Register
+    (with the secret it sends), and from then on needs that secret, across a restart."""
+    store = MemoryStore()
+    store.put_agent(AgentRecord(host="old", probe_address="", devices=()))
+    config = DaemonConfig(state_dir="/tmp", report_interval_s=0.2, heartbeat_timeout_s=1.0)
+    members = Membership(store, config, Metrics(), _Events())
+    old = AgentRecord(host="old", probe_address="", devices=())
+    assert members.register(old, secret=host_secret("old"))[2] == ""  # bound as sent
+    members = Membership(store, config, Metrics(), _Events())  # a daemon restart
+    with pytest.raises(PermissionDenied, match="bound"):
+        members.register(old)
+    with pytest.raises(PermissionDenied, match="another secret"):
+        members.register(old, secret=host_secret("new"))
+    members.register(old, secret=host_secret("old"))
+    # forgotten: the next Register binds the name again, here to a secret the daemon makes
+    members.forget("old")
+    made = members.register(old)[2]
+    assert made and members.register(old, secret=made)[2] == ""
+    with pytest.raises(PermissionDenied):
+        members.register(old, secret=host_secret("old"))
