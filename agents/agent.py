@@ -35,6 +35,7 @@ from hetpilot.emulation import EmulationFile
 
 from .config import AgentConfig
 from .cpustat import CpuMeter
+from .host_secret import HostSecret
 from .launcher import Launcher
 from .netprobe import measure, start_probe_server
 from .probes import DeviceState, discover, refresh
@@ -87,6 +88,7 @@ class Agent:
         self._registration = ""  # RegisterResponse.registration, sent with each report
         self._cpu: CpuMeter | None = None  # a CPU host's load between reports
         self._md = metadata(config.cluster_token())
+        self.secret = HostSecret(config.resolved_state_dir())  # binds the host name
         # EMULATED conditions (off unless configured): see hetpilot.emulation
         self._emufile = EmulationFile(config.emulate_file) if config.emulate_file else None
         self._endpoint = Endpoint(address=config.daemon, ca_file=config.ca_file,
@@ -111,7 +113,7 @@ class Agent:
         return agent_pb2.RegisterRequest(
             host=self.config.host, probe_address=self.probe_address, agent_version="1",
             launches=self.launcher is not None, registration=self._registration,
-            devices=[agent_pb2.DeviceInfo(
+            host_secret=self.secret.value(), devices=[agent_pb2.DeviceInfo(
                 index=d.index, name=d.name, kind=_KIND[d.kind], tflops=d.tflops,
                 memory_gb=d.memory_total_gb, price_per_hour=d.price_per_hour,
                 power_watts=d.power_watts, emulated=d.emulated, probe_dtype=d.probe_dtype,
@@ -214,6 +216,8 @@ class Agent:
                                            timeout=self.config.call_timeout_s)
                 self._set_peers(resp.peers)
                 self._registration = resp.registration
+                if resp.host_secret:  # the daemon made the secret (not sent by us)
+                    self.secret.replace(resp.host_secret)
                 self.connections += 1
                 log.info("registered with %s", self.config.daemon)
                 backoff = 0.2
@@ -221,8 +225,8 @@ class Agent:
             except Exception as exc:  # never crash on the daemon: log, back off, reconnect
                 code = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
                         else type(exc).__name__)
-                if (isinstance(exc, grpc.aio.AioRpcError)
-                        and exc.code() == grpc.StatusCode.FAILED_PRECONDITION):
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
+                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
                     code += f" ({exc.details()})"  # refused as is: say why
                 log.warning("daemon %s: %s; retrying in %.1fs", self.config.daemon, code, backoff)
             finally:

@@ -72,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("no daemon address: pass --daemon or set HETPILOT_ADDRESS")
             config = load_agent_config(args.config, daemon=env, **flags)
         config.cluster_token()
+        from .host_secret import HostSecret
+        HostSecret(config.resolved_state_dir()).value()  # made now: a bad state dir says so
         from .launcher import lock_state_dir
         # one agent process per state dir, held until this process ends
         held = lock_state_dir(config.resolved_state_dir()) if config.launch else None

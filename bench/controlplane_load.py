@@ -35,7 +35,8 @@ TOKEN = "bench-cluster-token"
 
 
 def _register(host: str) -> agent_pb2.RegisterRequest:
-    return agent_pb2.RegisterRequest(host=host, probe_address=f"127.0.0.1:{9}", devices=[
+    return agent_pb2.RegisterRequest(host=host, probe_address=f"127.0.0.1:{9}",
+                                     host_secret=f"bench-host-secret-{host}", devices=[
         agent_pb2.DeviceInfo(index=str(i), name="emu", kind=common_pb2.DEVICE_KIND_EMULATED,
                              tflops=50.0, memory_gb=80.0, price_per_hour=1.0, emulated=True)
         for i in range(2)])

@@ -322,13 +322,26 @@ _JOB_COLUMNS = (
 )
 
 
+def _state(j: job_pb2.JobInfo) -> str:
+    """The job's state; for an ended job whose ranks have not all exited, which hosts it
+    waits for ("cancelling: waiting for host b": a host that is down gets the stop
+    order when its agent comes back)."""
+    state = _STATE.get(j.state, "?")
+    left = [h.host for h in j.launch if h.state != job_pb2.HOST_LAUNCH_STATE_EXITED]
+    if not left or j.state in (job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING):
+        return state
+    what = {job_pb2.JOB_STATE_CANCELLED: "cancelling",
+            job_pb2.JOB_STATE_FAILED: "failed, stopping"}.get(j.state, f"{state}, finishing")
+    return f"{what}: waiting for host {', '.join(left)}"
+
+
 def _print_jobs(jobs: list[job_pb2.JobInfo], width: int | None = None) -> None:
     rows = []
     for j in jobs:
         devices = str(len(j.devices))
         if j.emulated_devices:
             devices += f" ({len(j.emulated_devices)} emulated)"
-        rows.append((j.job_id, j.name, _STATE.get(j.state, "?"), _when(j.started_unix_ms),
+        rows.append((j.job_id, j.name, _state(j), _when(j.started_unix_ms),
                      _when(j.ended_unix_ms), str(j.plan_version),
                      f"{j.iteration_s:.3f}" if j.plan_version else "-",
                      _fmt_spent(j.cost_so_far),

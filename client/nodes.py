@@ -1,5 +1,5 @@
 """Cluster commands: ``hetpilot nodes [--links] [--json]``, ``hetpilot drain HOST``,
-``hetpilot resume HOST`` (ClusterService).
+``hetpilot resume HOST``, ``hetpilot nodes forget HOST`` (ClusterService).
 
 ``nodes`` is for job owners and the cluster admin alike (like ``sinfo`` or
 ``ray status``): one row per device with its host's state (up, down,
@@ -9,7 +9,12 @@ speeds jobs measured on their own layers (a second table; an owner sees their
 own jobs'), memory, load, price. ``--links`` prints the measured link matrix
 (Gbit/s and RTT; a list when the matrix does not fit the terminal).
 
-``drain`` and ``resume`` need the cluster token (``--token-file
+``nodes forget HOST`` unbinds a host name from the secret its agent was given at
+its first registration (docs/operating.md, "Host identity"): the next agent to
+register the name with the cluster token takes it (an agent whose state dir was
+lost, a rebuilt host); launch parts not exited on the host are given up.
+
+``drain``, ``resume`` and ``nodes forget`` need the cluster token (``--token-file
 /etc/hetpilot/cluster.token``); an owner's token is refused (exit 4).
 Exit codes as for the job commands (:mod:`hetpilot.client.cli`); an unknown
 host is 3.
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
 import grpc
@@ -43,6 +49,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
     if name == "nodes":
         parser.add_argument("--links", action="store_true",
                             help="print the measured links between hosts (Gbit/s, RTT)")
+        parser.add_argument("action", nargs="?", choices=["forget"],
+                            help="forget HOST: unbind the host name from its agent's secret "
+                                 "(the next agent to register it takes it; cluster token)")
+        parser.add_argument("host", nargs="?", help="the host to forget")
     else:
         parser.add_argument("host")
     if name == "drain":
@@ -213,6 +223,27 @@ def _drain_or_resume(channel: grpc.Channel, md: Md, args: argparse.Namespace) ->
     return 0
 
 
+def _forget(channel: grpc.Channel, md: Md, args: argparse.Namespace) -> int:
+    stub = cluster_pb2_grpc.ClusterServiceStub(channel)
+    node = stub.ForgetHost(cluster_pb2.ForgetHostRequest(host=args.host), metadata=md,
+                           timeout=args.timeout)
+    if args.json:
+        print(json.dumps(_plain(MessageToDict(node, preserving_proto_field_name=True))))
+    else:
+        print(safe(f"{node.host} forgotten ({_STATES.get(node.state, '?')}): the next agent "
+                   "to register it with the cluster token is bound to the name"))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.command == "nodes" and getattr(args, "action", None) == "forget":
+        if not args.host:
+            print("hetpilot nodes forget: error: HOST is required", file=sys.stderr)
+            return 2
+        return call(args, lambda channel, md: _forget(channel, md, args))
+    if args.command == "nodes" and getattr(args, "host", None):
+        print(f"hetpilot nodes: error: unexpected argument {safe(args.host)!r} (did you mean "
+              "`hetpilot nodes forget HOST`?)", file=sys.stderr)
+        return 2
     command = _nodes if args.command == "nodes" else _drain_or_resume
     return call(args, lambda channel, md: command(channel, md, args))

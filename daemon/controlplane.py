@@ -222,7 +222,7 @@ class ControlPlane:
         unknown = None if rec.ended else self._unknown_hosts(rec)
         if unknown is not None:
             status = replace(status, warnings=(*status.warnings, unknown))
-        waiting = None if rec.ended else self.launches.waiting(rec.job_id)
+        waiting = self.launches.stopping(rec) if rec.ended else self.launches.waiting(rec.job_id)
         if waiting is not None:
             status = replace(status, warnings=(*status.warnings, waiting))
         return JobView(rec, status, self.store.progress(rec.job_id))
@@ -412,6 +412,10 @@ class ControlPlane:
         while True:
             await asyncio.sleep(period)
             self.members.sweep()
+            try:  # running jobs with a part on a host that went down
+                await self.launches.hosts_lost()
+            except Exception:
+                log.exception("ending jobs on lost hosts failed")
             try:  # jobs waiting for hosts to launch on (agents came up, hosts resumed)
                 self.launches.try_pending()
             except Exception:  # the sweep must go on (a store fault is retried next time)

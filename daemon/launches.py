@@ -40,9 +40,18 @@ How a launch ends the job (unless the trainer ended it first with FinishJob):
   restarts, or could not start: the rendezvous port was in use on every try)
   without being stopped: FAILED, the reason naming the host, the exit code and
   the last lines of its output;
+* a host whose part has not exited goes down (its agent silent past the
+  heartbeat timeout, or past the restart grace after a daemon restart):
+  FAILED, the reason naming the host (:meth:`Launches.hosts_lost`). Not launched
+  again on the hosts left: a launch is never re-made, and ``restart_budget`` is
+  torchrun's, for ranks that die on a host that is still there;
 * CANCELLED and FAILED jobs have their running launches stopped at once;
   a SUCCEEDED job's ranks get :data:`SUCCEEDED_GRACE_S` to exit on their own
   (rank 0 calls FinishJob before the others are done) before they are stopped.
+  The stop of a part on a host that is down waits for its agent to come back
+  (the order is level-triggered), and the job's view says so meanwhile
+  (:meth:`Launches.stopping`); an operator who gives the host up
+  (``hetpilot nodes forget``) gives its parts up with it.
 
 Retention: an ended job's output (:mod:`hetpilot.daemon.joblogs`) is removed
 ``log_retention_hours`` after the job ended and every host's part exited
@@ -67,6 +76,7 @@ from hetpilot.entry import Entry
 from .config import DaemonConfig
 from .joblogs import JobLogs
 from .records import (
+    JOB_CANCELLED,
     JOB_FAILED,
     JOB_SUCCEEDED,
     LAUNCH_EXITED,
@@ -467,6 +477,58 @@ class Launches:
         elif launch.exited and all(h.exit_code == 0 for h in launch.hosts):
             await self.plane.end_job(rec, JOB_SUCCEEDED,
                                      f"every rank exited with 0 ({len(launch.hosts)} host(s))")
+
+    async def hosts_lost(self) -> list[str]:
+        """End the running jobs whose launch has a part, not exited, on a host that is
+        down (from the liveness sweep): FAILED, naming the host. The part stays as its
+        agent last reported it: its ranks may still run there, and are stopped when
+        the agent comes back. The jobs ended."""
+        ended = []
+        for launch in self._active_launches():
+            lost = [h.host for h in launch.hosts
+                    if h.state != LAUNCH_EXITED and not self.plane.is_up(h.host)]
+            rec = self.store.get_job(launch.job_id) if lost else None
+            if rec is None or rec.ended:
+                continue
+            timeout = self.plane.config.heartbeat_timeout_s
+            await self.plane.end_job(rec, JOB_FAILED, (
+                f"host {', '.join(lost)} lost: its agent was silent for over {timeout:g} s "
+                f"(heartbeat timeout) while it held part of launch {launch.launch_id}; "
+                "not launched again (a launch is never re-made: re-submit the job). Ranks "
+                "still running there are stopped when its agent comes back")[:MAX_REASON])
+            ended.append(rec.job_id)
+        return ended
+
+    def stopping(self, rec: JobRecord) -> str | None:
+        """For an ended job whose launch still has parts not exited: which hosts it waits
+        for (a host that is down gets the stop order when its agent comes back)."""
+        launch = self._by_job.get(rec.job_id)
+        if not rec.ended or launch is None or launch.exited:
+            return None
+        left = [h.host for h in launch.hosts if h.state != LAUNCH_EXITED]
+        down = [h for h in left if not self.plane.is_up(h)]
+        what = {JOB_CANCELLED: "cancelling", JOB_FAILED: "stopping"}.get(rec.state, "finishing")
+        if down:
+            return (f"{what}: waiting for host {', '.join(down)} (down: its ranks are stopped "
+                    "when its agent comes back; `hetpilot nodes forget HOST` gives them up)")
+        return f"{what}: stopping the ranks on host {', '.join(left)}"
+
+    async def forget_host(self, host: str) -> None:
+        """An operator gave ``host`` up: its parts not exited are given up (exited, code
+        255), which ends their running jobs FAILED."""
+        changed = []
+        for launch in self._active_launches():
+            part = launch.host(host)
+            if part is None or part.state == LAUNCH_EXITED:
+                continue
+            new = replace(part, state=LAUNCH_EXITED, exit_code=EXIT_UNKNOWN,
+                          reason=f"given up: host {host} was forgotten by an operator "
+                                 "(hetpilot nodes forget)", updated_ms=_now_ms())
+            self._save(launch.with_host(new))
+            self._log_change(launch, part, new)
+            changed.append(launch.job_id)
+        for job_id in changed:
+            await self._settle(job_id)
 
     def job_ended(self, rec: JobRecord) -> None:
         """The job ended: parts never started will not be (their ports are free again)."""

@@ -2,7 +2,11 @@
 which hosts are drained, and each agent's probe peers.
 
 Register, report and heartbeat land here; liveness is swept on the heartbeat
-timeout; drains are persisted. What the rest of the daemon must react to (a
+timeout; drains are persisted. Host names are bound to credentials (see
+:meth:`Membership.register`): the cluster token bootstraps a host, as a
+kubelet's bootstrap token does; the first Register of a name binds it to the
+agent's secret (only its hash is stored, in the agent's record), later ones
+must carry it, and only an operator unbinds a name (:meth:`Membership.forget`). What the rest of the daemon must react to (a
 host came up, registered, reported, was drained or resumed) goes to a
 :class:`MembershipListener`, so this module never reaches the job loops or the
 launches. Runs on the event loop thread.
@@ -10,7 +14,11 @@ launches. Runs on the event loop thread.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
+import re
+import secrets
 import time
 import uuid
 from collections.abc import Callable, Mapping
@@ -20,18 +28,23 @@ from typing import Protocol
 from hetpilot.planner.errors import ValidationError
 
 from .config import DaemonConfig
-from .errors import FailedPrecondition, NotFound
+from .decode import RateLimitedLog
+from .errors import FailedPrecondition, NotFound, PermissionDenied
 from .metrics import Metrics
 from .records import AgentRecord, AgentReport, DrainRecord
 from .store import Store
 
-__all__ = ["PEERS_PER_AGENT", "Membership", "MembershipListener", "Peers", "short_list"]
+__all__ = ["PEERS_PER_AGENT", "Membership", "MembershipListener", "Peers", "check_secret",
+           "secret_hash", "short_list"]
 
 log = logging.getLogger("hetpilot.daemon")
 
 PEERS_PER_AGENT = 4
 """Each agent probes this many peers (its successors in host order), so probe
 traffic grows linearly with the cluster; unmeasured pairs take the defaults."""
+
+_refusals = RateLimitedLog()
+"""Refused registrations of bound names, logged once a minute per host."""
 
 Peers = tuple[tuple[str, str], ...]
 """(host, probe address) of the peers an agent probes."""
@@ -65,6 +78,24 @@ def short_list(items: list[str], limit: int = 8) -> str:
 def _machine(probe_address: str) -> str:
     """The host part of a probe address (``10.0.0.1:7071`` -> ``10.0.0.1``)."""
     return probe_address.rpartition(":")[0] if ":" in probe_address else probe_address
+
+
+_SECRET = re.compile(r"[A-Za-z0-9_.:~+/=-]{16,256}")
+
+
+def check_secret(value: str) -> str:
+    """A host secret as sent (RegisterRequest.host_secret): empty, or 16-256 printable
+    characters without spaces. The error never echoes it."""
+    if value and not _SECRET.fullmatch(value):
+        raise ValidationError("host_secret", "must be 16-256 characters of A-Z a-z 0-9 "
+                              f"_.:~+/=- (got {len(value)} characters)")
+    return value
+
+
+def secret_hash(secret: str) -> str:
+    """What the store keeps of a host secret: SHA-256, hex. The secrets are random
+    (32 bytes from the agent or the daemon), so a plain hash is enough."""
+    return hashlib.sha256(secret.encode()).hexdigest()
 
 
 def _now_ms() -> int:
@@ -140,10 +171,15 @@ class Membership:
 
     # -- agents ---------------------------------------------------------------
 
-    def register(self, agent: AgentRecord, previous: str = "") -> tuple[Peers, str]:
-        """Register ``agent``: its peers and its new registration. ``previous`` is the
-        registration this agent process was given last (RegisterRequest.registration)."""
+    def register(self, agent: AgentRecord, previous: str = "", secret: str = "",
+                 certified: bool = False) -> tuple[Peers, str, str]:
+        """Register ``agent``: its peers, its new registration and the host secret the
+        daemon made for it (empty unless it made one). ``previous`` is the registration
+        this agent process was given last (RegisterRequest.registration); ``secret`` the
+        host secret it sent; ``certified``: its client certificate names the host
+        (tls.agents_by_certificate), which stands for the secret."""
         known = self._agents.get(agent.host)
+        bound, made = self._bind(known, agent.host, check_secret(secret), certified)
         if (known is not None and agent.host in self._up
                 and _machine(known.probe_address) != _machine(agent.probe_address)):
             # another machine under a name in use (a cloned VM, a mistyped --host): its
@@ -173,11 +209,11 @@ class Membership:
                     "after its last report")
         agent = AgentRecord(host=agent.host, probe_address=agent.probe_address,
                             devices=agent.devices, registered_ms=int(time.time() * 1000),
-                            launches=agent.launches)
-        self.store.put_agent(agent)
+                            launches=agent.launches, secret_hash=bound)
+        self.store.put_agent(agent)  # the binding with it: durable before the answer
         # a re-register of the same host, address and devices changes no one's peers
-        changed = known is None or replace(known, registered_ms=0) != replace(
-            agent, registered_ms=0)
+        changed = known is None or replace(known, registered_ms=0, secret_hash="") != replace(
+            agent, registered_ms=0, secret_hash="")
         self._agents[agent.host] = agent
         if known is None:
             self._since[agent.host] = _now_ms()
@@ -192,7 +228,47 @@ class Membership:
             self._changed()
         self.listener.registered(agent.host)
         registration = self._registration[agent.host] = uuid.uuid4().hex
-        return self.peers(agent.host), registration
+        return self.peers(agent.host), registration, made
+
+    def _bind(self, known: AgentRecord | None, host: str, secret: str,
+              certified: bool) -> tuple[str, str]:
+        """(the secret hash the host's record keeps, the secret the daemon made or "").
+        A bound name takes only its secret (or a certificate naming it); an unbound
+        one (new, forgotten, or known from before bindings existed) is bound to the
+        secret sent, or to one made here when none was."""
+        bound = known.secret_hash if known is not None else ""
+        if certified:
+            return bound, ""  # the certificate is the credential; a binding stays as is
+        if bound:
+            if secret and hmac.compare_digest(secret_hash(secret), bound):
+                return bound, ""
+            up = "up" if host in self._up else "down"
+            _refusals.warn(host, "a Register of host %s (%s) was refused: %s host secret",
+                           host[:64], up, "a wrong" if secret else "no")
+            raise PermissionDenied(
+                f"host {host[:64]!r} is bound to the secret its agent was given at its first "
+                f"registration (the host is {up}); this Register carries "
+                f"{'another secret' if secret else 'none'}: the cluster token alone does "
+                "not take a known host's name. An agent keeps the secret in its state dir "
+                f"(host.secret); if that was lost, an operator runs `hetpilot nodes forget "
+                f"{host[:64]}` and the next agent to register the name is bound to it")
+        if known is not None:
+            log.warning("host %s had no secret bound (registered before bindings, or "
+                        "forgotten): bound now to this registration's", host)
+        made = "" if secret else secrets.token_urlsafe(32)
+        return secret_hash(secret or made), made
+
+    def forget(self, host: str) -> AgentRecord:
+        """Unbind ``host``'s name from its secret (an operator's act): the next agent to
+        register the name is bound to it. The host's record and state stay."""
+        agent = self._agents[self._known(host)]
+        if agent.secret_hash:
+            agent = replace(agent, secret_hash="")
+            self.store.put_agent(agent)
+            self._agents[host] = agent
+            log.warning("host %s forgotten by an operator: the next agent to register it "
+                        "is bound to the name", host)
+        return agent
 
     def _seen(self, host: str, joined: bool = False) -> None:
         self._last_seen[host] = self.clock()

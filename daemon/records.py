@@ -263,6 +263,9 @@ class AgentRecord(_Json):
     registered_ms: int = 0
     launches: bool = False
     """The agent starts job ranks when ordered (RegisterRequest.launches)."""
+    secret_hash: str = ""
+    """SHA-256 (hex) of the secret the host name is bound to (RegisterRequest.host_secret);
+    empty: not bound (registered before bindings existed, or forgotten)."""
     _nested: ClassVar[dict[str, type]] = {"devices": DeviceInfo}
 
     @property

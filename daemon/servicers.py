@@ -233,13 +233,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                        context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
         agent = convert.agent_from_proto(request)
         self._as(agent.host, context)
-        peers, registration = self.plane.members.register(
-            agent, convert.label(request.registration, "registration"))
+        peers, registration, made = self.plane.members.register(
+            agent, convert.label(request.registration, "registration"), request.host_secret,
+            certified=self.by_certificate)
         cfg = self.plane.config
         return agent_pb2.RegisterResponse(
             agent_id=request.host, report_interval_s=cfg.report_interval_s,
             heartbeat_timeout_s=cfg.heartbeat_timeout_s, peers=convert.peers_to_proto(peers),
-            registration=registration)
+            registration=registration, host_secret=made)
 
     @_stream
     async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
@@ -329,7 +330,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
 
 
 class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
-    """Nodes for owners and the cluster token; drain and resume for the cluster token."""
+    """Nodes for owners and the cluster token; drain, resume and forget for the cluster
+    token."""
 
     def __init__(self, plane: ControlPlane, auth: Authenticator) -> None:
         self.plane, self.auth = plane, auth
@@ -382,4 +384,13 @@ class ClusterServicer(cluster_pb2_grpc.ClusterServiceServicer):
         host = convert.name(request.host, "host")
         self._admin(context, "resuming a host")
         self.plane.members.resume(host)
+        return self._node(host)
+
+    @_unary
+    async def ForgetHost(self, request: cluster_pb2.ForgetHostRequest,
+                         context: grpc.aio.ServicerContext) -> cluster_pb2.NodeInfo:
+        host = convert.name(request.host, "host")
+        self._admin(context, "forgetting a host")
+        self.plane.members.forget(host)
+        await self.plane.launches.forget_host(host)
         return self._node(host)

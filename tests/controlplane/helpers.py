@@ -16,9 +16,17 @@ def model_json() -> str:
     return (EXAMPLES / "model.json").read_text()
 
 
+def host_secret(host: str) -> str:
+    """The host secret the test agents of ``host`` register with (the agent's own is
+    random, in its state dir): one per name, so a test's agent that registers again
+    is the same host to the daemon, as a restarted agent is."""
+    return f"test-host-secret-{host}"
+
+
 def register_request(host: str, n: int = 1, tflops: float = 50.0, memory_gb: float = 80.0,
                      price: float = 1.0, probe: str = "") -> agent_pb2.RegisterRequest:
-    return agent_pb2.RegisterRequest(host=host, probe_address=probe, devices=[
+    return agent_pb2.RegisterRequest(host=host, probe_address=probe,
+                                     host_secret=host_secret(host), devices=[
         agent_pb2.DeviceInfo(index=str(i), name="emu", kind=common_pb2.DEVICE_KIND_EMULATED,
                              tflops=tflops, memory_gb=memory_gb, price_per_hour=price,
                              power_watts=300.0, emulated=True)

@@ -1,6 +1,7 @@
 """Which agent speaks for a host: each Register gives a registration that the host's
 reports and heartbeats must carry, a second agent under a connected host's name is
-refused, and a second agent process on one state directory does not start."""
+refused, a second agent process on one state directory does not start, and one on
+another state directory (another host secret) is refused until the name is forgotten."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from hetpilot.v1 import agent_pb2, agent_pb2_grpc
+from hetpilot.v1 import agent_pb2, agent_pb2_grpc, cluster_pb2, cluster_pb2_grpc
 
 from .conftest import CLUSTER_MD, CLUSTER_TOKEN, RunningDaemon, start_daemon
 from .helpers import register_request, report, wait_until
@@ -106,7 +107,8 @@ def _agent(tmp_path: Path, address: str, state: Path, log: Path) -> subprocess.P
 @pytest.mark.slow
 def test_two_agent_processes_on_one_host_name(tmp_path: Path) -> None:
     """Real agents: one state dir holds one agent; another state dir under the same
-    --host waits, refused by the daemon, until the first agent is gone."""
+    --host (another host secret) is refused by the daemon until an operator forgets
+    the name, even once the first agent is gone."""
     d = start_daemon(tmp_path / "daemon", heartbeat_timeout_s=2.0)
     procs = []
     try:
@@ -120,14 +122,24 @@ def test_two_agent_processes_on_one_host_name(tmp_path: Path) -> None:
         assert same_dir.wait(timeout=60) == 2
         err = logs[1].read_text()
         assert f"state dir {tmp_path / 's1'}" in err and f"pid {first.pid}" in err, err
+        # the agent made its host secret, kept for its user only
+        secret = tmp_path / "s1" / "host.secret"
+        assert secret.stat().st_mode & 0o777 == 0o600 and len(secret.read_text()) > 32
+        # another state dir holds another secret: refused, while the first is up and
+        # after it is gone (the name stays bound), until an operator forgets the name
         other_dir = _agent(tmp_path, d.address, tmp_path / "s2", logs[2])
         procs.append(other_dir)
-        wait_until("the second agent to be refused", lambda: b"a second agent under the "
-                   b"same name" in logs[2].read_bytes(), timeout=60)
-        assert b"registered with" not in logs[2].read_bytes()
+        wait_until("the second agent to be refused", lambda: b"PERMISSION_DENIED" in logs[2]
+                   .read_bytes() and b"nodes forget h" in logs[2].read_bytes(), timeout=60)
         first.terminate()
         assert first.wait(timeout=30) == 0
-        wait_until("the second agent to register once the first is gone",
+        refusals = logs[2].read_bytes().count(b"PERMISSION_DENIED")
+        wait_until("a refusal after the first agent is gone", lambda: logs[2].read_bytes()
+                   .count(b"PERMISSION_DENIED") > refusals, timeout=60)
+        assert b"registered with" not in logs[2].read_bytes()
+        cluster_pb2_grpc.ClusterServiceStub(d.channel()).ForgetHost(
+            cluster_pb2.ForgetHostRequest(host="h"), metadata=CLUSTER_MD, timeout=T)
+        wait_until("the second agent to register once the name is forgotten",
                    lambda: b"registered with" in logs[2].read_bytes(), timeout=60)
     finally:
         for p in procs:

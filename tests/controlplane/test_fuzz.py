@@ -25,6 +25,7 @@ from hetpilot.channel import metadata
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon, start_daemon
 
 pytestmark = pytest.mark.timeout(120)
+FZ_SECRET = "fuzz-host-secret-fz"
 ALLOWED = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT,
            grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.NOT_FOUND,
            grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED}
@@ -37,7 +38,7 @@ device_info = st.builds(agent_pb2.DeviceInfo, index=text, name=text, kind=enum, 
                         memory_gb=floats, price_per_hour=floats, power_watts=floats,
                         emulated=st.booleans())
 register = st.builds(agent_pb2.RegisterRequest, host=text, probe_address=text,
-                     devices=st.lists(device_info, max_size=3) | st.just(
+                     host_secret=text | st.just("s" * 300), devices=st.lists(device_info, max_size=3) | st.just(
                          [agent_pb2.DeviceInfo(index="0", tflops=1, memory_gb=1)] * 70))
 launch_status = st.builds(agent_pb2.LaunchStatus, launch_id=text, job_id=text, state=enum,
                           exit_code=st.integers(-2**31, 2**31 - 1), reason=text | st.just(
@@ -107,7 +108,7 @@ def test_register(fuzz_daemon: RunningDaemon, req: agent_pb2.RegisterRequest) ->
 @given(reqs=st.lists(report, min_size=1, max_size=3))
 def test_report_stream(fuzz_daemon: RunningDaemon, reqs: list[agent_pb2.AgentReport]) -> None:
     stub = agent_pb2_grpc.AgentServiceStub(fuzz_daemon.channel())
-    registration = stub.Register(agent_pb2.RegisterRequest(host="fz", devices=[
+    registration = stub.Register(agent_pb2.RegisterRequest(host="fz", host_secret=FZ_SECRET, devices=[
         agent_pb2.DeviceInfo(index="0", kind=1, tflops=1, memory_gb=1)]), metadata=CLUSTER_MD,
         timeout=5).registration
     for req in reqs[:-1]:  # past the registration check, into the report's handling
@@ -152,6 +153,8 @@ def test_cluster_and_finish(fuzz_daemon: RunningDaemon, req: cluster_pb2.DrainHo
     cluster = cluster_pb2_grpc.ClusterServiceStub(ch)
     assert _code(cluster.DrainHost, req, CLUSTER_MD) in ALLOWED
     assert _code(cluster.ResumeHost, cluster_pb2.ResumeHostRequest(host=req.host),
+                 CLUSTER_MD) in ALLOWED
+    assert _code(cluster.ForgetHost, cluster_pb2.ForgetHostRequest(host=req.host),
                  CLUSTER_MD) in ALLOWED
     assert _code(cluster.ListNodes, cluster_pb2.ListNodesRequest(links=links), OWNER_MD) == \
         grpc.StatusCode.OK

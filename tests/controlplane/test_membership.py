@@ -3,12 +3,16 @@ store knows get restart_grace_s to report again before they count as down."""
 
 from __future__ import annotations
 
+import pytest
 from hetpilot.daemon.config import DaemonConfig
 from hetpilot.daemon.controlplane import ControlPlane
+from hetpilot.daemon.errors import PermissionDenied
 from hetpilot.daemon.membership import Membership
 from hetpilot.daemon.metrics import Metrics
 from hetpilot.daemon.records import AgentRecord, AgentReport
 from hetpilot.daemon.store import MemoryStore
+
+from .helpers import host_secret
 
 
 def _plane(now: list[float], grace: float) -> ControlPlane:
@@ -47,14 +51,17 @@ def test_peers_ring_and_identical_re_registers() -> None:
     now = [0.0]
     plane = _plane(now, grace=5.0)
     for i in range(10):
-        plane.members.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()))
+        plane.members.register(AgentRecord(host=f"h{i}", probe_address=f"h{i}:9", devices=()),
+                               secret=host_secret(f"h{i}"))
     assert [h for h, _ in plane.members.peers("h8")] == ["h9", "h0", "h1", "h2"]  # the next 4, wrapped
     assert [h for h, _ in plane.members.peers("a")] == ["h0", "h1", "h2", "h3"]  # no probe address
     epoch = plane.members.epoch
     # an agent reconnecting with the same address and devices changes nobody's peers
-    plane.members.register(AgentRecord(host="h3", probe_address="h3:9", devices=()))
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:9", devices=()),
+                           secret=host_secret("h3"))
     assert plane.members.epoch == epoch
-    plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()))
+    plane.members.register(AgentRecord(host="h3", probe_address="h3:10", devices=()),
+                           secret=host_secret("h3"))
     assert plane.members.epoch == epoch + 1
     assert ("h3", "h3:10") in plane.members.peers("h2")
 
@@ -88,18 +95,41 @@ def test_membership_tells_its_listener_what_changed() -> None:
     members = Membership(MemoryStore(), DaemonConfig(state_dir="/tmp", report_interval_s=0.2,
                                                      heartbeat_timeout_s=1.0),
                          Metrics(), events, clock=lambda: now[0])
-    _, registration = members.register(AgentRecord(host="a", probe_address="", devices=()))
-    members.register(AgentRecord(host="a", probe_address="", devices=()), registration)
-    members.report(AgentReport(agent_id="a", seq=1, unix_ms=0), members.register(
-        AgentRecord(host="a", probe_address="", devices=()))[1])
+    a = AgentRecord(host="a", probe_address="", devices=())
+    _, registration, _ = members.register(a, secret=host_secret("a"))
+    members.register(a, registration, secret=host_secret("a"))
+    members.report(AgentReport(agent_id="a", seq=1, unix_ms=0),
+                   members.register(a, secret=host_secret("a"))[1])
     members.drain("a", "fan")
     members.drain("a", "again")  # already drained: nothing new
     members.resume("a")
     members.resume("a")  # not drained: nothing new
     now[0] = 5.0
     assert members.sweep() and not members.is_up("a")
-    members.heartbeat("a", members.register(
-        AgentRecord(host="a", probe_address="", devices=()))[1])
+    members.heartbeat("a", members.register(a, secret=host_secret("a"))[1])
     assert events.seen == [("up", "a"), ("registered", "a"), ("registered", "a"),
                            ("registered", "a"), ("reported", "a"), ("drained", "a"),
                            ("resumed", "a"), ("up", "a"), ("registered", "a")]
+
+
+def test_a_host_known_from_before_bindings_is_bound_at_its_next_register() -> None:
+    """Upgrading: a host in the store without a binding is bound by its next Register
+    (with the secret it sends), and from then on needs that secret, across a restart."""
+    store = MemoryStore()
+    store.put_agent(AgentRecord(host="old", probe_address="", devices=()))
+    config = DaemonConfig(state_dir="/tmp", report_interval_s=0.2, heartbeat_timeout_s=1.0)
+    members = Membership(store, config, Metrics(), _Events())
+    old = AgentRecord(host="old", probe_address="", devices=())
+    assert members.register(old, secret=host_secret("old"))[2] == ""  # bound as sent
+    members = Membership(store, config, Metrics(), _Events())  # a daemon restart
+    with pytest.raises(PermissionDenied, match="bound"):
+        members.register(old)
+    with pytest.raises(PermissionDenied, match="another secret"):
+        members.register(old, secret=host_secret("new"))
+    members.register(old, secret=host_secret("old"))
+    # forgotten: the next Register binds the name again, here to a secret the daemon makes
+    members.forget("old")
+    made = members.register(old)[2]
+    assert made and members.register(old, secret=made)[2] == ""
+    with pytest.raises(PermissionDenied):
+        members.register(old, secret=host_secret("old"))

@@ -96,7 +96,7 @@ class Daemon:
         """Register ``devices`` emulated devices on HOST and submit a profile-on-attach job."""
         with self.channel() as ch:
             agent_pb2_grpc.AgentServiceStub(ch).Register(agent_pb2.RegisterRequest(
-                host=HOST, devices=[agent_pb2.DeviceInfo(
+                host=HOST, host_secret=f"test-host-secret-{HOST}", devices=[agent_pb2.DeviceInfo(
                     index=str(i), name="emu", kind=common_pb2.DEVICE_KIND_EMULATED, tflops=50.0,
                     memory_gb=80.0, price_per_hour=1.0, power_watts=300.0, emulated=True)
                     for i in range(devices)]), metadata=metadata(CLUSTER_TOKEN), timeout=10)

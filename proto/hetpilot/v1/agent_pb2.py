@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from hetpilot.v1 import common_pb2 as hetpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hetpilot/v1/agent.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\xdc\x01\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.hetpilot.v1.DeviceKind\x12\x0e\n\x06tflops\x18\x04 \x01(\x01\x12\x11\n\tmemory_gb\x18\x05 \x01(\x01\x12\x16\n\x0eprice_per_hour\x18\x06 \x01(\x01\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\x12\x10\n\x08\x65mulated\x18\x08 \x01(\x08\x12\x13\n\x0bprobe_dtype\x18\t \x01(\t\x12\x13\n\x0bprobe_shape\x18\n \x01(\t\"\x9f\x01\n\x0fRegisterRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x15\n\rprobe_address\x18\x02 \x01(\t\x12(\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x17.hetpilot.v1.DeviceInfo\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08launches\x18\x05 \x01(\x08\x12\x14\n\x0cregistration\x18\x06 \x01(\t\"+\n\x04Peer\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x15\n\rprobe_address\x18\x02 \x01(\t\"\x94\x01\n\x10RegisterResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x19\n\x11report_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.hetpilot.v1.Peer\x12\x14\n\x0cregistration\x18\x05 \x01(\t\"\xe4\x01\n\x0c\x44\x65viceReport\x12\r\n\x05index\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_total_gb\x18\x03 \x01(\x01\x12\x16\n\x0ememory_free_gb\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x1b\n\x13\x63olocated_processes\x18\x06 \x01(\r\x12\x16\n\x0e\x63olocated_load\x18\x07 \x01(\x01\x12\x10\n\x08\x65mulated\x18\x08 \x01(\x08\x12\x13\n\x0bprobe_dtype\x18\t \x01(\t\x12\x13\n\x0bprobe_shape\x18\n \x01(\t\"=\n\nLinkReport\x12\x11\n\tpeer_host\x18\x01 \x01(\t\x12\x0c\n\x04gbps\x18\x02 \x01(\x01\x12\x0e\n\x06rtt_us\x18\x03 \x01(\x01\"\xf9\x01\n\x0b\x41gentReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.hetpilot.v1.DeviceReport\x12&\n\x05links\x18\x05 \x03(\x0b\x32\x17.hetpilot.v1.LinkReport\x12+\n\x08launches\x18\x06 \x03(\x0b\x32\x19.hetpilot.v1.LaunchStatus\x12#\n\x04logs\x18\x07 \x03(\x0b\x32\x15.hetpilot.v1.LogChunk\x12\x14\n\x0cregistration\x18\x08 \x01(\t\"\xc6\x01\n\x0cLaunchStatus\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.hetpilot.v1.LaunchState\x12\x11\n\texit_code\x18\x04 \x01(\x11\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x12\x11\n\tlog_bytes\x18\x08 \x01(\x04\x12\x16\n\x0erdzv_port_busy\x18\t \x01(\r\";\n\x08LogChunk\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd7\x02\n\x0bLaunchOrder\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06nnodes\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x15\n\rrdzv_endpoint\x18\x05 \x01(\t\x12\x11\n\trdzv_host\x18\x06 \x01(\x08\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x0e\n\x06module\x18\x08 \x01(\t\x12\x0f\n\x07\x63ommand\x18\t \x03(\t\x12\x0c\n\x04\x61rgs\x18\n \x03(\t\x12.\n\x03\x65nv\x18\x0b \x03(\x0b\x32!.hetpilot.v1.LaunchOrder.EnvEntry\x12\x0f\n\x07workdir\x18\x0c \x01(\t\x12\x15\n\rtrainer_token\x18\r \x01(\t\x12\x11\n\tunix_user\x18\x0e \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\tReportAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x05peers\x18\x02 \x03(\x0b\x32\x11.hetpilot.v1.Peer\x12\'\n\x05start\x18\x03 \x03(\x0b\x32\x18.hetpilot.v1.LaunchOrder\x12\x0c\n\x04stop\x18\x04 \x03(\t\":\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cregistration\x18\x02 \x01(\t\"5\n\x11HeartbeatResponse\x12 \n\x05peers\x18\x01 \x03(\x0b\x32\x11.hetpilot.v1.Peer*^\n\x0bLaunchState\x12\x1c\n\x18LAUNCH_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14LAUNCH_STATE_RUNNING\x10\x01\x12\x17\n\x13LAUNCH_STATE_EXITED\x10\x02\x32\xe3\x01\n\x0c\x41gentService\x12G\n\x08Register\x12\x1c.hetpilot.v1.RegisterRequest\x1a\x1d.hetpilot.v1.RegisterResponse\x12>\n\x06Report\x12\x18.hetpilot.v1.AgentReport\x1a\x16.hetpilot.v1.ReportAck(\x01\x30\x01\x12J\n\tHeartbeat\x12\x1d.hetpilot.v1.HeartbeatRequest\x1a\x1e.hetpilot.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17hetpilot/v1/agent.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\xdc\x01\n\nDeviceInfo\x12\r\n\x05index\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12%\n\x04kind\x18\x03 \x01(\x0e\x32\x17.hetpilot.v1.DeviceKind\x12\x0e\n\x06tflops\x18\x04 \x01(\x01\x12\x11\n\tmemory_gb\x18\x05 \x01(\x01\x12\x16\n\x0eprice_per_hour\x18\x06 \x01(\x01\x12\x13\n\x0bpower_watts\x18\x07 \x01(\x01\x12\x10\n\x08\x65mulated\x18\x08 \x01(\x08\x12\x13\n\x0bprobe_dtype\x18\t \x01(\t\x12\x13\n\x0bprobe_shape\x18\n \x01(\t\"\xb4\x01\n\x0fRegisterRequest\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x15\n\rprobe_address\x18\x02 \x01(\t\x12(\n\x07\x64\x65vices\x18\x03 \x03(\x0b\x32\x17.hetpilot.v1.DeviceInfo\x12\x15\n\ragent_version\x18\x04 \x01(\t\x12\x10\n\x08launches\x18\x05 \x01(\x08\x12\x14\n\x0cregistration\x18\x06 \x01(\t\x12\x13\n\x0bhost_secret\x18\x07 \x01(\t\"+\n\x04Peer\x12\x0c\n\x04host\x18\x01 \x01(\t\x12\x15\n\rprobe_address\x18\x02 \x01(\t\"\xa9\x01\n\x10RegisterResponse\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x19\n\x11report_interval_s\x18\x02 \x01(\x01\x12\x1b\n\x13heartbeat_timeout_s\x18\x03 \x01(\x01\x12 \n\x05peers\x18\x04 \x03(\x0b\x32\x11.hetpilot.v1.Peer\x12\x14\n\x0cregistration\x18\x05 \x01(\t\x12\x13\n\x0bhost_secret\x18\x06 \x01(\t\"\xe4\x01\n\x0c\x44\x65viceReport\x12\r\n\x05index\x18\x01 \x01(\t\x12\x0e\n\x06tflops\x18\x02 \x01(\x01\x12\x17\n\x0fmemory_total_gb\x18\x03 \x01(\x01\x12\x16\n\x0ememory_free_gb\x18\x04 \x01(\x01\x12\x13\n\x0butilization\x18\x05 \x01(\x01\x12\x1b\n\x13\x63olocated_processes\x18\x06 \x01(\r\x12\x16\n\x0e\x63olocated_load\x18\x07 \x01(\x01\x12\x10\n\x08\x65mulated\x18\x08 \x01(\x08\x12\x13\n\x0bprobe_dtype\x18\t \x01(\t\x12\x13\n\x0bprobe_shape\x18\n \x01(\t\"=\n\nLinkReport\x12\x11\n\tpeer_host\x18\x01 \x01(\t\x12\x0c\n\x04gbps\x18\x02 \x01(\x01\x12\x0e\n\x06rtt_us\x18\x03 \x01(\x01\"\xf9\x01\n\x0b\x41gentReport\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x0b\n\x03seq\x18\x02 \x01(\x04\x12\x0f\n\x07unix_ms\x18\x03 \x01(\x03\x12*\n\x07\x64\x65vices\x18\x04 \x03(\x0b\x32\x19.hetpilot.v1.DeviceReport\x12&\n\x05links\x18\x05 \x03(\x0b\x32\x17.hetpilot.v1.LinkReport\x12+\n\x08launches\x18\x06 \x03(\x0b\x32\x19.hetpilot.v1.LaunchStatus\x12#\n\x04logs\x18\x07 \x03(\x0b\x32\x15.hetpilot.v1.LogChunk\x12\x14\n\x0cregistration\x18\x08 \x01(\t\"\xc6\x01\n\x0cLaunchStatus\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\'\n\x05state\x18\x03 \x01(\x0e\x32\x18.hetpilot.v1.LaunchState\x12\x11\n\texit_code\x18\x04 \x01(\x11\x12\x0e\n\x06reason\x18\x05 \x01(\t\x12\x0b\n\x03pid\x18\x06 \x01(\r\x12\x0f\n\x07stopped\x18\x07 \x01(\x08\x12\x11\n\tlog_bytes\x18\x08 \x01(\x04\x12\x16\n\x0erdzv_port_busy\x18\t \x01(\r\";\n\x08LogChunk\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xd7\x02\n\x0bLaunchOrder\x12\x11\n\tlaunch_id\x18\x01 \x01(\t\x12\x0e\n\x06job_id\x18\x02 \x01(\t\x12\x0e\n\x06nnodes\x18\x03 \x01(\r\x12\x0f\n\x07\x64\x65vices\x18\x04 \x03(\t\x12\x15\n\rrdzv_endpoint\x18\x05 \x01(\t\x12\x11\n\trdzv_host\x18\x06 \x01(\x08\x12\x14\n\x0cmax_restarts\x18\x07 \x01(\r\x12\x0e\n\x06module\x18\x08 \x01(\t\x12\x0f\n\x07\x63ommand\x18\t \x03(\t\x12\x0c\n\x04\x61rgs\x18\n \x03(\t\x12.\n\x03\x65nv\x18\x0b \x03(\x0b\x32!.hetpilot.v1.LaunchOrder.EnvEntry\x12\x0f\n\x07workdir\x18\x0c \x01(\t\x12\x15\n\rtrainer_token\x18\r \x01(\t\x12\x11\n\tunix_user\x18\x0e \x01(\t\x1a*\n\x08\x45nvEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"q\n\tReportAck\x12\x0b\n\x03seq\x18\x01 \x01(\x04\x12 \n\x05peers\x18\x02 \x03(\x0b\x32\x11.hetpilot.v1.Peer\x12\'\n\x05start\x18\x03 \x03(\x0b\x32\x18.hetpilot.v1.LaunchOrder\x12\x0c\n\x04stop\x18\x04 \x03(\t\":\n\x10HeartbeatRequest\x12\x10\n\x08\x61gent_id\x18\x01 \x01(\t\x12\x14\n\x0cregistration\x18\x02 \x01(\t\"5\n\x11HeartbeatResponse\x12 \n\x05peers\x18\x01 \x03(\x0b\x32\x11.hetpilot.v1.Peer*^\n\x0bLaunchState\x12\x1c\n\x18LAUNCH_STATE_UNSPECIFIED\x10\x00\x12\x18\n\x14LAUNCH_STATE_RUNNING\x10\x01\x12\x17\n\x13LAUNCH_STATE_EXITED\x10\x02\x32\xe3\x01\n\x0c\x41gentService\x12G\n\x08Register\x12\x1c.hetpilot.v1.RegisterRequest\x1a\x1d.hetpilot.v1.RegisterResponse\x12>\n\x06Report\x12\x18.hetpilot.v1.AgentReport\x1a\x16.hetpilot.v1.ReportAck(\x01\x30\x01\x12J\n\tHeartbeat\x12\x1d.hetpilot.v1.HeartbeatRequest\x1a\x1e.hetpilot.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,36 +34,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_LAUNCHORDER_ENVENTRY']._loaded_options = None
   _globals['_LAUNCHORDER_ENVENTRY']._serialized_options = b'8\001'
-  _globals['_LAUNCHSTATE']._serialized_start=2031
-  _globals['_LAUNCHSTATE']._serialized_end=2125
+  _globals['_LAUNCHSTATE']._serialized_start=2073
+  _globals['_LAUNCHSTATE']._serialized_end=2167
   _globals['_DEVICEINFO']._serialized_start=67
   _globals['_DEVICEINFO']._serialized_end=287
   _globals['_REGISTERREQUEST']._serialized_start=290
-  _globals['_REGISTERREQUEST']._serialized_end=449
-  _globals['_PEER']._serialized_start=451
-  _globals['_PEER']._serialized_end=494
-  _globals['_REGISTERRESPONSE']._serialized_start=497
-  _globals['_REGISTERRESPONSE']._serialized_end=645
-  _globals['_DEVICEREPORT']._serialized_start=648
-  _globals['_DEVICEREPORT']._serialized_end=876
-  _globals['_LINKREPORT']._serialized_start=878
-  _globals['_LINKREPORT']._serialized_end=939
-  _globals['_AGENTREPORT']._serialized_start=942
-  _globals['_AGENTREPORT']._serialized_end=1191
-  _globals['_LAUNCHSTATUS']._serialized_start=1194
-  _globals['_LAUNCHSTATUS']._serialized_end=1392
-  _globals['_LOGCHUNK']._serialized_start=1394
-  _globals['_LOGCHUNK']._serialized_end=1453
-  _globals['_LAUNCHORDER']._serialized_start=1456
-  _globals['_LAUNCHORDER']._serialized_end=1799
-  _globals['_LAUNCHORDER_ENVENTRY']._serialized_start=1757
-  _globals['_LAUNCHORDER_ENVENTRY']._serialized_end=1799
-  _globals['_REPORTACK']._serialized_start=1801
-  _globals['_REPORTACK']._serialized_end=1914
-  _globals['_HEARTBEATREQUEST']._serialized_start=1916
-  _globals['_HEARTBEATREQUEST']._serialized_end=1974
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1976
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2029
-  _globals['_AGENTSERVICE']._serialized_start=2128
-  _globals['_AGENTSERVICE']._serialized_end=2355
+  _globals['_REGISTERREQUEST']._serialized_end=470
+  _globals['_PEER']._serialized_start=472
+  _globals['_PEER']._serialized_end=515
+  _globals['_REGISTERRESPONSE']._serialized_start=518
+  _globals['_REGISTERRESPONSE']._serialized_end=687
+  _globals['_DEVICEREPORT']._serialized_start=690
+  _globals['_DEVICEREPORT']._serialized_end=918
+  _globals['_LINKREPORT']._serialized_start=920
+  _globals['_LINKREPORT']._serialized_end=981
+  _globals['_AGENTREPORT']._serialized_start=984
+  _globals['_AGENTREPORT']._serialized_end=1233
+  _globals['_LAUNCHSTATUS']._serialized_start=1236
+  _globals['_LAUNCHSTATUS']._serialized_end=1434
+  _globals['_LOGCHUNK']._serialized_start=1436
+  _globals['_LOGCHUNK']._serialized_end=1495
+  _globals['_LAUNCHORDER']._serialized_start=1498
+  _globals['_LAUNCHORDER']._serialized_end=1841
+  _globals['_LAUNCHORDER_ENVENTRY']._serialized_start=1799
+  _globals['_LAUNCHORDER_ENVENTRY']._serialized_end=1841
+  _globals['_REPORTACK']._serialized_start=1843
+  _globals['_REPORTACK']._serialized_end=1956
+  _globals['_HEARTBEATREQUEST']._serialized_start=1958
+  _globals['_HEARTBEATREQUEST']._serialized_end=2016
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2018
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2071
+  _globals['_AGENTSERVICE']._serialized_start=2170
+  _globals['_AGENTSERVICE']._serialized_end=2397
 # @@protoc_insertion_point(module_scope)

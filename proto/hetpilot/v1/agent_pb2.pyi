@@ -3,7 +3,12 @@
 isort:skip_file
 AgentService: one agent per host registers the host's devices and streams
 measurements. Agents authenticate with the cluster token
-(metadata `authorization: Bearer <token>`).
+(metadata `authorization: Bearer <token>`), which only bootstraps a host: its
+first Register binds the host name to a per-host secret (RegisterRequest.host_secret,
+kept by the agent in its state dir; the daemon keeps only its hash), and every
+later Register of that name must carry it (or, with tls.agents_by_certificate, a
+client certificate naming the host). Re-binding a name is an operator's act
+(ClusterService.ForgetHost).
 
 Launching (jobs submitted with an entry point, JobEntry in job.proto): the
 daemon orders launches on the acks of the Report stream (ReportAck.start,
@@ -116,6 +121,7 @@ class RegisterRequest(_message.Message):
     AGENT_VERSION_FIELD_NUMBER: _builtins.int
     LAUNCHES_FIELD_NUMBER: _builtins.int
     REGISTRATION_FIELD_NUMBER: _builtins.int
+    HOST_SECRET_FIELD_NUMBER: _builtins.int
     host: _builtins.str
     probe_address: _builtins.str
     """host:port of this agent's TCP probe server (bandwidth and RTT probes)."""
@@ -129,6 +135,13 @@ class RegisterRequest(_message.Message):
     its first Register): it re-registers itself, and the daemon takes over its
     report stream even if that one still looks open.
     """
+    host_secret: _builtins.str
+    """The host's secret. First Register of a name (or the first after ForgetHost):
+    the agent's own random secret, which the daemon binds the name to (empty: the
+    daemon makes one and answers it in RegisterResponse.host_secret). Every later
+    Register of the name must carry the bound secret, else PERMISSION_DENIED
+    (not needed with tls.agents_by_certificate: the certificate names the host).
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceInfo]: ...
     def __init__(
@@ -140,10 +153,11 @@ class RegisterRequest(_message.Message):
         agent_version: _builtins.str = ...,
         launches: _builtins.bool = ...,
         registration: _builtins.str = ...,
+        host_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "launches", b"launches", "probe_address", b"probe_address", "registration", b"registration"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_version", b"agent_version", "devices", b"devices", "host", b"host", "host_secret", b"host_secret", "launches", b"launches", "probe_address", b"probe_address", "registration", b"registration"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -180,12 +194,17 @@ class RegisterResponse(_message.Message):
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _builtins.int
     PEERS_FIELD_NUMBER: _builtins.int
     REGISTRATION_FIELD_NUMBER: _builtins.int
+    HOST_SECRET_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     report_interval_s: _builtins.float
     heartbeat_timeout_s: _builtins.float
     registration: _builtins.str
     """Identifies this registration: AgentReport.registration and
     HeartbeatRequest.registration must carry it.
+    """
+    host_secret: _builtins.str
+    """Set only when the daemon made the host's secret (the Register bound a name and
+    carried no host_secret): send it with every later Register of the host.
     """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]: ...
@@ -197,10 +216,11 @@ class RegisterResponse(_message.Message):
         heartbeat_timeout_s: _builtins.float = ...,
         peers: _abc.Iterable[Global___Peer] | None = ...,
         registration: _builtins.str = ...,
+        host_secret: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_timeout_s", b"heartbeat_timeout_s", "peers", b"peers", "registration", b"registration", "report_interval_s", b"report_interval_s"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "heartbeat_timeout_s", b"heartbeat_timeout_s", "host_secret", b"host_secret", "peers", b"peers", "registration", b"registration", "report_interval_s", b"report_interval_s"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

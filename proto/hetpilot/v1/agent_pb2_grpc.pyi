@@ -3,7 +3,12 @@
 isort:skip_file
 AgentService: one agent per host registers the host's devices and streams
 measurements. Agents authenticate with the cluster token
-(metadata `authorization: Bearer <token>`).
+(metadata `authorization: Bearer <token>`), which only bootstraps a host: its
+first Register binds the host name to a per-host secret (RegisterRequest.host_secret,
+kept by the agent in its state dir; the daemon keeps only its hash), and every
+later Register of that name must carry it (or, with tls.agents_by_certificate, a
+client certificate naming the host). Re-binding a name is an operator's act
+(ClusterService.ForgetHost).
 
 Launching (jobs submitted with an entry point, JobEntry in job.proto): the
 daemon orders launches on the acks of the Report stream (ReportAck.start,

@@ -5,7 +5,7 @@ ClusterService: what the cluster looks like and which hosts may be planned on
 (`hetpilot nodes|drain|resume`).
 
 ListNodes answers an owner's token (layer speeds measured by the caller's own
-jobs only) or the cluster token (every job's). DrainHost and ResumeHost need
+jobs only) or the cluster token (every job's). DrainHost, ResumeHost and ForgetHost need
 the cluster token: there is no separate admin role, and whoever holds the
 cluster token already decides what the daemon believes about every host.
 Another token answers PERMISSION_DENIED.
@@ -356,3 +356,22 @@ class ResumeHostRequest(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ResumeHostRequest: _TypeAlias = ResumeHostRequest  # noqa: Y015
+
+@_typing.final
+class ForgetHostRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    HOST_FIELD_NUMBER: _builtins.int
+    host: _builtins.str
+    def __init__(
+        self,
+        *,
+        host: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["host", b"host"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ForgetHostRequest: _TypeAlias = ForgetHostRequest  # noqa: Y015

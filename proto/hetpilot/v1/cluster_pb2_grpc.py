@@ -49,6 +49,11 @@ class ClusterServiceStub:
                 request_serializer=hetpilot_dot_v1_dot_cluster__pb2.ResumeHostRequest.SerializeToString,
                 response_deserializer=hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.FromString,
                 _registered_method=True)
+        self.ForgetHost = channel.unary_unary(
+                '/hetpilot.v1.ClusterService/ForgetHost',
+                request_serializer=hetpilot_dot_v1_dot_cluster__pb2.ForgetHostRequest.SerializeToString,
+                response_deserializer=hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.FromString,
+                _registered_method=True)
 
 
 class ClusterServiceServicer:
@@ -76,6 +81,17 @@ class ClusterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ForgetHost(self, request, context):
+        """Unbind the host name from its secret (AgentService.Register): the next agent
+        that registers the name with the cluster token is bound to it (an agent whose
+        state dir was lost, a host rebuilt). Parts of launches on the host that have
+        not exited are given up (exited, code 255). Needs the cluster token. An
+        unknown host is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ClusterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +108,11 @@ def add_ClusterServiceServicer_to_server(servicer, server):
             'ResumeHost': grpc.unary_unary_rpc_method_handler(
                     servicer.ResumeHost,
                     request_deserializer=hetpilot_dot_v1_dot_cluster__pb2.ResumeHostRequest.FromString,
+                    response_serializer=hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.SerializeToString,
+            ),
+            'ForgetHost': grpc.unary_unary_rpc_method_handler(
+                    servicer.ForgetHost,
+                    request_deserializer=hetpilot_dot_v1_dot_cluster__pb2.ForgetHostRequest.FromString,
                     response_serializer=hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.SerializeToString,
             ),
     }
@@ -175,6 +196,33 @@ class ClusterService:
             target,
             '/hetpilot.v1.ClusterService/ResumeHost',
             hetpilot_dot_v1_dot_cluster__pb2.ResumeHostRequest.SerializeToString,
+            hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ForgetHost(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/hetpilot.v1.ClusterService/ForgetHost',
+            hetpilot_dot_v1_dot_cluster__pb2.ForgetHostRequest.SerializeToString,
             hetpilot_dot_v1_dot_cluster__pb2.NodeInfo.FromString,
             options,
             channel_credentials,

@@ -5,7 +5,7 @@ ClusterService: what the cluster looks like and which hosts may be planned on
 (`hetpilot nodes|drain|resume`).
 
 ListNodes answers an owner's token (layer speeds measured by the caller's own
-jobs only) or the cluster token (every job's). DrainHost and ResumeHost need
+jobs only) or the cluster token (every job's). DrainHost, ResumeHost and ForgetHost need
 the cluster token: there is no separate admin role, and whoever holds the
 cluster token already decides what the daemon believes about every host.
 Another token answers PERMISSION_DENIED.
@@ -47,6 +47,13 @@ class ClusterServiceStub:
     """
     ResumeHost: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ResumeHostRequest, _cluster_pb2.NodeInfo]
     """Plan on the host again (from each job's next slot). Idempotent."""
+    ForgetHost: _grpc.UnaryUnaryMultiCallable[_cluster_pb2.ForgetHostRequest, _cluster_pb2.NodeInfo]
+    """Unbind the host name from its secret (AgentService.Register): the next agent
+    that registers the name with the cluster token is bound to it (an agent whose
+    state dir was lost, a host rebuilt). Parts of launches on the host that have
+    not exited are given up (exited, code 255). Needs the cluster token. An
+    unknown host is NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class ClusterServiceAsyncStub(ClusterServiceStub):
@@ -59,6 +66,13 @@ class ClusterServiceAsyncStub(ClusterServiceStub):
     """
     ResumeHost: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ResumeHostRequest, _cluster_pb2.NodeInfo]  # type: ignore[assignment]
     """Plan on the host again (from each job's next slot). Idempotent."""
+    ForgetHost: _aio.UnaryUnaryMultiCallable[_cluster_pb2.ForgetHostRequest, _cluster_pb2.NodeInfo]  # type: ignore[assignment]
+    """Unbind the host name from its secret (AgentService.Register): the next agent
+    that registers the name with the cluster token is bound to it (an agent whose
+    state dir was lost, a host rebuilt). Parts of launches on the host that have
+    not exited are given up (exited, code 255). Needs the cluster token. An
+    unknown host is NOT_FOUND.
+    """
 
 class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -86,5 +100,18 @@ class ClusterServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_cluster_pb2.NodeInfo, _abc.Awaitable[_cluster_pb2.NodeInfo]]:
         """Plan on the host again (from each job's next slot). Idempotent."""
+
+    @_abc_1.abstractmethod
+    def ForgetHost(
+        self,
+        request: _cluster_pb2.ForgetHostRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_cluster_pb2.NodeInfo, _abc.Awaitable[_cluster_pb2.NodeInfo]]:
+        """Unbind the host name from its secret (AgentService.Register): the next agent
+        that registers the name with the cluster token is bound to it (an agent whose
+        state dir was lost, a host rebuilt). Parts of launches on the host that have
+        not exited are given up (exited, code 255). Needs the cluster token. An
+        unknown host is NOT_FOUND.
+        """
 
 def add_ClusterServiceServicer_to_server(servicer: ClusterServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
