@@ -43,7 +43,7 @@ from .metrics import Metrics
 from .quickstart import announce_generated, generated_auth, insecure_auth
 from .sdnotify import Notifier
 from .servicers import AgentServicer, ClusterServicer, JobServicer, TrainerServicer
-from .store import SqliteStore
+from .sqlite_store import SqliteStore
 
 __all__ = ["SERVICES", "serve", "server_credentials"]
 

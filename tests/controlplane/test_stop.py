@@ -181,7 +181,7 @@ def test_health_follows_the_store_and_full_disk_is_resource_exhausted(tmp_path: 
     from hetpilot.daemon.records import JobStatus
     from hetpilot.daemon.server import _store_health
     from hetpilot.daemon.servicers import status_of
-    from hetpilot.daemon.store import SqliteStore
+    from hetpilot.daemon.sqlite_store import SqliteStore
 
     store = SqliteStore(tmp_path / "state.db")
     servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]

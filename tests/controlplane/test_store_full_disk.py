@@ -1,0 +1,133 @@
+"""A full disk on a real small file system (a 2 MiB tmpfs, mounted as root): the store
+refuses writes while it is full, takes them again once there is room, without a
+restart, and a restart, with the disk full or not, finds every acknowledged write.
+
+What the campaign hit (issue 37.5): a WAL checkpoint that ran out of room part way
+left the database file shorter than its header says, with every page still in the
+WAL; the store took that for a file truncated under it, refused all writes for good,
+moved the WAL aside on stop and the next start refused the file."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sqlite3
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from hetpilot.daemon.errors import StorageFull
+from hetpilot.daemon.records import JobRecord
+from hetpilot.daemon.sqlite_store import SqliteStore
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def small_fs(tmp_path: Path) -> Iterator[Path]:
+    """A 2 MiB tmpfs, unmounted after the test."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small file system (tmpfs) needs root")
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    run = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m,mode=0700", "tmpfs", str(mnt)],
+                         capture_output=True, text=True, timeout=30)
+    if run.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {run.stderr.strip() or run.returncode}")
+    try:
+        yield mnt
+    finally:
+        if subprocess.run(["umount", str(mnt)], timeout=30).returncode != 0:
+            subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=True)
+
+
+def _fill(mnt: Path) -> Path:
+    """Take every free byte of the file system with one file; return it."""
+    filler = mnt / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1):
+            while True:
+                try:
+                    os.write(fd, b"\xa5" * chunk)
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC, exc
+                    break
+    finally:
+        os.close(fd)
+    return filler
+
+
+def _job(i: int) -> JobRecord:
+    return JobRecord(job_id=f"j{i:03d}", owner="alice", name="n", state="queued",
+                     global_batch=8, microbatch_size=2, schedules=("1f1b",), budgets={},
+                     V=10.0, slot_s=1.0, allowed_hosts=(), model_json="m" * 6000)
+
+
+def _short_of_its_header(path: Path) -> bool:
+    """Whether the file is shorter than the pages its header counts: a checkpoint that
+    stopped part way (page 1 is written first)."""
+    header = path.read_bytes()[:100]
+    page_size = int.from_bytes(header[16:18], "big")
+    return path.stat().st_size < page_size * int.from_bytes(header[28:32], "big")
+
+
+def _submit(store: SqliteStore, jobs: list[str], n: int, until_full: bool) -> int:
+    """Create up to ``n`` jobs, keeping the ids acknowledged; how many were refused as
+    StorageFull (any other error fails the test). With ``until_full``, stop at the first."""
+    refused = 0
+    for _ in range(n):
+        job = _job(len(jobs) + refused)
+        try:
+            store.create_job(job)
+        except StorageFull:
+            refused += 1
+            if until_full:
+                break
+        else:
+            jobs.append(job.job_id)
+    return refused
+
+
+def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Path) -> None:
+    path = small_fs / "state.db"
+    acked: list[str] = []
+    # a checkpoint every 4 commits, so that some run while the disk is full
+    store = SqliteStore(path, checkpoint_commits=4)
+    assert _submit(store, acked, 12, until_full=False) == 0  # WAL space to reuse
+    filler = _fill(small_fs)
+
+    # full: writes are acknowledged while the WAL has room, then refused as full
+    # (never UNAVAILABLE), reads go on, and nothing acknowledged is lost
+    assert _submit(store, acked, 40, until_full=True) == 1
+    assert _submit(store, acked, 3, until_full=False) == 3 and not store.writable
+    assert [j.job_id for j in store.list_jobs()] == acked
+    short = _short_of_its_header(path)
+
+    # a restart while the disk is still full
+    store.close()
+    assert not list(small_fs.glob("*.lost"))
+    short = short or _short_of_its_header(path)
+    assert short, "no checkpoint stopped part way: the test did not fill the disk in time"
+    store = SqliteStore(path, checkpoint_commits=4)
+    assert [j.job_id for j in store.list_jobs()] == acked
+    assert _submit(store, acked, 2, until_full=False) == 2
+
+    # room again: writes resume without a restart
+    filler.unlink()
+    assert store.probe() and store.writable
+    before = len(acked)
+    assert _submit(store, acked, 20, until_full=False) == 0 and len(acked) == before + 20
+    assert not _short_of_its_header(path)  # the checkpoint completed
+    store.close()
+
+    # a restart finds every acknowledged write, in a sound file, its WAL never moved
+    store = SqliteStore(path)
+    assert [j.job_id for j in store.list_jobs()] == acked
+    store.close()
+    db = sqlite3.connect(path)
+    assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    assert db.execute("SELECT count(*) FROM jobs").fetchone()[0] == len(acked)
+    db.close()
+    assert not list(small_fs.glob("*.lost"))
