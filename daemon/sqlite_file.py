@@ -30,21 +30,21 @@ import errno
 import logging
 import os
 import sqlite3
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from .errors import DamagedStore, StorageError, StorageFull, StorageUnavailable
 
-__all__ = ["CHECKPOINT_COMMITS", "RESTORE", "DatabaseFile", "faults_raised", "one_line",
+__all__ = ["CHECKPOINT_PAGES", "RESTORE", "DatabaseFile", "faults_raised", "one_line",
            "primary_code", "refuse_lost", "storage_error"]
 
 log = logging.getLogger("hetpilot.daemon.store")
 
 RESTORE = "move it aside and restore a backup, or start with an empty state dir"
-CHECKPOINT_COMMITS = 256
-"""The store checkpoints after this many commits (a report's commit adds 2-3 pages
-to the WAL: about SQLite's own default of 1000 pages)."""
+CHECKPOINT_PAGES = 1000
+"""The store checkpoints once the WAL holds this many pages (SQLite's own default)."""
 
 #: Primary SQLite result codes that mean the storage failed rather than the statement
 #: (a constraint, an SQL error): these become StorageFull / StorageUnavailable.
@@ -135,9 +135,9 @@ class DatabaseFile:
     """The file of one open connection: its checks and checkpoints (module docstring).
     Not thread-safe: the store calls it under its lock."""
 
-    def __init__(self, path: Path, checkpoint_commits: int = CHECKPOINT_COMMITS) -> None:
+    def __init__(self, path: Path, checkpoint_pages: int = CHECKPOINT_PAGES) -> None:
         self.path = path
-        self.checkpoint_commits = checkpoint_commits
+        self.checkpoint_pages = checkpoint_pages
         self._fd: int | None = os.open(path, os.O_RDONLY)
         self._identity = _identity(os.fstat(self._fd))
         self.lost: str | None = None
@@ -145,6 +145,8 @@ class DatabaseFile:
         self.unfinished_size: int | None = None
         """The file's size when a checkpoint last stopped part way; None once one completes."""
         self._commits = 0
+        self._shm: int | None = None
+        """The WAL index (``-shm``), read for the count of frames in the WAL."""
 
     def check(self) -> str | None:
         """Why the file can no longer take writes, or None: it was deleted or replaced
@@ -181,14 +183,31 @@ class DatabaseFile:
         return self.lost
 
     def committed(self, db: sqlite3.Connection) -> None:
-        """After each commit: checkpoint every ``checkpoint_commits`` commits, and after
-        every commit while one is unfinished."""
+        """After each commit: checkpoint once the WAL holds ``checkpoint_pages`` pages (as
+        SQLite's own would), and after every commit while one is unfinished."""
         self._commits += 1
-        if self._commits >= self.checkpoint_commits or self.unfinished_size is not None:
+        frames = self._wal_frames()
+        if frames is None:  # no WAL index to read: a commit writes a page at least
+            frames = self._commits
+        if frames >= self.checkpoint_pages or self.unfinished_size is not None:
             try:
                 self.checkpoint(db)
             except sqlite3.Error:  # the write committed: it must not look failed
                 log.exception("%s: checkpoint failed", self.path)
+
+    def _wal_frames(self) -> int | None:
+        """The committed frames in the WAL: ``mxFrame`` of the WAL index header (bytes
+        16-19 of the ``-shm`` file, native byte order, valid once byte 12 is 1; SQLite's
+        file format, section "WAL-index format"). None when it cannot be read."""
+        try:
+            if self._shm is None:
+                self._shm = os.open(self.path.with_name(self.path.name + "-shm"), os.O_RDONLY)
+            header = os.pread(self._shm, 20, 0)
+        except OSError:
+            return None
+        if len(header) < 20 or header[12] != 1:
+            return None
+        return int.from_bytes(header[16:20], sys.byteorder)
 
     def checkpoint(self, db: sqlite3.Connection, mode: str = "PASSIVE") -> bool:
         """Copy the WAL into the file (``mode``: PASSIVE, or TRUNCATE to leave an empty
@@ -222,9 +241,10 @@ class DatabaseFile:
             else:
                 self._abandon(db)
         finally:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            for fd in (self._fd, self._shm):
+                if fd is not None:
+                    os.close(fd)
+            self._fd = self._shm = None
 
     def _abandon(self, db: sqlite3.Connection) -> None:
         """Leave ``db`` open for good (the process's exit releases its descriptor without

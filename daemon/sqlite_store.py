@@ -27,7 +27,7 @@ from .records import (
     TimingsRecord,
 )
 from .sqlite_file import (
-    CHECKPOINT_COMMITS,
+    CHECKPOINT_PAGES,
     RESTORE,
     DatabaseFile,
     faults_raised,
@@ -54,11 +54,11 @@ class SqliteStore(Store):
     Every write runs in :meth:`_transaction`; opening checks the file first (see
     :meth:`_open`)."""
 
-    def __init__(self, path: str | Path, *, checkpoint_commits: int = CHECKPOINT_COMMITS) -> None:
-        """``checkpoint_commits``: checkpoint after this many commits (see
+    def __init__(self, path: str | Path, *, checkpoint_pages: int = CHECKPOINT_PAGES) -> None:
+        """``checkpoint_pages``: checkpoint once the WAL holds this many pages (see
         :class:`.DatabaseFile`); tests make it small to checkpoint while a disk is full."""
         self.path = Path(path)
-        self._checkpoint_commits = checkpoint_commits
+        self._checkpoint_pages = checkpoint_pages
         self._lock = threading.Lock()
         self._notify_lock = threading.RLock()  # a callback may write, which notifies again
         self._writable = self._notified = True
@@ -73,7 +73,7 @@ class SqliteStore(Store):
             self._migrate()
             self._check_tables()
             with self._lock:
-                self._file = DatabaseFile(self.path, self._checkpoint_commits)
+                self._file = DatabaseFile(self.path, self._checkpoint_pages)
                 # one left unfinished at the last stop (a full disk) completes now, or
                 # stays so until a commit (see Note [checkpoints on a full disk])
                 self._file.checkpoint(self._db)

@@ -93,8 +93,8 @@ def _submit(store: SqliteStore, jobs: list[str], n: int, until_full: bool) -> in
 def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Path) -> None:
     path = small_fs / "state.db"
     acked: list[str] = []
-    # a checkpoint every 4 commits, so that some run while the disk is full
-    store = SqliteStore(path, checkpoint_commits=4)
+    # a checkpoint every 12 pages (3-4 commits), so that some run while the disk is full
+    store = SqliteStore(path, checkpoint_pages=12)
     assert _submit(store, acked, 12, until_full=False) == 0  # WAL space to reuse
     filler = _fill(small_fs)
 
@@ -110,7 +110,7 @@ def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Pat
     assert not list(small_fs.glob("*.lost"))
     short = short or _short_of_its_header(path)
     assert short, "no checkpoint stopped part way: the test did not fill the disk in time"
-    store = SqliteStore(path, checkpoint_commits=4)
+    store = SqliteStore(path, checkpoint_pages=12)
     assert [j.job_id for j in store.list_jobs()] == acked
     assert _submit(store, acked, 2, until_full=False) == 2
 
