@@ -11,15 +11,24 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import sqlite3
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from hetpilot.client.channel import Endpoint, open_sync
 from hetpilot.daemon.errors import StorageFull
 from hetpilot.daemon.records import JobRecord
 from hetpilot.daemon.sqlite_store import SqliteStore
+from hetpilot.v1 import job_pb2, job_pb2_grpc
+
+from .conftest import OWNER_MD, OWNER_TOKEN, wait_endpoints
+from .helpers import submit_request
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -131,3 +140,91 @@ def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Pat
     assert db.execute("SELECT count(*) FROM jobs").fetchone()[0] == len(acked)
     db.close()
     assert not list(small_fs.glob("*.lost"))
+
+
+def _daemon(state: Path, config: Path, not_pid: int | None = None
+            ) -> tuple[subprocess.Popen[bytes], str]:
+    proc = subprocess.Popen([sys.executable, "-m", "hetpilot", "daemon", "--listen",
+                             "127.0.0.1:0", "--state-dir", str(state), "--metrics-listen", "",
+                             "--config", str(config)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE)
+    try:
+        return proc, wait_endpoints(state, timeout=60, not_pid=not_pid)["grpc"]
+    except TimeoutError:
+        proc.kill()
+        raise AssertionError(proc.communicate(timeout=10)[1].decode()[-3000:]) from None
+
+
+def _health_becomes(address: str, status: int) -> None:
+    """Return once the daemon's health says ``status`` (a Watch stream: no polling)."""
+    stub = health_pb2_grpc.HealthStub(open_sync(Endpoint(address=address)))
+    for update in stub.Watch(health_pb2.HealthCheckRequest(), timeout=60):
+        if update.status == status:
+            return
+
+
+def _submit_until_full(jobs: job_pb2_grpc.JobServiceStub, acked: list[str], n: int) -> int:
+    """Submit up to ``n`` jobs, keeping the acknowledged ids; stop at the first
+    RESOURCE_EXHAUSTED (any other refusal fails the test); how many were refused."""
+    for i in range(n):
+        try:
+            acked.append(jobs.SubmitJob(submit_request(name=f"j{len(acked)}-{i}"),
+                                        metadata=OWNER_MD, timeout=30).job_id)
+        except grpc.RpcError as exc:
+            assert exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details()
+            return 1
+    return 0
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.slow
+def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_job(
+        small_fs: Path, tmp_path: Path) -> None:
+    """The campaign, on a real daemon: fill its state dir's file system, submit until
+    RESOURCE_EXHAUSTED, free the space: health turns SERVING again and submits are
+    taken, without a restart. Fill it again, stop the daemon while full, free the
+    space and start it: every acknowledged job is there, it takes writes, the file
+    is sound and no WAL was moved aside."""
+    state = small_fs / "state"
+    config = tmp_path / "d.toml"
+    config.write_text("[daemon]\ndrain_s = 0.1\ngrace_s = 1.0\n[auth]\n"
+                      f'owner_tokens = {{ alice = "{OWNER_TOKEN}" }}\n'
+                      'cluster_token = "cluster-token-89"\n')
+    proc, address = _daemon(state, config)
+    acked: list[str] = []
+    try:
+        jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
+        assert _submit_until_full(jobs, acked, 3) == 0
+        filler = _fill(small_fs)
+        assert _submit_until_full(jobs, acked, 200) == 1
+        _health_becomes(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        filler.unlink()
+        _health_becomes(address, health_pb2.HealthCheckResponse.SERVING)  # its probe
+        before = len(acked)
+        assert _submit_until_full(jobs, acked, 3) == 0 and len(acked) == before + 3
+
+        filler = _fill(small_fs)
+        assert _submit_until_full(jobs, acked, 200) == 1
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    filler.unlink()
+    proc, address = _daemon(state, config, not_pid=proc.pid)
+    try:
+        jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
+        listed = [j.job_id for j in jobs.ListJobs(job_pb2.ListJobsRequest(), metadata=OWNER_MD,
+                                                  timeout=30).jobs]
+        assert sorted(listed) == sorted(acked)
+        assert _submit_until_full(jobs, acked, 1) == 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+    db = sqlite3.connect(state / "state.db")
+    assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
+    assert db.execute("SELECT count(*) FROM jobs").fetchone()[0] == len(acked)
+    db.close()
+    assert not list(state.glob("*.lost"))
