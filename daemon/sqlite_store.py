@@ -52,7 +52,8 @@ class SqliteStore(Store):
     last transactions. Safe to call from several threads (one lock).
 
     Every write runs in :meth:`_transaction`; opening checks the file first (see
-    :meth:`_open`)."""
+    :meth:`_open`). The store runs the WAL checkpoints itself and checks the file
+    before each write (:class:`.DatabaseFile`)."""
 
     def __init__(self, path: str | Path, *, checkpoint_pages: int = CHECKPOINT_PAGES) -> None:
         """``checkpoint_pages``: checkpoint once the WAL holds this many pages (see
