@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -142,17 +143,28 @@ def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Pat
     assert not list(small_fs.glob("*.lost"))
 
 
-def _daemon(state: Path, config: Path, not_pid: int | None = None
+def _daemon(state: Path, config: Path, listen: str = "127.0.0.1:0"
             ) -> tuple[subprocess.Popen[bytes], str]:
-    proc = subprocess.Popen([sys.executable, "-m", "hetpilot", "daemon", "--listen",
-                             "127.0.0.1:0", "--state-dir", str(state), "--metrics-listen", "",
+    """A daemon subprocess and its address: from endpoints.json for port 0, else once
+    ``listen`` answers (on a full disk there is no endpoints.json)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hetpilot", "daemon", "--listen", listen,
+                             "--state-dir", str(state), "--metrics-listen", "",
                              "--config", str(config)], stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE)
     try:
-        return proc, wait_endpoints(state, timeout=60, not_pid=not_pid)["grpc"]
-    except TimeoutError:
+        if listen.endswith(":0"):
+            return proc, wait_endpoints(state, timeout=60)["grpc"]
+        grpc.channel_ready_future(open_sync(Endpoint(address=listen))).result(timeout=60)
+        return proc, listen
+    except (TimeoutError, grpc.FutureTimeoutError):
         proc.kill()
         raise AssertionError(proc.communicate(timeout=10)[1].decode()[-3000:]) from None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _health_becomes(address: str, status: int) -> None:
@@ -182,9 +194,9 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
         small_fs: Path, tmp_path: Path) -> None:
     """The campaign, on a real daemon: fill its state dir's file system, submit until
     RESOURCE_EXHAUSTED, free the space: health turns SERVING again and submits are
-    taken, without a restart. Fill it again, stop the daemon while full, free the
-    space and start it: every acknowledged job is there, it takes writes, the file
-    is sound and no WAL was moved aside."""
+    taken, without a restart. Fill it again, stop the daemon while full and start it
+    while still full: it serves every acknowledged job, refuses writes, and takes them
+    once there is room; the file is sound and no WAL was moved aside."""
     state = small_fs / "state"
     config = tmp_path / "d.toml"
     config.write_text("[daemon]\ndrain_s = 0.1\ngrace_s = 1.0\n[auth]\n"
@@ -210,14 +222,17 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
     finally:
         proc.kill()
         proc.wait(timeout=10)
-    filler.unlink()
-    proc, address = _daemon(state, config, not_pid=proc.pid)
+    proc, address = _daemon(state, config, listen=f"127.0.0.1:{_free_port()}")
     try:
         jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
         listed = [j.job_id for j in jobs.ListJobs(job_pb2.ListJobsRequest(), metadata=OWNER_MD,
                                                   timeout=30).jobs]
         assert sorted(listed) == sorted(acked)
-        assert _submit_until_full(jobs, acked, 1) == 0
+        assert _submit_until_full(jobs, acked, 1) == 1  # still full
+        _health_becomes(address, health_pb2.HealthCheckResponse.NOT_SERVING)
+        filler.unlink()
+        _health_becomes(address, health_pb2.HealthCheckResponse.SERVING)
+        assert _submit_until_full(jobs, acked, 2) == 0
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
     finally:
@@ -225,6 +240,6 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
         proc.wait(timeout=10)
     db = sqlite3.connect(state / "state.db")
     assert db.execute("PRAGMA integrity_check").fetchall() == [("ok",)]
-    assert db.execute("SELECT count(*) FROM jobs").fetchone()[0] == len(acked)
+    assert sorted(r[0] for r in db.execute("SELECT job_id FROM jobs")) == sorted(acked)
     db.close()
     assert not list(state.glob("*.lost"))
