@@ -22,11 +22,12 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from hetpilot.client.channel import Endpoint, open_sync
 from hetpilot.daemon.errors import StorageFull
 from hetpilot.daemon.records import JobRecord
 from hetpilot.daemon.sqlite_store import SqliteStore
 from hetpilot.v1 import job_pb2, job_pb2_grpc
+
+from hetpilot.channel import Endpoint, open_sync
 
 from .conftest import OWNER_MD, OWNER_TOKEN, wait_endpoints
 from .helpers import submit_request
