@@ -246,6 +246,7 @@ async def _serve(config: DaemonConfig, stop: asyncio.Event, state_dir: Path) -> 
         if watchdog is not None:
             watchdog.cancel()
         await server.stop(config.grace_s)
+        await plane.members.commits.close()  # reports still queued: committed
         await plane.stop()
         store.close()
         metrics.close()

@@ -1,5 +1,6 @@
 """Group commit of agent reports (issue 37.9): concurrent reports share transactions,
-and none returns before it is committed, on a real SQLite store."""
+and none returns (no ack is sent) before it is committed, on a real SQLite store and
+a live daemon."""
 
 from __future__ import annotations
 
@@ -8,11 +9,16 @@ import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
 
+import grpc
 import pytest
 from hetpilot.daemon.errors import StorageFull
 from hetpilot.daemon.group_commit import ReportCommitter
 from hetpilot.daemon.records import AgentReport
 from hetpilot.daemon.sqlite_store import SqliteStore
+from hetpilot.v1 import agent_pb2_grpc
+
+from .conftest import CLUSTER_MD, start_daemon
+from .helpers import register_request, report
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -129,3 +135,37 @@ def test_a_caller_that_goes_away_does_not_take_its_report_out_of_the_batch(
     asyncio.run(scenario())
     assert set(_committed(path)) == {"gone", "stays"}
     store.close()
+
+
+def test_each_report_ack_of_a_live_daemon_comes_after_its_commit(tmp_path: Path) -> None:
+    """40 agents report at once over their Report streams: every ack is sent only once
+    its report is committed (another connection sees it when the ack arrives)."""
+    d = start_daemon(tmp_path / "state")
+    db_path = tmp_path / "state" / "state.db"
+
+    async def scenario() -> list[tuple[str, int, int]]:
+        seen: list[tuple[str, int, int]] = []
+        async with grpc.aio.insecure_channel(d.address) as ch:
+            stub = agent_pb2_grpc.AgentServiceStub(ch)
+
+            async def agent(i: int) -> None:
+                host = f"h{i}"
+                reg = (await stub.Register(register_request(host), metadata=CLUSTER_MD,
+                                           timeout=30)).registration
+                call = stub.Report(metadata=CLUSTER_MD)
+                for seq in (1, 2, 3):
+                    await call.write(report(host, seq, registration=reg))
+                    ack = await call.read()
+                    seen.append((host, ack.seq, _committed(db_path).get(host, 0)))
+                await call.done_writing()
+
+            await asyncio.gather(*(agent(i) for i in range(40)))
+        return seen
+
+    try:
+        seen = asyncio.run(scenario())
+    finally:
+        d.stop()
+    assert len(seen) == 40 * 3
+    late = [(host, acked, stored) for host, acked, stored in seen if stored < acked]
+    assert not late, f"acked before committed: {late[:5]}"
