@@ -15,7 +15,7 @@ separate cores, so the daemon's CPU per report is its own.
 measures the state store alone, side by side in one run: the CPU per report of one
 commit per report (what the daemon does today) against one commit per batch (the
 group commit of ``Store.put_reports``), and the ReportCommitter the report path
-would use, 2000 reports arriving at once from the event loop.
+uses, 2000 reports arriving at once from the event loop.
 """
 
 from __future__ import annotations
@@ -198,7 +198,7 @@ def _store_bench(reports: int, batch: int) -> dict[str, Any]:
         cpu["group_commit"] += t2 - t1
         done["one_commit_each"] += batch * 4
         done["group_commit"] += batch * 4
-    # the committer the report path would use: 2000 agents' reports arriving at once
+    # the committer the report path uses: 2000 agents' reports arriving at once
     from hetpilot.daemon.group_commit import ReportCommitter
 
     async def committer_rounds() -> tuple[float, float, int, int]:
