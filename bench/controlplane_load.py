@@ -13,7 +13,7 @@ separate cores, so the daemon's CPU per report is its own.
   .venv/bin/python bench/controlplane_load.py --store [--reports 20000] [--batch 64]
 
 measures the state store alone, side by side in one run: the CPU per report of one
-commit per report (what the daemon does today) against one commit per batch (the
+commit per report (what the daemon did before group commit) against one commit per batch (the
 group commit of ``Store.put_reports``), and the ReportCommitter the report path
 uses, 2000 reports arriving at once from the event loop.
 """

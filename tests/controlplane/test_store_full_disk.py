@@ -162,6 +162,11 @@ def _daemon(state: Path, config: Path, listen: str = "127.0.0.1:0"
         raise AssertionError(proc.communicate(timeout=10)[1].decode()[-3000:]) from None
 
 
+def _sigterm_exits_0(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -218,8 +223,7 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
 
         filler = _fill(small_fs)
         assert _submit_until_full(jobs, acked, 200) == 1
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
+        _sigterm_exits_0(proc)
     finally:
         proc.kill()
         proc.wait(timeout=10)
@@ -234,8 +238,7 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
         filler.unlink()
         _health_becomes(address, health_pb2.HealthCheckResponse.SERVING)
         assert _submit_until_full(jobs, acked, 2) == 0
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=60) == 0, proc.communicate(timeout=10)[1].decode()[-3000:]
+        _sigterm_exits_0(proc)
     finally:
         proc.kill()
         proc.wait(timeout=10)
