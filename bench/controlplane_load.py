@@ -6,13 +6,23 @@ lost reports (sent minus acked), and the daemon's CPU use from /proc.
   .venv/bin/python bench/controlplane_load.py --agents 250,500,1000,2000 --seconds 20
 
 Bounded: each step runs --seconds plus a few seconds of ramp-up; the whole run
-is capped by --budget seconds. Loopback only.
+is capped by --budget seconds. Loopback only. ``--daemon-cpus 0 --load-cpus 1``
+pins the daemon (every thread, its planning processes) and the load generator to
+separate cores, so the daemon's CPU per report is its own.
+
+  .venv/bin/python bench/controlplane_load.py --store [--reports 20000] [--batch 64]
+
+measures the state store alone, side by side in one run: the CPU per report of one
+commit per report (what the daemon did before group commit) against one commit per batch (the
+group commit of ``Store.put_reports``), and the ReportCommitter the report path
+uses, 2000 reports arriving at once from the event loop.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -24,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from hetpilot.daemon.records import AgentReport, DeviceReport, LinkReport
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
 from hetpilot.channel import metadata
@@ -111,7 +122,23 @@ def _cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _step(address: str, pid: int, n: int, seconds: float, workers: int) -> dict:
+def _cpus(spec: str) -> set[int]:
+    return {int(c) for c in spec.split(",") if c.strip()}
+
+
+def _pin(pid: int, cpus: set[int]) -> None:
+    """Pin every thread of ``pid`` and of its children (the planning processes) to
+    ``cpus``; threads they start later inherit it."""
+    pids = [pid, *(int(c) for t in Path(f"/proc/{pid}/task").iterdir()
+                   for c in (t / "children").read_text().split())]
+    for p in pids:
+        for tid in Path(f"/proc/{p}/task").iterdir():
+            with contextlib.suppress(ProcessLookupError):  # a thread that ended
+                os.sched_setaffinity(int(tid.name), cpus)
+
+
+def _step(address: str, pid: int, n: int, seconds: float, workers: int,
+          load_cpus: set[int] | None = None) -> dict:
     start = time.monotonic() + 3.0 + n / 1000  # time for every stream to open
     per = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
     procs, first = [], 0
@@ -119,7 +146,8 @@ def _step(address: str, pid: int, n: int, seconds: float, workers: int) -> dict:
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", address, str(first), str(count),
              str(seconds), str(time.time() + (start - time.monotonic()))],
-            stdout=subprocess.PIPE, text=True))
+            stdout=subprocess.PIPE, text=True,
+            preexec_fn=None if not load_cpus else lambda: os.sched_setaffinity(0, load_cpus)))
         first += count
     time.sleep(max(0.0, start - time.monotonic()))
     cpu0, t0 = _cpu_seconds(pid), time.monotonic()
@@ -136,7 +164,76 @@ def _step(address: str, pid: int, n: int, seconds: float, workers: int) -> dict:
     return {"agents": n, "register_failed": failed, "sent": sent, "acked": acked, "lost": sent - acked,
             "p50_ms": round(pct(0.5), 2), "p99_ms": round(pct(0.99), 2),
             "max_ms": round(lat[-1] * 1000, 2) if lat else None,
-            "reports_per_s": round(acked / seconds, 1), "daemon_cpu_cores": round(cpu, 3)}
+            "reports_per_s": round(acked / seconds, 1), "daemon_cpu_cores": round(cpu, 3),
+            "daemon_cpu_us_per_report": round(cpu * 1e6 / max(acked / seconds, 1e-9), 1)}
+
+
+def _store_bench(reports: int, batch: int) -> dict[str, Any]:
+    """CPU per report of the SQLite store: a commit per report against a commit per
+    ``batch`` reports, alternated in rounds on one database so both see the same file."""
+    from hetpilot.daemon.sqlite_store import SqliteStore
+
+    tmp = Path(tempfile.mkdtemp(prefix="hetpilot-store-bench-"))
+    store = SqliteStore(tmp / "state.db")
+    hosts = [f"h{i}" for i in range(2000)]
+
+    def report(i: int) -> AgentReport:
+        return AgentReport(agent_id=hosts[i % len(hosts)], seq=i, unix_ms=i, devices=tuple(
+            DeviceReport(index=str(d), tflops=50.0, memory_total_gb=80.0, memory_free_gb=60.0,
+                         utilization=0.5, emulated=True) for d in range(2)),
+            links=(LinkReport(peer_host="peer", gbps=10.0, rtt_us=50.0),))
+
+    cpu = {"one_commit_each": 0.0, "group_commit": 0.0}
+    done = {"one_commit_each": 0, "group_commit": 0}
+    rounds = max(1, reports // (batch * 8))
+    for r in range(rounds):
+        items = [report(r * batch * 8 + i) for i in range(batch * 8)]
+        t0 = time.process_time()
+        for item in items[:batch * 4]:
+            store.put_report(item)
+        t1 = time.process_time()
+        for i in range(batch * 4, batch * 8, batch):
+            store.put_reports(items[i:i + batch])
+        t2 = time.process_time()
+        cpu["one_commit_each"] += t1 - t0
+        cpu["group_commit"] += t2 - t1
+        done["one_commit_each"] += batch * 4
+        done["group_commit"] += batch * 4
+    # the committer the report path uses: 2000 agents' reports arriving at once
+    from hetpilot.daemon.group_commit import ReportCommitter
+
+    async def committer_rounds() -> tuple[float, float, int, int]:
+        """CPU of the rounds through the committer, and of the same rounds of tasks that
+        only yield (the asyncio cost of a task per report, which the daemon's Report
+        handlers already pay): the difference is the committer's."""
+        committer = ReportCommitter(store)
+
+        async def nothing(_: AgentReport) -> None:
+            await asyncio.sleep(0)
+
+        n, spent, tasks_only = 0, 0.0, 0.0
+        for r in range(max(1, reports // (2 * len(hosts)))):
+            items = [report(r * len(hosts) + i) for i in range(len(hosts))]
+            t0 = time.process_time()
+            await asyncio.gather(*(nothing(item) for item in items))
+            t1 = time.process_time()
+            await asyncio.gather(*(committer.put(item) for item in items))
+            t2 = time.process_time()
+            tasks_only += t1 - t0
+            spent += t2 - t1
+            n += len(items)
+        await committer.close()
+        return spent, tasks_only, n, committer.batches
+
+    spent, tasks_only, n, batches = asyncio.run(committer_rounds())
+    cpu["committer"], done["committer"] = spent - tasks_only, n
+    store.close()
+    us = {k: round(cpu[k] * 1e6 / done[k], 1) for k in cpu}
+    return {"store": "sqlite (WAL, synchronous=NORMAL)", "batch": batch,
+            "committer_reports_per_batch": round(n / max(batches, 1), 1),
+            "reports": sum(done.values()), "cpu_us_per_report": us,
+            "ratio_one_each_to_group": round(us["one_commit_each"] / max(us["group_commit"],
+                                                                         1e-9), 1)}
 
 
 def main() -> int:
@@ -151,21 +248,32 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--workers", type=int, default=2, help="client processes")
     ap.add_argument("--budget", type=float, default=400.0, help="stop starting steps after this")
+    ap.add_argument("--daemon-cpus", default="", help="pin the daemon to these cores (0,1)")
+    ap.add_argument("--load-cpus", default="", help="pin the load generator to these cores")
+    ap.add_argument("--store", action="store_true", help="the store alone (see above)")
+    ap.add_argument("--reports", type=int, default=20000)
+    ap.add_argument("--batch", type=int, default=64)
     args = ap.parse_args()
+    if args.store:
+        print(json.dumps(_store_bench(args.reports, args.batch)), flush=True)
+        return 0
     tmp = Path(tempfile.mkdtemp(prefix="hetpilot-bench-"))
     config = write_config(tmp / "d.toml", cluster_token=TOKEN, heartbeat_timeout_s=30.0)
     daemon = Daemon(tmp / "s", config, metrics=False, log_level="WARNING")
     began = time.monotonic()
     try:
         address = daemon.start(timeout=30)
+        if args.daemon_cpus:
+            _pin(daemon.pid, _cpus(args.daemon_cpus))
         print(f"# cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}, "
-              f"grpcio {grpc.__version__}", flush=True)
+              f"grpcio {grpc.__version__}; daemon on cores {args.daemon_cpus or 'any'}, "
+              f"load on {args.load_cpus or 'any'}", flush=True)
         for n in (int(x) for x in args.agents.split(",")):
             if time.monotonic() - began > args.budget:
                 print(f"# budget spent; skipping {n}", flush=True)
                 break
-            print(json.dumps(_step(address, daemon.pid, n, args.seconds, args.workers)),
-                  flush=True)
+            print(json.dumps(_step(address, daemon.pid, n, args.seconds, args.workers,
+                                   _cpus(args.load_cpus) or None)), flush=True)
     finally:
         if daemon.stop(30.0)[0] is None:
             print("# daemon did not stop within 30 s of SIGTERM (killed)", flush=True)

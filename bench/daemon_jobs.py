@@ -7,7 +7,8 @@ fresh state dir: start ``hetpilot daemon``, register --agents EMULATED agents
 (2 devices each) that keep reporting every 0.5 s, submit N valid jobs
 (examples/model.json, different global batches and budgets) all at once from N
 threads, then for --seconds sample every job's slot (ListJobs, every 0.5 s) and
-the health-check latency. Reported per N: slots per job (min/median/max)
+the health-check latency, against the same checks for --idle-seconds before the
+submits (the ratio: how much planning costs the event loop). Reported per N: slots per job (min/median/max)
 against the slots expected (elapsed / slot_s), the jobs on pace (within 2 slots
 of that), the jobs stuck at slot 0 and those that stopped advancing (no new slot
 in the last --stall-s seconds), plan versions, health-check p99/max, RSS. Then
@@ -194,6 +195,11 @@ def run_n(n: int, args: argparse.Namespace, reasons: list[str]) -> dict[str, Any
         t_wait = time.monotonic() + 15
         while agents.stats.acked < len(hosts) and time.monotonic() < t_wait:
             time.sleep(0.1)
+        # the same health checks with no job planning: the baseline of the ratio below
+        idle = Monitor(daemon, period=0.5).start()
+        time.sleep(args.idle_seconds)
+        idle_ms = idle.stop().health_ms
+        row["idle_health_p99_ms"] = round(pct(idle_ms, 0.99), 1)
         jobs, lat, errors = submit_all(daemon.address, n, args.slot_s)
         row["submit_max_ms"] = round(max(lat, default=0) * 1000, 1)
         row["submit_errors"] = errors[:3]
@@ -201,6 +207,8 @@ def run_n(n: int, args: argparse.Namespace, reasons: list[str]) -> dict[str, Any
             reasons.append(f"N={n}: {len(errors)} submits failed ({errors[0]})")
         row["before"] = sample_phase(daemon, jobs, args.seconds, args.slot_s, args.stall_s)
         b = row["before"]
+        row["health_p99_ratio"] = round(b["health_p99_ms"] / max(row["idle_health_p99_ms"],
+                                                                 1e-3), 1)
         for key, what in (("stuck_at_0", "stuck at slot 0"), ("stopped", "stopped advancing")):
             if b[key]:
                 reasons.append(f"N={n}: {b[key]} job loop(s) {what}")
@@ -244,6 +252,8 @@ def main() -> int:
     ap.add_argument("--slot-s", type=float, default=0.5)
     ap.add_argument("--agents", type=int, default=8)
     ap.add_argument("--restart-seconds", type=float, default=10.0)
+    ap.add_argument("--idle-seconds", type=float, default=5.0,
+                    help="health checks before the jobs are submitted: the baseline")
     ap.add_argument("--stall-s", type=float, default=None,
                     help="a loop with no new slot in the last this many seconds has stopped "
                     "(default max(5, 8 slots))")
@@ -252,7 +262,7 @@ def main() -> int:
     if args.stall_s is None:
         args.stall_s = max(5.0, 8 * args.slot_s)
     ns = [int(x) for x in args.jobs.split(",") if x.strip()]
-    cap = sum(args.seconds + args.restart_seconds + 90 for _ in ns)
+    cap = sum(args.seconds + args.restart_seconds + args.idle_seconds + 90 for _ in ns)
     done = threading.Event()
 
     def watchdog() -> None:
@@ -307,6 +317,9 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                       f"{s.get('exit_code')}/{s.get('seconds')}")
     Console(width=180, highlight=False).print(t)
     for row in rows:
+        print(f"N={row['jobs']}: health p99 while the jobs plan / idle (same daemon, same "
+              f"checks, side by side): {(row.get('before') or {}).get('health_p99_ms')} / "
+              f"{row.get('idle_health_p99_ms')} ms = {row.get('health_p99_ratio')}x")
         print(f"N={row['jobs']}: submit max {row.get('submit_max_ms')} ms, errors "
               f"{row.get('submit_errors')}; restart took {row.get('restart_s')} s; daemon log "
               f"Traceback lines {row.get('log_tracebacks')} {row.get('log_exceptions')}; "

@@ -47,7 +47,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"hetpilot daemon: error: {exc}", file=sys.stderr)
         return 2
     from .server import serve
-    from .store import SchemaError
+    from .sqlite_schema import SchemaError
 
     try:
         asyncio.run(serve(config))

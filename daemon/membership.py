@@ -30,6 +30,7 @@ from hetpilot.planner.errors import ValidationError
 from .config import DaemonConfig
 from .decode import RateLimitedLog
 from .errors import FailedPrecondition, NotFound, PermissionDenied
+from .group_commit import ReportCommitter
 from .metrics import Metrics
 from .records import AgentRecord, AgentReport, DrainRecord
 from .store import Store
@@ -135,6 +136,8 @@ class Membership:
         self._peers_cache: dict[str, Peers] = {}
         self._ring: tuple[list[str], dict[str, int]] | None = None
         self.metrics.agents_up.set(len(self._up))
+        self.commits = ReportCommitter(store)
+        """Group commit of the reports taken by :meth:`report_committed`."""
 
     # -- reading --------------------------------------------------------------
 
@@ -309,12 +312,28 @@ class Membership:
             self._streams.pop(key, None)
 
     def report(self, report: AgentReport, registration: str) -> Peers:
+        """Take a report: stored (its own commit), then applied to the tables."""
+        self._check_report(report, registration)
+        self.store.put_report(report)
+        return self._take(report)
+
+    async def report_committed(self, report: AgentReport, registration: str) -> Peers:
+        """:meth:`report`, stored by group commit (one transaction for the reports that
+        queue up meanwhile, off the event loop): returns once the report is committed,
+        so an ack sent after it is as durable as one after :meth:`report`."""
+        self._check_report(report, registration)
+        await self.commits.put(report)
+        self._registered(report.agent_id, registration)  # still (a re-register meanwhile)
+        return self._take(report)
+
+    def _check_report(self, report: AgentReport, registration: str) -> None:
         agent = self._registered(report.agent_id, registration)
         known = {d.index for d in agent.devices}
         for d in report.devices:
             if d.index not in known:
                 raise ValidationError("devices.index", f"device {d.index!r} was not registered")
-        self.store.put_report(report)
+
+    def _take(self, report: AgentReport) -> Peers:
         self._reports[report.agent_id] = report
         self.listener.reported(report)
         self._seen(report.agent_id)

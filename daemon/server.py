@@ -43,7 +43,7 @@ from .metrics import Metrics
 from .quickstart import announce_generated, generated_auth, insecure_auth
 from .sdnotify import Notifier
 from .servicers import AgentServicer, ClusterServicer, JobServicer, TrainerServicer
-from .store import SqliteStore
+from .sqlite_store import SqliteStore
 
 __all__ = ["SERVICES", "serve", "server_credentials"]
 
@@ -68,9 +68,20 @@ def server_credentials(tls: TlsConfig) -> grpc.ServerCredentials:
 
 
 def _write_endpoints(state_dir: Path, grpc_addr: str, metrics_addr: str) -> None:
-    tmp = state_dir / "endpoints.json.tmp"
-    tmp.write_text(json.dumps({"grpc": grpc_addr, "metrics": metrics_addr, "pid": os.getpid()}))
-    tmp.replace(state_dir / "endpoints.json")
+    """Say where the daemon listens (for a port the OS picked). On a full disk it serves
+    anyway (the store refuses writes until there is room): a stale file is removed
+    rather than left naming the last daemon."""
+    tmp, path = state_dir / "endpoints.json.tmp", state_dir / "endpoints.json"
+    try:
+        tmp.write_text(json.dumps({"grpc": grpc_addr, "metrics": metrics_addr,
+                                   "pid": os.getpid()}))
+        tmp.replace(path)
+    except OSError as exc:
+        for stale in (tmp, path):
+            with contextlib.suppress(OSError):
+                stale.unlink()
+        log.warning("%s not written (%s): serving on %s without it", path, exc.strerror,
+                    grpc_addr)
 
 
 def _job_key(state_dir: Path) -> bytes:
@@ -115,16 +126,15 @@ def _state_dir_lock(state_dir: Path) -> Iterator[None]:
             raise StateDirInUse(f"{state_dir} is in use by another daemon (pid {holder}; "
                                 f"{path} is locked): stop it, or give this one another "
                                 "--state-dir") from None
-        fh.seek(0)
-        fh.truncate()
-        fh.write(f"{os.getpid()}\n")
-        fh.flush()
+        os.ftruncate(fh.fileno(), 0)
+        try:
+            os.pwrite(fh.fileno(), f"{os.getpid()}\n".encode(), 0)
+        except OSError as exc:  # a full disk: the lock holds without the pid in it
+            log.warning("%s: pid not written (%s); the lock holds", path, exc.strerror)
         try:
             yield
         finally:
-            fh.seek(0)
-            fh.truncate()
-            fh.flush()
+            os.ftruncate(fh.fileno(), 0)
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
@@ -236,6 +246,7 @@ async def _serve(config: DaemonConfig, stop: asyncio.Event, state_dir: Path) -> 
         if watchdog is not None:
             watchdog.cancel()
         await server.stop(config.grace_s)
+        await plane.members.commits.close()  # reports still queued: committed
         await plane.stop()
         store.close()
         metrics.close()

@@ -254,7 +254,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 statuses = convert.launches_from_proto(request)
                 chunks = convert.log_chunks_from_proto(request)
                 self._as(report.agent_id, context)
-                peers = self.plane.members.report(report, registration)
+                peers = await self.plane.members.report_committed(report, registration)
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
                     self.plane.members.stream_opened(report.agent_id, registration)

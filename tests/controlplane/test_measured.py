@@ -15,7 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from hetpilot.client.cli import InputError, job_request_from_toml
-from hetpilot.daemon.store import SqliteStore
+from hetpilot.daemon.sqlite_store import SqliteStore
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.serde import model_from_dict, plan_from_dict
 from hetpilot.planner.types import Cluster, Device, Layer, Model, Network

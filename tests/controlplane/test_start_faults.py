@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hetpilot.daemon.store import SqliteStore
+from hetpilot.daemon.sqlite_store import SqliteStore
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.slow]
 

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -101,6 +102,60 @@ def test_sigterm_drains_then_finishes_in_flight_calls(tmp_path: Path) -> None:
     assert t_exit - t_term < 1.5 + 3.0 + 5.0
 
 
+def test_an_in_flight_call_finishes_within_the_grace(tmp_path: Path) -> None:
+    """Event-driven: an agent's Report stream, open when SIGTERM comes, is still served
+    after the drain, once the server has begun stopping (new calls refused), and ends OK
+    when the agent closes it; the daemon then exits at once rather than at the end of
+    the grace. The end of the drain is seen as the plan watcher's stream ending
+    UNAVAILABLE: the daemon ends those streams, then stops the server with no await
+    between."""
+    import queue
+
+    from hetpilot.v1 import agent_pb2_grpc
+
+    from .conftest import CLUSTER_MD
+    from .helpers import register_request, report
+
+    grace_s = 120.0  # a guard: the call ends long before, and the stop with it
+    proc, address = _start(tmp_path, drain_s=0.3, grace_s=grace_s)
+    try:
+        ch = open_sync(Endpoint(address=address))
+        jobs = job_pb2_grpc.JobServiceStub(ch)
+        agents = agent_pb2_grpc.AgentServiceStub(ch)
+        job = jobs.SubmitJob(submit_request(), metadata=OWNER_MD, timeout=10).job_id
+        watch = jobs.WatchPlans(job_pb2.WatchPlansRequest(job_id=job), metadata=OWNER_MD)
+        reg = agents.Register(register_request("h0"), metadata=CLUSTER_MD,
+                              timeout=10).registration
+        sent: queue.Queue[object] = queue.Queue()
+
+        def requests() -> Iterator[object]:
+            while (item := sent.get(timeout=60)) is not None:
+                yield item
+
+        stream = agents.Report(requests(), metadata=CLUSTER_MD)
+        sent.put(report("h0", 1, registration=reg))
+        assert next(stream).seq == 1  # the call is in flight
+        proc.send_signal(signal.SIGTERM)
+        with pytest.raises(grpc.RpcError) as ended:
+            for _ in watch:  # plan versions, until the drain ends
+                pass
+        assert ended.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "stopping" in (ended.value.details() or "")
+        # the server is stopping now: a new call is refused ...
+        with pytest.raises(grpc.RpcError) as refused:
+            jobs.GetJob(job_pb2.GetJobRequest(job_id=job), metadata=OWNER_MD, timeout=10)
+        assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
+        # ... and the call in flight is answered, then ends OK when the agent closes it
+        sent.put(report("h0", 2, registration=reg))
+        assert next(stream).seq == 2
+        sent.put(None)
+        assert list(stream) == [] and stream.code() == grpc.StatusCode.OK
+        assert proc.wait(timeout=grace_s / 2) == 0
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
 def test_sigterm_during_a_long_solve_exits_promptly(tmp_path: Path) -> None:
     proc, address = _start(tmp_path, drain_s=0.2, grace_s=1.0, slot_s=0.2)
     jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
@@ -181,7 +236,7 @@ def test_health_follows_the_store_and_full_disk_is_resource_exhausted(tmp_path: 
     from hetpilot.daemon.records import JobStatus
     from hetpilot.daemon.server import _store_health
     from hetpilot.daemon.servicers import status_of
-    from hetpilot.daemon.store import SqliteStore
+    from hetpilot.daemon.sqlite_store import SqliteStore
 
     store = SqliteStore(tmp_path / "state.db")
     servicer = health.aio.HealthServicer()  # type: ignore[attr-defined]

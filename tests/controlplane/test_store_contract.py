@@ -27,14 +27,9 @@ from hetpilot.daemon.records import (
     StageTiming,
     TimingsRecord,
 )
-from hetpilot.daemon.store import (
-    _MIGRATIONS,
-    SCHEMA_VERSION,
-    MemoryStore,
-    SchemaError,
-    SqliteStore,
-    Store,
-)
+from hetpilot.daemon.sqlite_schema import MIGRATIONS, SCHEMA_VERSION, SchemaError
+from hetpilot.daemon.sqlite_store import SqliteStore
+from hetpilot.daemon.store import MemoryStore, Store
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -106,6 +101,15 @@ def test_agents_reports_timings(store: Store) -> None:
                     samples_per_s=3),))
     store.put_timings(t)
     assert store.latest_timings("j") == [t]
+
+
+def test_a_batch_of_reports_is_kept_in_one_commit(store: Store) -> None:
+    store.put_report(AgentReport(agent_id="c", seq=1, unix_ms=1))
+    store.put_reports([AgentReport(agent_id="a", seq=1, unix_ms=5),
+                       AgentReport(agent_id="b", seq=7, unix_ms=5),
+                       AgentReport(agent_id="a", seq=2, unix_ms=6)])  # later wins
+    store.put_reports([])
+    assert {k: r.seq for k, r in store.latest_reports().items()} == {"a": 2, "b": 7, "c": 1}
 
 
 def test_sqlite_survives_reopen(tmp_path: Path) -> None:
@@ -276,7 +280,7 @@ def test_sqlite_migrates_a_version_4_database(tmp_path: Path) -> None:
     keeps them all, reads their bodies with the new fields empty, and launches work."""
     path = tmp_path / "state.db"
     old = sqlite3.connect(path)
-    for step in _MIGRATIONS[:4]:  # released steps never change: this is schema 4
+    for step in MIGRATIONS[:4]:  # released steps never change: this is schema 4
         for statement in step:
             old.execute(statement)
     old.execute("PRAGMA user_version=4")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from hetpilot.daemon.errors import DamagedStore, StorageFull, StorageUnavailable
 from hetpilot.daemon.records import AgentRecord, JobRecord, JobStatus, PlanRecord
-from hetpilot.daemon.store import SqliteStore
+from hetpilot.daemon.sqlite_store import SqliteStore
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -213,9 +213,10 @@ def test_a_truncation_that_keeps_the_header_refuses_writes(tmp_path: Path) -> No
 @pytest.mark.parametrize("fault", ["truncate", "overwrite", "replace"])
 def test_no_checkpoint_into_a_lost_file_at_stop_or_next_start(tmp_path: Path, fault: str) -> None:
     """Stopping with the file lost writes nothing into what is at the path now (SQLite's
-    own close would checkpoint its WAL into a file damaged in place), and the WAL is moved
-    aside, so the next start does not read it as the WAL of that file: it refuses the file
-    and leaves it as it was."""
+    own close would checkpoint its WAL into a file damaged in place), and the WAL, which
+    holds the last writes, stays where it is, as it was: a marker beside it makes the next
+    start refuse the pair (rather than read that WAL as the WAL of that file) and say how
+    to go on, leaving both as they were."""
     path = tmp_path / "state.db"
     _store_with_jobs(path)
     store = SqliteStore(path)
@@ -233,13 +234,21 @@ def test_no_checkpoint_into_a_lost_file_at_stop_or_next_start(tmp_path: Path, fa
     damaged = path.read_bytes()
     with pytest.raises(StorageUnavailable):
         store.create_job(_job("refused"))
+    wal = (tmp_path / "state.db-wal").read_bytes()
+    assert len(wal) > 0
     store.close()
     assert path.read_bytes() == damaged
-    assert not (tmp_path / "state.db-wal").exists()
-    assert (tmp_path / "state.db-wal.lost").stat().st_size > 0
+    assert (tmp_path / "state.db-wal").read_bytes() == wal  # never moved aside
+    assert not list(tmp_path.glob("*-wal.lost"))
+    assert "was" in (tmp_path / "state.db.lost").read_text()
     # the next start, as the daemon's: its own process (this one keeps the lost connection)
     code = ("import sys\nfrom hetpilot.daemon.errors import DamagedStore\n"
-            "from hetpilot.daemon.store import SqliteStore\n"
-            "try:\n    SqliteStore(sys.argv[1])\nexcept DamagedStore:\n    sys.exit(3)\n")
-    assert subprocess.run([sys.executable, "-c", code, str(path)], timeout=60).returncode == 3
+            "from hetpilot.daemon.sqlite_store import SqliteStore\n"
+            "try:\n    SqliteStore(sys.argv[1])\nexcept DamagedStore as e:\n"
+            "    print(e)\n    sys.exit(3)\n")
+    run = subprocess.run([sys.executable, "-c", code, str(path)], timeout=60,
+                         capture_output=True, text=True)
+    assert run.returncode == 3 and "was lost while a daemon ran" in run.stdout
+    assert "state.db.lost" in run.stdout
     assert path.read_bytes() == damaged
+    assert (tmp_path / "state.db-wal").read_bytes() == wal

@@ -21,7 +21,7 @@ from typing import Any
 
 import grpc
 import pytest
-from hetpilot.daemon.store import SqliteStore
+from hetpilot.daemon.sqlite_store import SqliteStore
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2, job_pb2, job_pb2_grpc
 
 from hetpilot.channel import Endpoint, metadata, open_sync
