@@ -214,7 +214,7 @@ def test_job_tensor_parallel_flag() -> None:
     assert not serde.job_from_dict({"global_batch": 8, "microbatch_size": 2}).tensor_parallel
     assert serde.job_from_dict({"global_batch": 8, "microbatch_size": 2,
                                 "tensor_parallel": True}).tensor_parallel
-    with pytest.raises(ValidationError, match="job.tensor_parallel"):
+    with pytest.raises(ValidationError, match=r"job\.tensor_parallel"):
         serde.job_from_dict({"global_batch": 8, "microbatch_size": 2, "tensor_parallel": "yes"})
 
 
