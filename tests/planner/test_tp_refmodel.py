@@ -225,3 +225,21 @@ def test_trainer_refuses_a_tp_plan_by_name() -> None:
     with pytest.raises(InvalidPlanError) as err:
         check_plan(_plan(TP_PLAN), ["h:0", "h:1", "g:0"], 2, 4)
     assert str(err.value).startswith("plan.groups[0].stages[0].devices: a tensor-parallel stage")
+
+
+def test_switching_into_a_tp_stage_moves_only_the_missing_slices() -> None:
+    from hetpilot.planner.switching import switch_cost
+
+    model = serde.model_from_dict(MODEL)
+    one = _plan({"microbatch_size": 2, "schedule": "gpipe", "groups": [{"samples": 4, "stages": [
+        {"device": "h:0", "layers": [0, 2]}]}]})
+    two = _plan({"microbatch_size": 2, "schedule": "gpipe", "groups": [{"samples": 4, "stages": [
+        {"devices": ["h:0", "h:1"], "layers": [0, 2]}]}]})
+    cost = switch_cost(_cluster(), model, one, two)
+    # h:0 held both layers whole; h:1 gets slice 1 of 2 of layer 0 (400 * 4 / 2 MB) and the
+    # unsplit layer 1 whole (100 * 4 MB), from h:0 over the host's 800 Gbit/s, 5 us each
+    assert dict(cost.received_mb) == {"h:1": pytest.approx(1200.0)}
+    assert cost.seconds == pytest.approx(2 * 5e-6 + 1200 * 8 / 800000)
+    back = switch_cost(_cluster(), model, two, one)  # h:0 lacks slice 1 of layer 0 only
+    assert dict(back.received_mb) == {"h:0": pytest.approx(800.0)}
+    assert back.seconds == pytest.approx(5e-6 + 800 * 8 / 800000)  # from h:1, not a checkpoint
