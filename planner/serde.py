@@ -14,7 +14,6 @@ import math
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from .errors import ValidationError
@@ -331,7 +330,7 @@ def _tp_fields(d: Mapping[str, Any], path: str) -> dict[str, Any]:
                 raise ValidationError(kp, f"must be at most 1 (a fraction of the ideal speed-up), "
                                           f"got {e:g}")
             eff[int(key)] = e
-        out["tp_efficiency"] = MappingProxyType(eff)
+        out["tp_efficiency"] = tuple(sorted(eff.items()))
     return out
 
 
@@ -350,7 +349,7 @@ def _layer_to_dict(layer: Layer) -> dict[str, Any]:
         if layer.tp_max is not None:
             out["tp_max"] = layer.tp_max
         if layer.tp_efficiency:
-            out["tp_efficiency"] = {str(k): v for k, v in sorted(layer.tp_efficiency.items())}
+            out["tp_efficiency"] = {str(k): v for k, v in layer.tp_efficiency}
     return out
 
 

@@ -168,8 +168,9 @@ class Layer:
     """All-reduces per forward when split; the backward does as many."""
     tp_max: int | None = None
     """Largest degree the layer may be split into; None: no limit."""
-    tp_efficiency: Mapping[int, float] = field(default_factory=lambda: MappingProxyType({}))
-    """Per degree, the fraction of the ideal speed-up the split compute reaches (default 1)."""
+    tp_efficiency: tuple[tuple[int, float], ...] = ()
+    """(degree, fraction of the ideal speed-up the split compute reaches), by degree;
+    degrees not named reach 1."""
 
     def splits(self, degree: int) -> bool:
         """Whether a stage of ``degree`` devices splits this layer (else each device runs it whole)."""
@@ -177,7 +178,10 @@ class Layer:
             self.tp_max is None or degree <= self.tp_max)
 
     def efficiency(self, degree: int) -> float:
-        return self.tp_efficiency.get(degree, 1.0)
+        for d, e in self.tp_efficiency:
+            if d == degree:
+                return e
+        return 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
