@@ -197,26 +197,27 @@ def _coeffs(sailor: Sailor, a: str, na: int, b: str, nb: int) -> list[float]:
     return list(net.get_zone_coeffs(ZONE, a, na, ZONE, b, nb)[0])
 
 
-def _tp_link(prof: dict, mbs: int) -> tuple[float, float]:
-    """(Gbit/s, latency s) of a host's links such that spec 5.6's all-reduces
-    reproduce the profile's TP 2 and 4 times of the transformer layers:
-    measured - ideal = 4 all-reduces (2 forward, 2 backward) of mbs * AR_MB."""
-    over = {}
-    for t in (2, 4):
-        if str(t) not in prof or "1" not in prof:
-            return 0.0, 0.0
-        one, split = prof["1"], prof[str(t)]
-        gaps = [(split[k][0] + split[k][1]) - (one[k][0] + one[k][1]) / t
-                for k in one if k not in ("0", str(len(one) - 1))]
-        over[t] = sum(gaps) / len(gaps) / 4.0  # one all-reduce
-    # over[t] = 2(t-1)/t * X * 8 / (1000 g) + 2(t-1) lat, X = mbs * AR_MB; t = 2, 4
-    x = mbs * AR_MB * 8.0 / 1000.0
-    # solve for u = x / g and lat:  u + 2 lat = o2;  1.5 u + 6 lat = o4
-    lat = (over[4] - 1.5 * over[2]) / 3.0
-    u = over[2] - 2.0 * lat
-    if lat < 0.0:
-        lat, u = 0.0, (over[2] * 1.0 + over[4] * 1.5) / (1.0 + 1.5 ** 2)
-    return (x / u if u > 0 else 1e6), lat
+def _tp_comm_mb(prof_by_kind: dict[str, dict], mbs: int, gbps: float) -> float:
+    """The all-reduce size (MB per sample) that makes spec 5.6's all-reduces on links of
+    ``gbps`` reproduce, on average, what the profiles' TP 2 and 4 times of the
+    transformer layers add over an ideal split: measured - ideal = 4 all-reduces (2
+    forward, 2 backward) of 2(t-1)/t * mbs * c * 8 / (1000 gbps) s each; least squares
+    over both kinds and both degrees."""
+    num = den = 0.0
+    for prof in prof_by_kind.values():
+        one = prof.get("1")
+        for t in (2, 4):
+            split = prof.get(str(t))
+            if one is None or split is None:
+                continue
+            per_mb = 4 * 2 * (t - 1) / t * mbs * 8.0 / (1000.0 * gbps)  # s per MB of c
+            for k in one:
+                if k in ("0", str(len(one) - 1)):
+                    continue
+                gap = (split[k][0] + split[k][1]) - (one[k][0] + one[k][1]) / t
+                num += gap * per_mb
+                den += per_mb * per_mb
+    return max(num / den, 0.0) if den else AR_MB
 
 
 def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
@@ -237,8 +238,8 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
             "act_mb": info[str(i)]["act_mem_floats"] * FLOAT / 1e6,
             "param_mb": info[str(i)]["params_floats"] * FLOAT / 1e6,
         }
-        if tensor_parallel:
-            layer.update(tp_comm_mb=AR_MB, tp_max=GPUS_PER_NODE,
+        if tensor_parallel:  # tp_comm_mb is fitted below
+            layer.update(tp_max=GPUS_PER_NODE,
                          tp_allreduces=1 if i == 0 else (0 if i == n_layers - 1 else 2))
         layers.append(layer)
     model = serde.model_from_dict({"name": MODEL, "optimizer_factor": OPTIMIZER_FACTOR,
@@ -251,35 +252,34 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
                      for k, v in prof[kind][str(mbs // 2)]["1"].items()}
         return sum(v[0] + v[1] for v in table.values())
 
-    devices, host_links, device_links = [], [], []
-    # Sailor's check: GB of 2**30 bytes, less the 2 GB (TP 1) or 3 GB (TP > 1) Megatron keeps
-    reserve = 3.0 if tensor_parallel else 2.0
+    devices = []
+    # Sailor's check: GB of 2**30 bytes, less the 2 GB Megatron keeps at TP 1 (3 GB at TP > 1:
+    # main() replans with less memory when Sailor's check refuses a plan)
     by_kind_hosts: dict[str, list[str]] = {}
     a100_gbps = _bw_gbps(_coeffs(sailor, KINDS[0], 1, KINDS[0], 1), mbs * AR_MB)
     v100_gbps = _bw_gbps(_coeffs(sailor, KINDS[1], 1, KINDS[1], 1), mbs * AR_MB)
     for kind in KINDS:
         count = row[f"{kind}_{ZONE}"]
         tflops = REF_TFLOPS * total(KINDS[0]) / total(kind)
-        memory = int(kind.split("-")[1]) * 2**30 / 1e9 - reserve - memory_margin_gb
-        gbps, lat = _tp_link(prof[kind].get(str(mbs), {}), mbs)
+        memory = int(kind.split("-")[1]) * 2**30 / 1e9 - 2.0 - memory_margin_gb
         hosts = by_kind_hosts.setdefault(kind, [])
         for h in range(count // GPUS_PER_NODE):
             host = f"{kind[0].lower()}{h}"
             hosts.append(host)
-            ids = [f"{host}:{g}" for g in range(GPUS_PER_NODE)]
-            devices += [{"id": d, "host": host, "tflops": tflops, "memory_gb": memory}
-                        for d in ids]
-            if tensor_parallel and gbps > 0:
-                device_links += [{"a": x, "b": y, "gbps": gbps, "latency_us": lat * 1e6}
-                                 for x, y in itertools.combinations(ids, 2)]
-    a_hosts = by_kind_hosts[KINDS[0]]
+            devices += [{"id": f"{host}:{g}", "host": host, "tflops": tflops,
+                         "memory_gb": memory} for g in range(GPUS_PER_NODE)]
     host_links = [{"a": x, "b": y, "gbps": a100_gbps}
-                  for x, y in itertools.combinations(a_hosts, 2)]
-    # same-host transfers: Sailor times every stage-to-stage send with its inter-node fits
-    intra = v100_gbps
+                  for x, y in itertools.combinations(by_kind_hosts[KINDS[0]], 2)]
+    # Sailor times every stage-to-stage send with its inter-node fits, also within a node
+    # (the V100's, the slower, inside a node of either kind)
     cluster = serde.cluster_from_dict({"devices": devices, "network": {
-        "intra_host_gbps": intra, "inter_host_gbps": v100_gbps, "latency_us": 0.0,
-        "host_links": host_links, "device_links": device_links}})
+        "intra_host_gbps": v100_gbps, "inter_host_gbps": v100_gbps, "latency_us": 0.0,
+        "host_links": host_links}})
+    if tensor_parallel:
+        comm = _tp_comm_mb({k: prof[k].get(str(mbs), {}) for k in KINDS}, mbs, v100_gbps)
+        model = serde.model_from_dict({"name": MODEL, "optimizer_factor": OPTIMIZER_FACTOR,
+                                       "layers": [{**layer, "tp_comm_mb": comm}
+                                                  for layer in layers]})
     return cluster, model
 
 
@@ -320,6 +320,7 @@ def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
 def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                   tensor_parallel: bool) -> dict[str, Any]:
     from hetpilot.planner.search import make_plan
+    from hetpilot.planner.tpsearch import make_tp_plan
 
     best: dict[str, Any] = {}
     tried = []
@@ -332,7 +333,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                       tensor_parallel=tensor_parallel)
             start = time.process_time()
             try:
-                plan = make_plan(cluster, model, job)
+                plan = make_tp_plan(cluster, model, job, make_plan)
             except InfeasibleError as exc:  # nothing fits at this size: note it, go on
                 tried.append({"mbs": mbs, "margin_gb": margin, "error": str(exc)[:120]})
                 break

@@ -1,0 +1,200 @@
+"""Plans with tensor-parallel stages (spec 5.6): a search over degrees around the v1 planner.
+
+For a choice of degree per device kind (kind = equal TFLOP/s and memory), the
+devices of each host are cut into tensor-parallel groups of that many, and
+each group stands in for one **virtual device** in a v1 cluster: its
+TFLOP/s are the rate at which it runs the whole model, all-reduces included
+(so a pipeline stage of it takes about the time the TP stage takes), and its
+memory is scaled by what splitting saves. The v1 planner plans on that
+cluster; the plan is then written back with each virtual device's group as
+a ``devices`` stage and judged by the reference model (spec 5), which is
+what candidates are compared by. Degrees are chosen by coordinate descent
+from all-ones (the v1 plan), so the result is never slower than the v1 plan
+by the reference model.
+
+The stand-in is exact for a model of identical layers, each split; layers
+that are not split, transfers into and out of a group (scatter-gather) and
+the gradient rings of split layers are where it is approximate, which the
+final judgement by the reference model covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from .errors import InfeasibleError
+from .refmodel import evaluate
+from .tpmodel import ring, ring_allreduce_s
+from .types import Cluster, Device, Group, Job, Model, Plan, Stage
+
+__all__ = ["TPChoice", "degrees", "make_tp_plan", "virtual_cluster"]
+
+Kind = tuple[float, float]
+"""A device kind: (tflops, memory_gb)."""
+Planner = Callable[[Cluster, Model, Job], Plan]
+
+
+def _kind(dev: Device) -> Kind:
+    return (dev.tflops, dev.memory_gb)
+
+
+def degrees(cluster: Cluster, model: Model) -> dict[Kind, list[int]]:
+    """Per kind, the degrees > 1 worth trying: powers of two up to the most devices of
+    the kind on one host and the largest ``tp_max`` of a splittable layer."""
+    split = [layer for layer in model.layers if layer.tp_comm_mb is not None]
+    if not split:
+        return {}
+    cap = max(layer.tp_max if layer.tp_max is not None else 1 << 30 for layer in split)
+    per_host: dict[tuple[str, Kind], int] = {}
+    for dev in cluster.devices:
+        key = (dev.host, _kind(dev))
+        per_host[key] = per_host.get(key, 0) + 1
+    most: dict[Kind, int] = {}
+    for (_, kind), n in per_host.items():
+        most[kind] = max(most.get(kind, 0), n)
+    out = {}
+    for kind, n in most.items():
+        options = [t for t in (2, 4, 8, 16) if t <= min(n, cap)]
+        if options:
+            out[kind] = options
+    return out
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    """A virtual cluster and, per virtual device, the devices it stands for."""
+
+    cluster: Cluster
+    members: dict[str, tuple[str, ...]]
+
+
+def _rate(model: Model, tflops: float, t: int, gbps: float, lat: float, micro: int) -> float:
+    """TFLOP/s at which a group of t devices runs the whole model (forward and backward
+    of one microbatch, all-reduces included), counting the model's unsplit GFLOP."""
+    work = total = comm = 0.0
+    for layer in model.layers:
+        gflop = layer.fwd_gflop + layer.bwd_gflop
+        total += gflop
+        if layer.splits(t):
+            work += gflop / (t * layer.efficiency(t))
+            assert layer.tp_comm_mb is not None
+            comm += 2 * layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t,
+                                                               gbps, lat)
+        else:
+            work += gflop
+    seconds = micro * work / (1000.0 * tflops) + comm
+    return micro * total / (1000.0 * seconds) if seconds > 0 else tflops
+
+
+def _memory_scale(model: Model, t: int, micro: int) -> float:
+    """How much more of the model a group of t holds than one device (one microbatch in
+    flight): the unsplit need over the split need per device."""
+    opt = 1.0 + model.optimizer_factor
+    whole = sum(layer.param_mb * opt + micro * layer.act_mb for layer in model.layers)
+    split = sum((layer.param_mb * opt + micro * layer.act_mb) / (t if layer.splits(t) else 1)
+                for layer in model.layers)
+    return whole / split if split > 0 else 1.0
+
+
+def virtual_cluster(cluster: Cluster, model: Model, choice: dict[Kind, int],
+                    micro: int) -> TPChoice:
+    """The v1 cluster in which each tensor-parallel group of ``choice`` is one device."""
+    by_host: dict[tuple[str, Kind], list[Device]] = {}
+    for dev in cluster.devices:
+        by_host.setdefault((dev.host, _kind(dev)), []).append(dev)
+    devices: list[Device] = []
+    members: dict[str, tuple[str, ...]] = {}
+    for (_, kind), devs in by_host.items():
+        t = choice.get(kind, 1)
+        full = len(devs) - len(devs) % t if t > 1 else 0
+        for i in range(0, full, t):
+            group = devs[i:i + t]
+            ids = tuple(d.id for d in group)
+            gbps, lat = ring(cluster, ids)
+            lead = group[0]
+            devices.append(replace(
+                lead,
+                tflops=_rate(model, lead.tflops, t, gbps, lat, micro),
+                memory_gb=lead.memory_gb * _memory_scale(model, t, micro),
+                price_per_hour=sum(d.price_per_hour for d in group),
+                power_watts=sum(d.power_watts for d in group)))
+            members[lead.id] = ids
+        for dev in devs[full:]:
+            devices.append(dev)
+            members[dev.id] = (dev.id,)
+    order = {d.id: i for i, d in enumerate(cluster.devices)}
+    devices.sort(key=lambda d: order[d.id])
+    return TPChoice(Cluster(devices=tuple(devices), network=cluster.network), members)
+
+
+def _real_plan(plan: Plan, members: dict[str, tuple[str, ...]]) -> Plan:
+    groups = tuple(
+        Group(samples=g.samples, stages=tuple(
+            Stage(device=s.device, devices=members[s.device], layers=s.layers,
+                  recompute=s.recompute, order=s.order) for s in g.stages))
+        for g in plan.groups)
+    return Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule, groups=groups)
+
+
+def _judge(cluster: Cluster, model: Model, job: Job, plan: Plan) -> float | None:
+    ev = evaluate(cluster, model, plan, job.global_batch)
+    return ev.iteration_s if ev.valid else None
+
+
+def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner,
+                 *, passes: int = 2) -> Plan:
+    """The fastest plan by the reference model over degrees per kind (1 = v1's plan).
+
+    ``planner`` plans a v1 cluster (hetpilot's ``make_plan``). Without
+    ``job.tensor_parallel`` or splittable layers this is ``planner`` itself.
+    Raises InfeasibleError when no choice of degrees fits.
+    """
+    options = degrees(cluster, model) if job.tensor_parallel else {}
+    try:
+        best: Plan | None = planner(cluster, model, job)
+    except InfeasibleError:
+        best = None
+    if not options:
+        if best is None:
+            raise InfeasibleError("no plan fits in memory")
+        return best
+    best_s = _judge(cluster, model, job, best) if best is not None else None
+    choice: dict[Kind, int] = {kind: 1 for kind in options}
+    tried: set[tuple[tuple[Kind, int], ...]] = {tuple(sorted(choice.items()))}
+    for _ in range(passes):
+        moved = False
+        for kind, ts in options.items():
+            for t in [1, *ts]:
+                trial = {**choice, kind: t}
+                key = tuple(sorted(trial.items()))
+                if key in tried:
+                    continue
+                tried.add(key)
+                found = _try(cluster, model, job, planner, trial)
+                if found is not None and (best_s is None or found[0] < best_s):
+                    best_s, best = found
+                    choice = trial
+                    moved = True
+        if not moved:
+            break
+    if best is None:
+        raise InfeasibleError("no plan fits in memory, with or without tensor parallelism")
+    return replace(best, predicted_iteration_s=best_s) if best_s is not None else best
+
+
+def _try(cluster: Cluster, model: Model, job: Job, planner: Planner,
+         choice: dict[Kind, int]) -> tuple[float, Plan] | None:
+    virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
+    try:
+        plan = planner(virtual.cluster, model, job)
+    except InfeasibleError:
+        return None
+    real = _real_plan(plan, virtual.members)
+    seconds = _judge(cluster, model, job, real)
+    return None if seconds is None else (seconds, real)
+
+
+def tp_degrees_used(plan: Plan) -> Sequence[int]:
+    """The degrees of a plan's stages, for reports."""
+    return sorted({s.tp for g in plan.groups for s in g.stages})
