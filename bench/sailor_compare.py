@@ -284,25 +284,33 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
 
 
 def sailor_plan(plan: Plan, cluster: Cluster) -> tuple[dict, list[int]]:
-    """A hetpilot plan in Sailor's plan form: pipeline i is group i (dp 1 per stage);
-    a stage of t devices is one replica of degree t. Returns it and each pipeline's
-    microbatch count."""
-    pipelines, micro, used = [], [], {k: 0 for k in KINDS}
+    """A hetpilot plan in Sailor's plan form, and each Sailor pipeline's microbatch count.
+
+    Groups with the same layer cuts and the same samples are data-parallel replicas of
+    one pipeline, which is how Sailor's own plans say it: one Sailor pipeline with one
+    replica per group at each stage (dp = the number of such groups). Other groups
+    are pipelines of their own. A stage of t devices is a replica of degree t.
+    """
+    merged: dict[tuple[object, ...], list[Any]] = {}
+    used = dict.fromkeys(KINDS, 0)
     for group in plan.groups:
-        kinds = []
-        for stage in group.stages:
-            host = cluster.by_id[stage.device].host
-            kind = KINDS[0] if host.startswith("a") else KINDS[1]
-            kinds.append(kind)
-            used[kind] += stage.tp
-        pipelines.append({
-            "num_stages": len(group.stages),
-            "layers_per_stage": [list(range(*s.layers)) for s in group.stages],
-            "tmp_per_stage": [[[[(k, s.tp, ZONE)], s.tp]] for k, s in zip(kinds, group.stages,
-                                                                          strict=True)],
-            "dp": [1] * len(group.stages),
-        })
-        micro.append(group.samples // plan.microbatch_size)
+        key = (tuple(s.layers for s in group.stages), group.samples)
+        merged.setdefault(key, []).append(group)
+    pipelines, micro = [], []
+    for (cuts, samples), groups in merged.items():
+        replicas = []
+        for j in range(len(cuts)):
+            stage_replicas = []
+            for group in groups:
+                stage = group.stages[j]
+                kind = KINDS[0] if cluster.by_id[stage.device].host.startswith("a") else KINDS[1]
+                used[kind] += stage.tp
+                stage_replicas.append([[(kind, stage.tp, ZONE)], stage.tp])
+            replicas.append(stage_replicas)
+        pipelines.append({"num_stages": len(cuts),
+                          "layers_per_stage": [list(range(*c)) for c in cuts],
+                          "tmp_per_stage": replicas, "dp": [len(groups)] * len(cuts)})
+        micro.append(samples // plan.microbatch_size)
     return {"pipeline_list": pipelines, "mbs": plan.microbatch_size,
             "used_gpus": {k: v for k, v in used.items() if v}}, micro
 
