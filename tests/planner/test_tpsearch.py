@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.search import make_plan
@@ -76,3 +81,34 @@ def test_virtual_device_runs_the_model_as_the_group_does() -> None:
     seconds = 0.006 + 16 * 0.5 * 8 / 2.4e6
     assert virtual.cluster.by_id["h0:0"].tflops == pytest.approx(120 / (1000 * seconds))
     assert virtual.cluster.by_id["h0:0"].memory_gb == pytest.approx(32.0)  # all split
+
+
+def test_cli_plans_and_evaluates_a_tp_plan(tmp_path: Path) -> None:
+    cluster = {"devices": [{"id": f"h:{i}", "host": "h", "tflops": 10.0, "memory_gb": 16.0}
+                           for i in range(4)],
+               "network": {"intra_host_gbps": 2400.0, "inter_host_gbps": 10.0}}
+    model = {"layers": [{"fwd_gflop": 10.0, "out_mb": 1.0, "act_mb": 10.0, "param_mb": 10.0,
+                         "tp_comm_mb": 0.5, "tp_allreduces": 2} for _ in range(4)]}
+    paths = {}
+    for name, data in (("cluster", cluster), ("model", model)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(data))
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "hetpilot", *args, "--cluster",
+                               str(paths["cluster"]), "--model", str(paths["model"])],
+                              capture_output=True, text=True, timeout=120, check=False)
+
+    v1 = run("plan", "--batch", "1", "--microbatch", "1")
+    assert v1.returncode == 0, v1.stderr
+    assert all("device" in s for g in json.loads(v1.stdout)["groups"] for s in g["stages"])
+    res = run("plan", "--batch", "1", "--microbatch", "1", "--tensor-parallel")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert plan["groups"][0]["stages"][0]["devices"] == ["h:0", "h:1", "h:2", "h:3"]
+    (tmp_path / "plan.json").write_text(res.stdout)
+    ev = run("evaluate", "--plan", str(tmp_path / "plan.json"), "--batch", "1")
+    assert ev.returncode == 0, ev.stderr
+    out = json.loads(ev.stdout)
+    assert out["valid"] and out["iteration_s"] == pytest.approx(plan["predicted"]["iteration_s"],
+                                                                rel=1e-5)
