@@ -221,7 +221,8 @@ def _tp_comm_mb(prof_by_kind: dict[str, dict], mbs: int, gbps: float) -> float:
 
 
 def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
-                    tensor_parallel: bool, memory_margin_gb: float = 0.0) -> tuple[Cluster, Model]:
+                    tensor_parallel: bool, memory_margin_gb: float = 0.0,
+                    link_scale: float = 1.0) -> tuple[Cluster, Model]:
     """hetpilot's cluster and model for one trace row and microbatch size."""
     prof = sailor.profiles[MODEL]
     info = sailor.llm_info[MODEL]["1"]
@@ -256,8 +257,8 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
     # Sailor's check: GB of 2**30 bytes, less the 2 GB Megatron keeps at TP 1 (3 GB at TP > 1:
     # main() replans with less memory when Sailor's check refuses a plan)
     by_kind_hosts: dict[str, list[str]] = {}
-    a100_gbps = _bw_gbps(_coeffs(sailor, KINDS[0], 1, KINDS[0], 1), mbs * AR_MB)
-    v100_gbps = _bw_gbps(_coeffs(sailor, KINDS[1], 1, KINDS[1], 1), mbs * AR_MB)
+    a100_gbps = link_scale * _bw_gbps(_coeffs(sailor, KINDS[0], 1, KINDS[0], 1), mbs * AR_MB)
+    v100_gbps = link_scale * _bw_gbps(_coeffs(sailor, KINDS[1], 1, KINDS[1], 1), mbs * AR_MB)
     for kind in KINDS:
         count = row[f"{kind}_{ZONE}"]
         tflops = REF_TFLOPS * total(KINDS[0]) / total(kind)
@@ -283,21 +284,25 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
     return cluster, model
 
 
-def sailor_plan(plan: Plan, cluster: Cluster) -> tuple[dict, list[int]]:
+def sailor_plan(plan: Plan, cluster: Cluster, *, merge: bool) -> tuple[dict, list[int]]:
     """A hetpilot plan in Sailor's plan form, and each Sailor pipeline's microbatch count.
 
-    Groups with the same layer cuts and the same samples are data-parallel replicas of
-    one pipeline, which is how Sailor's own plans say it: one Sailor pipeline with one
-    replica per group at each stage (dp = the number of such groups). Other groups
-    are pipelines of their own. A stage of t devices is a replica of degree t.
+    A Sailor plan is a list of pipelines, each with data-parallel replicas per stage.
+    Without ``merge`` each hetpilot group is a pipeline of its own (dp 1), the form of
+    Sailor's FlashFlex and Oobleck ports; with ``merge``, groups with the same layer
+    cuts and the same samples are replicas of one pipeline, the form of Sailor's own
+    plans. Sailor's simulator times the two forms' gradient sync differently (one
+    ring over all pipelines, without dividing by the TP degree; or a ring per stage
+    over its replicas, divided by the smallest degree, plus one over the pipelines).
+    A stage of t devices is a replica of degree t.
     """
     merged: dict[tuple[object, ...], list[Any]] = {}
     used = dict.fromkeys(KINDS, 0)
-    for group in plan.groups:
-        key = (tuple(s.layers for s in group.stages), group.samples)
+    for gi, group in enumerate(plan.groups):
+        key = (tuple(s.layers for s in group.stages), group.samples, 0 if merge else gi)
         merged.setdefault(key, []).append(group)
     pipelines, micro = [], []
-    for (cuts, samples), groups in merged.items():
+    for (cuts, samples, _), groups in merged.items():
         replicas = []
         for j in range(len(cuts)):
             stage_replicas = []
@@ -326,7 +331,7 @@ def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
 
 
 def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
-                  tensor_parallel: bool) -> dict[str, Any]:
+                  tensor_parallel: bool, link_scale: float = 1.0) -> dict[str, Any]:
     from hetpilot.planner.search import make_plan
     from hetpilot.planner.tpsearch import make_tp_plan
 
@@ -336,7 +341,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
     for mbs in micros:
         for margin in (0.0, 1.0, 2.0):  # replan with less memory if Sailor's check refuses
             cluster, model = hetpilot_inputs(sailor, row, mbs, tensor_parallel=tensor_parallel,
-                                             memory_margin_gb=margin)
+                                             memory_margin_gb=margin, link_scale=link_scale)
             job = Job(global_batch=BATCH, microbatch_size=mbs, schedules=("1f1b",),
                       tensor_parallel=tensor_parallel)
             start = time.process_time()
@@ -348,7 +353,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
             finally:
                 plan_s += time.process_time() - start
             own = evaluate(cluster, model, plan, BATCH).iteration_s
-            as_sailor, micro = sailor_plan(plan, cluster)
+            as_sailor, micro = sailor_plan(plan, cluster, merge=False)
             if not _profiled(sailor, plan, cluster):
                 tried.append({"mbs": mbs, "margin_gb": margin, "error": "unprofiled TP degree"})
                 break
@@ -359,8 +364,11 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                 if recompute:  # Sailor has no recompute: less memory will not help
                     break
                 continue
-            t = sailor.sailor_time(as_sailor, micro)
+            per_group = sailor.sailor_time(as_sailor, micro)
+            merged = sailor.sailor_time(*sailor_plan(plan, cluster, merge=True))
+            t = min(per_group, merged)
             tried.append({"mbs": mbs, "margin_gb": margin, "sailor_s": t, "hetpilot_s": own,
+                          "sailor_per_group_s": per_group, "sailor_merged_s": merged,
                           "groups": len(plan.groups),
                           "stages": sorted({len(g.stages) for g in plan.groups}),
                           "tp": sorted({s.tp for g in plan.groups for s in g.stages})})
@@ -384,6 +392,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run Sailor's planner (its library must be built)")
     ap.add_argument("--build-sailor-planner", action="store_true",
                     help="build Sailor's C++ planner first if it is not built (minutes)")
+    ap.add_argument("--link-scale", type=float, default=1.0,
+                    help="multiply the converted link speeds (the robustness check)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not args.sailor:
@@ -409,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
             out["sailor"] = {"iteration_s": st, "search_s": search_s, "mbs": splan["mbs"],
                              "stages": stages["num_stages"], "dp": stages["dp"],
                              "tp": sorted({c[1] for s in stages["tmp_per_stage"] for c in s})}
-        out["hetpilot"] = hetpilot_best(sailor, row, micros, tensor_parallel=not args.no_tp)
+        out["hetpilot"] = hetpilot_best(sailor, row, micros, tensor_parallel=not args.no_tp,
+                                        link_scale=args.link_scale)
         if "sailor" in out and "sailor_s" in out["hetpilot"]:
             out["ratio"] = out["hetpilot"]["sailor_s"] / out["sailor"]["iteration_s"]
         results["rows"].append(out)
