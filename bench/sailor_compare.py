@@ -332,7 +332,6 @@ def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
 
 def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                   tensor_parallel: bool, link_scale: float = 1.0) -> dict[str, Any]:
-    from hetpilot.planner.search import make_plan
     from hetpilot.planner.tpsearch import make_tp_plan
 
     best: dict[str, Any] = {}
@@ -346,7 +345,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                       tensor_parallel=tensor_parallel)
             start = time.process_time()
             try:
-                plan = make_tp_plan(cluster, model, job, make_plan)
+                plan = make_tp_plan(cluster, model, job)
             except InfeasibleError as exc:  # nothing fits at this size: note it, go on
                 tried.append({"mbs": mbs, "margin_gb": margin, "error": str(exc)[:120]})
                 break

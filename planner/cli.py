@@ -84,7 +84,7 @@ def _plan(cluster, model, job: Job, args: argparse.Namespace) -> int:  # type: i
 
     try:
         if args.policy == "hetpilot" and job.tensor_parallel:
-            plan = make_tp_plan(cluster, model, job, make_plan)
+            plan = make_tp_plan(cluster, model, job)
         else:
             plan = make_plan(cluster, model, job, policy=args.policy)
     except InfeasibleError as exc:

@@ -8,9 +8,10 @@ TFLOP/s are the rate at which it runs the whole model, all-reduces included
 memory is scaled by what splitting saves. The v1 planner plans on that
 cluster; the plan is then written back with each virtual device's group as
 a ``devices`` stage and judged by the reference model (spec 5), which is
-what candidates are compared by. Degrees are chosen by coordinate descent
-from all-ones (the v1 plan), so the result is never slower than the v1 plan
-by the reference model.
+what candidates are compared by. Degrees are chosen by one pass of
+coordinate descent from all ones (the v1 plan), and the v1 plan stays when
+nothing beats it, so the result is never slower than the v1 plan by the
+reference model.
 
 The stand-in is exact for a model of identical layers, each split; layers
 that are not split, transfers into and out of a group (scatter-gather) and
@@ -25,10 +26,11 @@ from dataclasses import dataclass, replace
 
 from .errors import InfeasibleError
 from .refmodel import evaluate
+from .search import candidate_plans, make_plan
 from .tpmodel import ring, ring_allreduce_s
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
-__all__ = ["TPChoice", "degrees", "make_tp_plan", "virtual_cluster"]
+__all__ = ["TPChoice", "degrees", "make_tp_plan", "quick_plan", "virtual_cluster"]
 
 Kind = tuple[float, float]
 """A device kind: (tflops, memory_gb)."""
@@ -142,11 +144,24 @@ def _judge(cluster: Cluster, model: Model, job: Job, plan: Plan) -> float | None
     return ev.iteration_s if ev.valid else None
 
 
-def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner,
-                 *, passes: int = 2) -> Plan:
+def quick_plan(cluster: Cluster, model: Model, job: Job) -> Plan:
+    """The v1 search's fastest candidate when it tries device subsets only for its best
+    structure (``focus=1``) and skips the exact re-check: what the degree search compares."""
+    found = candidate_plans(cluster, model, job, focus=1)
+    if not found:
+        raise InfeasibleError("no plan fits in memory")
+    return min(found, key=lambda c: c.iteration_s).plan
+
+
+def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = make_plan,
+                 *, quick: Planner | None = quick_plan) -> Plan:
     """The fastest plan by the reference model over degrees per kind (1 = v1's plan).
 
-    ``planner`` plans a v1 cluster (hetpilot's ``make_plan``). Without
+    ``planner`` plans a v1 cluster (hetpilot's ``make_plan``); ``quick``, a
+    cheaper one (None: ``planner``), compares the degree choices, and the
+    best choice is planned again with ``planner``. Degrees are tried kind by
+    kind, each kind's in increasing order until one is no better than the
+    last (one pass of coordinate descent from all ones). Without
     ``job.tensor_parallel`` or splittable layers this is ``planner`` itself.
     Raises InfeasibleError when no choice of degrees fits.
     """
@@ -160,24 +175,25 @@ def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner,
             raise InfeasibleError("no plan fits in memory")
         return best
     best_s = _judge(cluster, model, job, best) if best is not None else None
-    choice: dict[Kind, int] = {kind: 1 for kind in options}
-    tried: set[tuple[tuple[Kind, int], ...]] = {tuple(sorted(choice.items()))}
-    for _ in range(passes):
-        moved = False
-        for kind, ts in options.items():
-            for t in [1, *ts]:
-                trial = {**choice, kind: t}
-                key = tuple(sorted(trial.items()))
-                if key in tried:
-                    continue
-                tried.add(key)
-                found = _try(cluster, model, job, planner, trial)
-                if found is not None and (best_s is None or found[0] < best_s):
-                    best_s, best = found
-                    choice = trial
-                    moved = True
-        if not moved:
-            break
+    quick = quick or planner
+    choice: dict[Kind, int] = dict.fromkeys(options, 1)
+    found = _try(cluster, model, job, quick, choice) if quick is not planner else (
+        None if best is None or best_s is None else (best_s, best))
+    choice_s = found[0] if found is not None else None
+    for kind, ts in options.items():
+        last_s = choice_s
+        for t in ts:
+            trial = {**choice, kind: t}
+            found = _try(cluster, model, job, quick, trial)
+            if found is None or (last_s is not None and found[0] >= last_s):
+                break
+            last_s = found[0]
+            if choice_s is None or found[0] < choice_s:
+                choice_s, choice = found[0], trial
+    if any(t > 1 for t in choice.values()):
+        final = _try(cluster, model, job, planner, choice)
+        if final is not None and (best_s is None or final[0] < best_s):
+            best_s, best = final
     if best is None:
         raise InfeasibleError("no plan fits in memory, with or without tensor parallelism")
     return replace(best, predicted_iteration_s=best_s) if best_s is not None else best
