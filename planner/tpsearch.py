@@ -30,7 +30,8 @@ from .search import candidate_plans, make_plan
 from .tpmodel import ring, ring_allreduce_s
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
-__all__ = ["TPChoice", "degrees", "make_tp_plan", "quick_plan", "virtual_cluster"]
+__all__ = ["TPChoice", "degrees", "make_tp_plan", "megatron_tp", "quick_plan",
+           "virtual_cluster"]
 
 Kind = tuple[float, float]
 """A device kind: (tflops, memory_gb)."""
@@ -209,6 +210,21 @@ def _try(cluster: Cluster, model: Model, job: Job, planner: Planner,
     real = _real_plan(plan, virtual.members)
     seconds = _judge(cluster, model, job, real)
     return None if seconds is None else (seconds, real)
+
+
+def megatron_tp(cluster: Cluster, model: Model, job: Job) -> Plan:
+    """The Megatron-style baseline with tensor parallelism inside hosts: every host's
+    devices of a kind form groups of the largest degree (:func:`degrees`), and the
+    ``megatron`` baseline lays out the rest (one pipeline per host, equal layers,
+    equal samples) with each group as one device."""
+    choice = {kind: ts[-1] for kind, ts in degrees(cluster, model).items()}
+    virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
+    real = _real_plan(make_plan(virtual.cluster, model, job, policy="megatron"),
+                      virtual.members)
+    seconds = _judge(cluster, model, job, real)
+    if seconds is None:
+        raise InfeasibleError("megatron with tensor parallelism: its plan does not fit in memory")
+    return replace(real, predicted_iteration_s=seconds)
 
 
 def tp_degrees_used(plan: Plan) -> Sequence[int]:

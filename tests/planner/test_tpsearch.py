@@ -112,3 +112,17 @@ def test_cli_plans_and_evaluates_a_tp_plan(tmp_path: Path) -> None:
     out = json.loads(ev.stdout)
     assert out["valid"] and out["iteration_s"] == pytest.approx(plan["predicted"]["iteration_s"],
                                                                 rel=1e-5)
+
+
+def test_megatron_baseline_splits_inside_hosts() -> None:
+    from hetpilot.planner.tpsearch import megatron_tp
+
+    cluster, model = _cluster(2400.0, hosts=2), _model(0.5)
+    job = Job(global_batch=8, microbatch_size=1, tensor_parallel=True)
+    plan = megatron_tp(cluster, model, job)
+    # a 4-way group per host, one data-parallel replica each, equal samples
+    assert [[s.devices for s in g.stages] for g in plan.groups] == [
+        [("h0:0", "h0:1", "h0:2", "h0:3")], [("h1:0", "h1:1", "h1:2", "h1:3")]]
+    assert [g.samples for g in plan.groups] == [4, 4]
+    got = evaluate(cluster, model, plan, 8)
+    assert got.valid and plan.predicted_iteration_s == pytest.approx(got.iteration_s)
