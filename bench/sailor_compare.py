@@ -320,6 +320,36 @@ def sailor_plan(plan: Plan, cluster: Cluster, *, merge: bool) -> tuple[dict, lis
             "used_gpus": {k: v for k, v in used.items() if v}}, micro
 
 
+def from_sailor(splan: dict, cluster: Cluster) -> Plan:
+    """Sailor's plan as a hetpilot plan: replica i of every stage forms group i (Sailor's
+    replicas of a stage run in lock step); a replica of degree t takes t devices of its
+    kind on one host, hosts handed out in order. The groups share the batch evenly."""
+    free: dict[str, list[list[str]]] = {}
+    for dev in cluster.devices:
+        kind = KINDS[0] if dev.host.startswith("a") else KINDS[1]
+        hosts = free.setdefault(kind, [])
+        if not hosts or cluster.by_id[hosts[-1][0]].host != dev.host:
+            hosts.append([])
+        hosts[-1].append(dev.id)
+    pipe = splan["pipeline_list"][0]
+    dp = pipe["dp"][0]
+    groups: list[list[dict]] = [[] for _ in range(dp)]
+    start = 0
+    for layers, replicas in zip(pipe["layers_per_stage"], pipe["tmp_per_stage"], strict=True):
+        end = start + len(layers)
+        for i, (vms, tp) in enumerate(replicas):
+            kind = vms[0][0]
+            host = next(h for h in free[kind] if len(h) >= tp)
+            devices, host[:] = host[:tp], host[tp:]
+            groups[i].append({"devices": devices, "layers": [start, end]})
+        start = end
+    micro = splan["mbs"]
+    total = BATCH // micro  # microbatches, spread as evenly as they go (Sailor rounds up)
+    return serde.plan_from_dict({"microbatch_size": micro, "schedule": "1f1b", "groups": [
+        {"samples": micro * (total // dp + (1 if i < total % dp else 0)), "stages": g}
+        for i, g in enumerate(groups)]})
+
+
 def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
     prof = sailor.profiles[MODEL]
     for group in plan.groups:
@@ -415,7 +445,11 @@ def main(argv: list[str] | None = None) -> int:
             micro = [math.ceil(BATCH / (splan["mbs"] * stages["dp"][0]))]
             again = sailor.sailor_time(splan, micro)  # our per-pipeline timing agrees
             assert math.isclose(again, st, rel_tol=1e-9), (again, st)
+            cluster, model = hetpilot_inputs(sailor, row, splan["mbs"], tensor_parallel=True)
+            own = evaluate(cluster, model, from_sailor(splan, cluster), BATCH)
             out["sailor"] = {"iteration_s": st, "search_s": search_s, "mbs": splan["mbs"],
+                             "in_hetpilot_model_s": own.iteration_s, "valid": own.valid,
+                             "error": own.error,
                              "stages": stages["num_stages"], "dp": stages["dp"],
                              "tp": sorted({c[1] for s in stages["tmp_per_stage"] for c in s})}
         out["hetpilot"] = hetpilot_best(sailor, row, micros, tensor_parallel=not args.no_tp,
