@@ -243,3 +243,19 @@ def test_switching_into_a_tp_stage_moves_only_the_missing_slices() -> None:
     back = switch_cost(_cluster(), model, two, one)  # h:0 lacks slice 1 of layer 0 only
     assert dict(back.received_mb) == {"h:0": pytest.approx(800.0)}
     assert back.seconds == pytest.approx(5e-6 + 800 * 8 / 800000)  # from h:1, not a checkpoint
+
+
+def test_tp_example_files_evaluate_as_written() -> None:
+    from .helpers import EXAMPLES
+
+    folder = EXAMPLES / "tp"
+    load = {n: json.loads((folder / f"{n}.json").read_text())
+            for n in ("cluster", "model", "plan", "plan.evaluation")}
+    got = evaluate(serde.cluster_from_dict(load["cluster"]), serde.model_from_dict(load["model"]),
+                   serde.plan_from_dict(load["plan"]), 4).to_dict()
+    want = load["plan.evaluation"]
+    assert got["groups"] == want.pop("groups") == [{"makespan_s": pytest.approx(0.0231),
+                                                     "microbatches": 2}]
+    got.pop("groups")
+    assert got == pytest.approx(want)
+    assert got["iteration_s"] == pytest.approx(0.0231, rel=1e-12)  # docs/spec.md 5.6 by hand
