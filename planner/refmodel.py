@@ -451,7 +451,7 @@ def validate_plan(
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
     by_id = cluster.by_id
     used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
-    needs: dict[tuple[int, int, bool, int], float] = {}  # stage memory, by its inputs
+    needs: dict[tuple[int, int, bool, int, int], float] = {}  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
         gp = f"plan.groups[{gi}]"

@@ -103,11 +103,11 @@ def switch_cost(cluster: Cluster, model: Model, old: Plan | None, new: Plan) -> 
     old_owned = slice_owners(model, old)
     # slice -> host -> first surviving holder on that host
     holders: dict[Slice, dict[str, str]] = {}
-    for dev, layers in old_owned.items():
+    for dev, held in old_owned.items():
         if dev in present:
             host = present[dev].host
-            for layer in layers:
-                holders.setdefault(layer, {}).setdefault(host, dev)
+            for piece in held:
+                holders.setdefault(piece, {}).setdefault(host, dev)
     sliced: dict[int, list[Slice]] = {}
     for piece in holders:
         if piece[1] > 1:
@@ -121,22 +121,22 @@ def switch_cost(cluster: Cluster, model: Model, old: Plan | None, new: Plan) -> 
     for dev, slices in slice_owners(model, new).items():
         have = old_owned.get(dev, set())
         for piece in sorted(slices - have):
-            layer, t, _ = piece
-            if t > 1 and (layer, 1, 0) in have:
+            layer, degree, _ = piece
+            if degree > 1 and (layer, 1, 0) in have:
                 continue  # the whole layer holds every slice of it
             mb = model.layers[layer].param_mb * factor
-            if t > 1:
-                mb /= t
+            if degree > 1:
+                mb /= degree
             elif have:  # whole from slices: the slices it holds stay
                 mb *= 1.0 - sum(1.0 / d for (lay, d, _) in have if lay == layer and d > 1)
             if mb <= 1e-12:
                 continue
             best_src, best_t = CHECKPOINT, ckpt_lat + mb * ckpt_s
             by_host = holders.get(piece)
-            if t > 1 and (layer, 1, 0) in holders:
+            if degree > 1 and (layer, 1, 0) in holders:
                 by_host = {**holders[(layer, 1, 0)], **(by_host or {})}
-            elif t == 1 and by_host is None:  # gathered from the slices' holders
-                for other in sliced.get(layer, ()):
+            elif degree == 1 and by_host is None:  # gathered from the slices' holders
+                for other in sliced.get(layer, []):
                     by_host = {**holders[other], **(by_host or {})}
             for src in _sources(by_host, present[dev].host):
                 gbps, lat = cluster.link(src, dev)
