@@ -24,13 +24,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
+from .candidates import Candidate, plan_costs
 from .errors import InfeasibleError
 from .refmodel import evaluate
 from .search import candidate_plans, make_plan
 from .tpmodel import ring, ring_allreduce_s
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
-__all__ = ["TPChoice", "degrees", "make_tp_plan", "megatron_tp", "quick_plan",
+__all__ = ["TPChoice", "degrees", "make_tp_plan", "megatron_tp", "quick_plan", "tp_candidates",
            "virtual_cluster"]
 
 Kind = tuple[float, float]
@@ -225,6 +226,21 @@ def megatron_tp(cluster: Cluster, model: Model, job: Job) -> Plan:
     if seconds is None:
         raise InfeasibleError("megatron with tensor parallelism: its plan does not fit in memory")
     return replace(real, predicted_iteration_s=seconds)
+
+
+def tp_candidates(cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+    """For the controller: the plan of :func:`make_tp_plan` as a candidate when it has
+    tensor-parallel stages (and the job can run them), else nothing."""
+    if not job.tensor_parallel or not degrees(cluster, model):
+        return []
+    try:
+        plan = make_tp_plan(cluster, model, job)
+    except InfeasibleError:
+        return []
+    if not plan.tensor_parallel or plan.predicted_iteration_s is None:
+        return []
+    return [Candidate(plan=plan, iteration_s=plan.predicted_iteration_s,
+                      costs=plan_costs(cluster, plan), label="tensor-parallel")]
 
 
 def tp_degrees_used(plan: Plan) -> Sequence[int]:

@@ -126,3 +126,14 @@ def test_megatron_baseline_splits_inside_hosts() -> None:
     assert [g.samples for g in plan.groups] == [4, 4]
     got = evaluate(cluster, model, plan, 8)
     assert got.valid and plan.predicted_iteration_s == pytest.approx(got.iteration_s)
+
+
+def test_controller_offers_tp_plans_only_to_jobs_that_run_them() -> None:
+    from hetpilot.planner.controller import Controller
+
+    cluster, model = _cluster(2400.0), _model(0.5)
+    for flag in (True, False):
+        job = Job(global_batch=1, microbatch_size=1, tensor_parallel=flag, V=10.0)
+        decision = Controller(model, job).step(cluster)
+        assert decision.plan is not None
+        assert decision.plan.tensor_parallel is flag
