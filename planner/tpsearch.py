@@ -162,8 +162,8 @@ def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = ma
     ``planner`` plans a v1 cluster (hetpilot's ``make_plan``); ``quick``, a
     cheaper one (None: ``planner``), compares the degree choices, and the
     best choice is planned again with ``planner``. Degrees are tried kind by
-    kind, each kind's in increasing order until one is no better than the
-    last (one pass of coordinate descent from all ones). Without
+    kind, each kind's in increasing order until one that fits is no better than
+    the last (one pass of coordinate descent from all ones). Without
     ``job.tensor_parallel`` or splittable layers this is ``planner`` itself.
     Raises InfeasibleError when no choice of degrees fits.
     """
@@ -187,7 +187,9 @@ def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = ma
         for t in ts:
             trial = {**choice, kind: t}
             found = _try(cluster, model, job, quick, trial)
-            if found is None or (last_s is not None and found[0] >= last_s):
+            if found is None:  # does not fit: a larger degree may
+                continue
+            if last_s is not None and found[0] >= last_s:
                 break
             last_s = found[0]
             if choice_s is None or found[0] < choice_s:

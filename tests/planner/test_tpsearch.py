@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hetpilot.planner.errors import InfeasibleError
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.search import make_plan
 from hetpilot.planner.tpsearch import degrees, make_tp_plan, virtual_cluster
@@ -137,3 +138,19 @@ def test_controller_offers_tp_plans_only_to_jobs_that_run_them() -> None:
         decision = Controller(model, job).step(cluster)
         assert decision.plan is not None
         assert decision.plan.tensor_parallel is flag
+
+
+def test_tp_makes_a_model_fit_that_fits_nowhere_else() -> None:
+    # one layer of 1000 MB of parameters (4000 MB with Adam's state) on devices of 1.5 GB:
+    # no device and no pipeline holds it, a 2-way split needs 2000 MB, a 4-way one 1000 MB
+    cluster = Cluster(
+        devices=tuple(Device(id=f"h:{i}", host="h", tflops=10.0, memory_gb=1.5) for i in range(4)),
+        network=Network(intra_host_gbps=2400.0, inter_host_gbps=10.0, latency_us=0.0))
+    model = Model(name="wide", layers=(Layer(name="l", fwd_gflop=10.0, bwd_gflop=20.0, out_mb=1.0,
+                                             act_mb=10.0, param_mb=1000.0, tp_comm_mb=1.0),))
+    job = Job(global_batch=4, microbatch_size=1, tensor_parallel=True)
+    with pytest.raises(InfeasibleError):
+        make_plan(cluster, model, job)
+    plan = make_tp_plan(cluster, model, job)
+    assert [s.tp for g in plan.groups for s in g.stages] == [4]
+    assert evaluate(cluster, model, plan, 4).valid
