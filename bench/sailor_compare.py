@@ -465,7 +465,9 @@ def main(argv: list[str] | None = None) -> int:
                           "ratio": out.get("ratio"), "plan_cpu_s": round(h["plan_cpu_s"], 2)}),
               flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+        rows = ",\n".join(json.dumps(r, separators=(",", ":")) for r in results["rows"])
+        Path(args.out).write_text(  # one line per row: the plans are long, the rows few
+            f'{{"sailor_commit": {json.dumps(results["sailor_commit"])}, "rows": [\n{rows}\n]}}\n')
     return 0
 
 
