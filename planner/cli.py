@@ -36,6 +36,10 @@ def add_arguments(name: str, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--policy", default="hetpilot", choices=POLICIES,
                             help="hetpilot (default) or a baseline users would otherwise pick")
         parser.add_argument("--out", metavar="plan.json", help="write here instead of stdout")
+        parser.add_argument("--tensor-parallel", action="store_true",
+                            help="allow tensor-parallel stages (spec 5.6; needs a model "
+                                 "with tp_comm_mb; the trainer cannot run them yet); with "
+                                 "--policy megatron, tensor parallelism inside hosts")
     else:
         parser.add_argument("--plan", required=True, metavar="P.json")
         parser.add_argument("--batch", type=int, metavar="B",
@@ -62,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 )
             job = serde.job_from_dict(
                 {"global_batch": args.batch, "microbatch_size": args.microbatch,
-                 "schedule": args.schedule},
+                 "schedule": args.schedule, "tensor_parallel": args.tensor_parallel},
             )
             return _plan(cluster, model, job, args)
         plan = serde.plan_from_dict(serde.load_json(args.plan, "--plan"))
@@ -77,9 +81,15 @@ def run(args: argparse.Namespace) -> int:
 
 def _plan(cluster, model, job: Job, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from .search import make_plan  # here: `evaluate` needs no search (start-up time)
+    from .tpsearch import make_tp_plan, megatron_tp
 
     try:
-        plan = make_plan(cluster, model, job, policy=args.policy)
+        if args.policy == "hetpilot" and job.tensor_parallel:
+            plan = make_tp_plan(cluster, model, job)
+        elif args.policy == "megatron" and job.tensor_parallel:
+            plan = megatron_tp(cluster, model, job)
+        else:
+            plan = make_plan(cluster, model, job, policy=args.policy)
     except InfeasibleError as exc:
         return _fail(str(exc), 3)
     text = json.dumps(serde.plan_to_dict(plan), indent=1)

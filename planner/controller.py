@@ -81,6 +81,7 @@ from .slot import MIN_UNIT, Scale, Slot, capped, check_budgets, check_v, updated
 from .structures import BIG_CLUSTER
 from .switching import switch_cost
 from .timeshare import TimeShare
+from .tpsearch import tp_candidates
 from .types import COST_KINDS, DEFAULT_V, Cluster, Job, Model, Plan
 
 __all__ = ["DEFAULT_V", "POLICIES", "Controller", "ControllerConfig", "Decision", "Gate",
@@ -144,7 +145,10 @@ class PlannerSearch:
 
     def __call__(self, cluster: Cluster, model: Model, job: Job, *,
                  pairs: Sequence[tuple[str, str]] | None = None) -> Sequence[Candidate]:
-        return candidate_plans(cluster, model, job, focus=3, pairs=pairs)
+        found = candidate_plans(cluster, model, job, focus=3, pairs=pairs)
+        if job.tensor_parallel and pairs is None:  # only jobs whose trainer runs TP stages
+            found = [*found, *tp_candidates(cluster, model, job)]
+        return found
 
 
 #: The default search, shared: the planner's memo of cuts is process-wide anyway.

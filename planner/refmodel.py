@@ -18,13 +18,14 @@ distinct group once.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
 from .errors import DeadlockError, InvalidPlanError
 from .schedules import Op, custom_order, inflight, order
-from .types import SCHEDULES, Cluster, Group, Model, Plan, Stage
+from .tpmodel import boundary_s, ring, stage_memory_mb, stage_op_s
+from .types import SCHEDULES, Cluster, Device, Group, Model, Plan, Stage
 
 __all__ = [
     "Evaluation",
@@ -86,18 +87,15 @@ class Evaluation:
 # -- 5.1 ---------------------------------------------------------------------
 
 def group_op_times(cluster: Cluster, model: Model, group: Group, micro: int) -> GroupTimes:
+    """F_j, B_j and C_j of one microbatch (spec 5.1; tensor-parallel stages by 5.6)."""
     fwd, bwd, comm = [], [], []
-    layers = model.layers
-    for j, stage in enumerate(group.stages):
-        a, b = stage.layers
-        rate = 1000.0 * cluster.by_id[stage.device].tflops
-        f = micro * sum(layer.fwd_gflop for layer in layers[a:b]) / rate
-        bk = micro * sum(layer.bwd_gflop for layer in layers[a:b]) / rate
+    stages = group.stages
+    for j, stage in enumerate(stages):
+        f, bk = stage_op_s(cluster, model, stage, micro)
         fwd.append(f)
-        bwd.append(bk + f if stage.recompute else bk)
-        if j + 1 < len(group.stages):
-            gbps, lat = cluster.link(stage.device, group.stages[j + 1].device)
-            comm.append(lat + micro * layers[b - 1].out_mb * 8.0 / (1000.0 * gbps))
+        bwd.append(bk)
+        if j + 1 < len(stages):
+            comm.append(boundary_s(cluster, model, stage, stages[j + 1], micro))
     return GroupTimes(tuple(fwd), tuple(bwd), tuple(comm))
 
 
@@ -328,17 +326,31 @@ def group_makespan(times: GroupTimes, schedule: str, microbatches: int,
 
 # -- 5.3 ---------------------------------------------------------------------
 
+def _owners(model: Model, group: Group) -> list[tuple[tuple[str, ...], int]]:
+    """Per layer, the devices of the stage holding it and how many ways it is split."""
+    out: list[tuple[tuple[str, ...], int]] = []
+    layers = model.layers
+    for stage in group.stages:
+        t = stage.tp
+        for i in range(stage.layers[0], stage.layers[1]):
+            out.append((stage.devices, t if t > 1 and layers[i].splits(t) else 1))
+    return out
+
+
 def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
-    """Largest per-device sum of bucketed ring all-reduce times."""
+    """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6).
+
+    A layer's owner in a group is its stage's devices and its split degree
+    there. With split degrees s_g the layer is all-reduced as s = min s_g
+    rings at once, each over 1/s of its bytes; ring i passes through device
+    ``i * t_g // s`` of each group's stage (t_g its degree), and every device
+    of a stage waits for the ring its index falls in (``r * s // t_g``). With
+    one device per stage this is spec 5.3 exactly.
+    """
     k = len(groups)
     if k <= 1:
         return 0.0
-    owners_per_group = []
-    for g in groups:
-        owner: list[str] = []
-        for stage in g.stages:
-            owner.extend([stage.device] * (stage.layers[1] - stage.layers[0]))
-        owners_per_group.append(owner)
+    owners_per_group = [_owners(model, g) for g in groups]
     per_device: dict[str, float] = {}
     ring_cache: dict[tuple[str, ...], tuple[float, float]] = {}
     num_layers = model.num_layers
@@ -352,33 +364,25 @@ def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
         while end < num_layers and all(o[end] == owners[i] for i, o in enumerate(owners_per_group)):
             size += model.layers[end].param_mb
             end += 1
-        ring = ring_cache.get(owners)
-        if ring is None:
-            min_gbps, max_lat = float("inf"), 0.0
-            for i in range(k):
-                gbps, lat = cluster.link(owners[i], owners[(i + 1) % k])
-                min_gbps = min(min_gbps, gbps)
-                max_lat = max(max_lat, lat)
-            ring = ring_cache[owners] = (min_gbps, max_lat)
-        all_reduce = factor * size * 8.0 / (1000.0 * ring[0]) + lat_hops * ring[1]
-        for dev in owners:
-            per_device[dev] = per_device.get(dev, 0.0) + all_reduce
+        rings = min(split for _, split in owners)
+        if rings > 1:
+            size /= rings
+        times = []
+        for r in range(rings):
+            members = tuple(devs[r * len(devs) // rings] for devs, _ in owners)
+            found = ring_cache.get(members)
+            if found is None:
+                found = ring_cache[members] = ring(cluster, members)
+            times.append(factor * size * 8.0 / (1000.0 * found[0]) + lat_hops * found[1])
+        for devs, _ in owners:
+            n = len(devs)
+            for r, dev in enumerate(devs):
+                per_device[dev] = per_device.get(dev, 0.0) + times[r * rings // n]
         layer = end
     return max(per_device.values())
 
 
 # -- 5.4 ---------------------------------------------------------------------
-
-def stage_memory_mb(model: Model, stage: Stage, micro: int, in_flight: int) -> float:
-    a, b = stage.layers
-    layers = model.layers[a:b]
-    params = sum(layer.param_mb for layer in layers) * (1.0 + model.optimizer_factor)
-    act = sum(layer.act_mb for layer in layers)
-    if stage.recompute:
-        inputs = sum(model.layers[i - 1].out_mb for i in range(max(a, 1), b))
-        return params + in_flight * micro * inputs + micro * act
-    return params + in_flight * micro * act
-
 
 # -- 5.5 ---------------------------------------------------------------------
 
@@ -413,6 +417,26 @@ def _in_flight(schedule: str, n: int, j: int, m: int,
     return inflight(orders[j])
 
 
+def _check_stage_devices(by_id: Mapping[str, Device], stage: Stage, sp: str,
+                         used: dict[str, tuple[int, int]], where: tuple[int, int]) -> None:
+    """Rule 2 of spec 4 for each of the stage's devices, and 5.6's one host."""
+    tp = stage.tp > 1
+    for i, dev in enumerate(stage.devices):
+        field = f"{sp}.devices[{i}]" if tp else f"{sp}.device"
+        if dev not in by_id:
+            raise InvalidPlanError(field, f"unknown device {dev!r}")
+        if dev in used:
+            ug, us = used[dev]
+            raise InvalidPlanError(
+                field, f"{dev!r} is already used at plan.groups[{ug}].stages[{us}]")
+        used[dev] = where
+        host = by_id[stage.devices[0]].host
+        if by_id[dev].host != host:
+            raise InvalidPlanError(
+                field, f"{dev!r} is on host {by_id[dev].host!r}, devices[0] on {host!r}:"
+                       " a tensor-parallel stage lies within one host")
+
+
 def validate_plan(
     cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
 ) -> list[list[tuple[Op, ...]] | None]:
@@ -427,7 +451,7 @@ def validate_plan(
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
     by_id = cluster.by_id
     used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
-    needs: dict[tuple[int, int, bool, int], float] = {}  # stage memory, by its inputs
+    needs: dict[tuple[int, int, bool, int, int], float] = {}  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
         gp = f"plan.groups[{gi}]"
@@ -440,16 +464,7 @@ def validate_plan(
             raise InvalidPlanError(f"{gp}.stages", "must not be empty")
         expect = 0
         for si, stage in enumerate(group.stages):
-            if stage.device not in by_id:
-                raise InvalidPlanError(f"{gp}.stages[{si}].device",
-                                       f"unknown device {stage.device!r}")
-            if stage.device in used:
-                ug, us = used[stage.device]
-                raise InvalidPlanError(
-                    f"{gp}.stages[{si}].device",
-                    f"{stage.device!r} is already used at plan.groups[{ug}].stages[{us}]",
-                )
-            used[stage.device] = (gi, si)
+            _check_stage_devices(by_id, stage, f"{gp}.stages[{si}]", used, (gi, si))
             a, b = stage.layers
             if a != expect or b <= a or b > num_layers:
                 sp = f"{gp}.stages[{si}]"
@@ -473,16 +488,18 @@ def validate_plan(
         for si, stage in enumerate(group.stages):
             flight = _in_flight(plan.schedule, n, si, m, orders)
             a, b = stage.layers
-            key = (a, b, stage.recompute, flight)
+            key = (a, b, stage.recompute, flight, stage.tp)
             need = needs.get(key)
             if need is None:
                 need = needs[key] = stage_memory_mb(model, stage, micro, flight)
-            have = 1000.0 * by_id[stage.device].memory_gb
+            smallest = min(stage.devices, key=lambda d: by_id[d].memory_gb)
+            have = 1000.0 * by_id[smallest].memory_gb
             if need > have:
                 raise InvalidPlanError(
                     f"{gp}.stages[{si}]",
-                    f"needs {need:.1f} MB on {stage.device!r}, which has {have:.1f} MB"
-                    f" (stage {si} of {n}, {flight} microbatches in flight)",
+                    f"needs {need:.1f} MB on {smallest!r}, which has {have:.1f} MB"
+                    f" (stage {si} of {n}, {flight} microbatches in flight"
+                    + (f", split {stage.tp} ways)" if stage.tp > 1 else ")"),
                 )
         all_orders.append(orders)
     total = plan.global_batch

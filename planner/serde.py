@@ -297,6 +297,7 @@ def model_from_dict(data: Any, path: str = "model") -> Model:
                 out_mb=_num(d, "out_mb", p),
                 act_mb=_num(d, "act_mb", p),
                 param_mb=_num(d, "param_mb", p),
+                **_tp_fields(d, p),
             )
         )
     if sum(layer.fwd_gflop + layer.bwd_gflop for layer in layers) <= 0:
@@ -308,21 +309,55 @@ def model_from_dict(data: Any, path: str = "model") -> Model:
     )
 
 
+def _tp_fields(d: Mapping[str, Any], path: str) -> dict[str, Any]:
+    """A layer's tensor-parallel keys (spec 2); absent keys keep the Layer defaults."""
+    out: dict[str, Any] = {}
+    if d.get("tp_comm_mb") is not None:
+        out["tp_comm_mb"] = _num(d, "tp_comm_mb", path)
+    if "tp_allreduces" in d:
+        out["tp_allreduces"] = _int(d, "tp_allreduces", path, minimum=0)
+    if d.get("tp_max") is not None:
+        out["tp_max"] = _int(d, "tp_max", path, minimum=1)
+    if "tp_efficiency" in d:
+        raw = _obj(d["tp_efficiency"], f"{path}.tp_efficiency")
+        eff: dict[int, float] = {}
+        for key, value in raw.items():
+            kp = f"{path}.tp_efficiency.{key}"
+            if not (isinstance(key, str) and key.isdigit() and int(key) >= 2):
+                raise ValidationError(kp, f"keys must be degrees >= 2 as strings, got {key!r}")
+            e = check_number(value, kp, positive=True)
+            if e > 1.0:
+                raise ValidationError(kp, f"must be at most 1 (a fraction of the ideal speed-up), "
+                                          f"got {e:g}")
+            eff[int(key)] = e
+        out["tp_efficiency"] = tuple(sorted(eff.items()))
+    return out
+
+
+def _layer_to_dict(layer: Layer) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "name": layer.name,
+        "fwd_gflop": layer.fwd_gflop,
+        "bwd_gflop": layer.bwd_gflop,
+        "out_mb": layer.out_mb,
+        "act_mb": layer.act_mb,
+        "param_mb": layer.param_mb,
+    }
+    if layer.tp_comm_mb is not None:  # a v1 layer is written as v1
+        out["tp_comm_mb"] = layer.tp_comm_mb
+        out["tp_allreduces"] = layer.tp_allreduces
+        if layer.tp_max is not None:
+            out["tp_max"] = layer.tp_max
+        if layer.tp_efficiency:
+            out["tp_efficiency"] = {str(k): v for k, v in layer.tp_efficiency}
+    return out
+
+
 def model_to_dict(model: Model) -> dict[str, Any]:
     return {
         "name": model.name,
         "optimizer_factor": model.optimizer_factor,
-        "layers": [
-            {
-                "name": layer.name,
-                "fwd_gflop": layer.fwd_gflop,
-                "bwd_gflop": layer.bwd_gflop,
-                "out_mb": layer.out_mb,
-                "act_mb": layer.act_mb,
-                "param_mb": layer.param_mb,
-            }
-            for layer in model.layers
-        ],
+        "layers": [_layer_to_dict(layer) for layer in model.layers],
     }
 
 
@@ -365,6 +400,7 @@ def job_from_dict(data: Any, path: str = "job") -> Job:
         # a V the job gives is the contract's weight (> 0); leaving it out picks
         # the controller's learned default (DEFAULT_V, docs/controller.md)
         V=_num(obj, "V", path, positive=True) if "V" in obj else DEFAULT_V,
+        tensor_parallel=_bool(obj, "tensor_parallel", path),
     )
 
 
@@ -404,9 +440,11 @@ def plan_from_dict(data: Any, path: str = "plan") -> Plan:
                 order = tuple(ops)
             if schedule == "custom" and order is None:
                 raise ValidationError(f"{sp}.order", 'is required with schedule "custom"')
+            devices = _stage_devices(s, sp)
             stages.append(
                 Stage(
-                    device=_str(s, "device", sp),
+                    device=devices[0],
+                    devices=devices,
                     layers=(start, end),
                     recompute=_bool(s, "recompute", sp),
                     order=order,
@@ -429,12 +467,32 @@ def plan_from_dict(data: Any, path: str = "plan") -> Plan:
     )
 
 
+def _stage_devices(s: Mapping[str, Any], sp: str) -> tuple[str, ...]:
+    """A stage's ``device``, or its tensor-parallel ``devices`` (exactly one of the two)."""
+    if "devices" not in s:
+        return (_str(s, "device", sp),)
+    if "device" in s:
+        raise ValidationError(f"{sp}.devices", 'give "device" or "devices", not both')
+    raw = _list(s["devices"], f"{sp}.devices", non_empty=True)
+    seen: dict[str, int] = {}
+    for i, dev in enumerate(raw):
+        dp = f"{sp}.devices[{i}]"
+        if not isinstance(dev, str) or not dev.strip():
+            raise ValidationError(dp, f"must be a non-empty string, got {dev!r}")
+        if dev in seen:
+            raise ValidationError(dp, f"{dev!r} is already devices[{seen[dev]}]")
+        seen[dev] = i
+    return tuple(raw)
+
+
 def plan_to_dict(plan: Plan) -> dict[str, Any]:
     groups = []
     for g in plan.groups:
         stages = []
         for s in g.stages:
-            stage: dict[str, Any] = {"device": s.device, "layers": [s.layers[0], s.layers[1]]}
+            stage: dict[str, Any] = (
+                {"device": s.device} if s.tp == 1 else {"devices": list(s.devices)})
+            stage["layers"] = [s.layers[0], s.layers[1]]
             if s.recompute:
                 stage["recompute"] = True
             if plan.schedule == "custom" and s.order is not None:

@@ -18,6 +18,13 @@ different devices move in parallel. The switch takes the busiest device's
 time, receiving or sending. Sample reassignment alone (same stages, other
 ``samples``) moves no parameters and costs 0 here.
 
+Tensor-parallel stages (spec 5.6): a device of a stage of degree t holds
+slice i of t of each layer the stage splits, ``1/t`` of its MB; a device
+holding the whole layer can send any slice, a slice of another degree is
+moved anew, and a device that needs the whole layer receives what its
+slices lack (from a holder of the whole layer, else from a holder of a
+slice, timed as one transfer of the missing MB over that link).
+
 Pure: numbers in, numbers out; no torch, no I/O.
 """
 
@@ -29,7 +36,8 @@ from types import MappingProxyType
 
 from .types import Cluster, Model, Plan
 
-__all__ = ["CHECKPOINT", "MAX_SOURCES", "SwitchCost", "layer_owners", "switch_cost"]
+__all__ = ["CHECKPOINT", "MAX_SOURCES", "Slice", "SwitchCost", "layer_owners", "slice_owners",
+           "switch_cost"]
 
 #: Source named for layers that no surviving device of the old plan holds.
 CHECKPOINT = "<checkpoint>"
@@ -54,12 +62,31 @@ class SwitchCost:
 _FREE = SwitchCost(0.0, 0.0, MappingProxyType({}))
 
 
+#: (layer, degree t, index i): slice i of t of a layer; (layer, 1, 0) is the whole layer.
+Slice = tuple[int, int, int]
+
+
 def layer_owners(plan: Plan) -> dict[str, set[int]]:
-    """Device id -> layers it holds in ``plan``."""
+    """Device id -> layers it holds in ``plan`` (whole or a slice of)."""
     owned: dict[str, set[int]] = {}
     for group in plan.groups:
         for stage in group.stages:
-            owned.setdefault(stage.device, set()).update(range(*stage.layers))
+            for dev in stage.devices:
+                owned.setdefault(dev, set()).update(range(*stage.layers))
+    return owned
+
+
+def slice_owners(model: Model, plan: Plan) -> dict[str, set[Slice]]:
+    """Device id -> the layer slices it holds in ``plan`` (spec 5.6)."""
+    owned: dict[str, set[Slice]] = {}
+    layers = model.layers
+    for group in plan.groups:
+        for stage in group.stages:
+            t = stage.tp
+            for r, dev in enumerate(stage.devices):
+                mine = owned.setdefault(dev, set())
+                for layer in range(*stage.layers):
+                    mine.add((layer, t, r) if t > 1 and layers[layer].splits(t) else (layer, 1, 0))
     return owned
 
 
@@ -73,28 +100,45 @@ def switch_cost(cluster: Cluster, model: Model, old: Plan | None, new: Plan) -> 
         return _FREE
     factor = 1.0 + model.optimizer_factor
     present = cluster.by_id
-    old_owned = layer_owners(old)
-    # layer -> host -> first surviving holder on that host
-    holders: dict[int, dict[str, str]] = {}
-    for dev, layers in old_owned.items():
+    old_owned = slice_owners(model, old)
+    # slice -> host -> first surviving holder on that host
+    holders: dict[Slice, dict[str, str]] = {}
+    for dev, held in old_owned.items():
         if dev in present:
             host = present[dev].host
-            for layer in layers:
-                holders.setdefault(layer, {}).setdefault(host, dev)
+            for piece in held:
+                holders.setdefault(piece, {}).setdefault(host, dev)
+    sliced: dict[int, list[Slice]] = {}
+    for piece in holders:
+        if piece[1] > 1:
+            sliced.setdefault(piece[0], []).append(piece)
     ckpt_s = 8.0 / (1000.0 * cluster.network.inter_host_gbps)
     ckpt_lat = cluster.network.latency_us / 1e6
     recv_s: dict[str, float] = {}
     recv_mb: dict[str, float] = {}
     send_s: dict[str, float] = {}
     total = 0.0
-    for dev, layers in layer_owners(new).items():
+    for dev, slices in slice_owners(model, new).items():
         have = old_owned.get(dev, set())
-        for layer in sorted(layers - have):
+        for piece in sorted(slices - have):
+            layer, degree, _ = piece
+            if degree > 1 and (layer, 1, 0) in have:
+                continue  # the whole layer holds every slice of it
             mb = model.layers[layer].param_mb * factor
-            if mb <= 0.0:
+            if degree > 1:
+                mb /= degree
+            elif have:  # whole from slices: the slices it holds stay
+                mb *= 1.0 - sum(1.0 / d for (lay, d, _) in have if lay == layer and d > 1)
+            if mb <= 1e-12:
                 continue
             best_src, best_t = CHECKPOINT, ckpt_lat + mb * ckpt_s
-            for src in _sources(holders.get(layer), present[dev].host):
+            by_host = holders.get(piece)
+            if degree > 1 and (layer, 1, 0) in holders:
+                by_host = {**holders[(layer, 1, 0)], **(by_host or {})}
+            elif degree == 1 and by_host is None:  # gathered from the slices' holders
+                for other in sliced.get(layer, []):
+                    by_host = {**holders[other], **(by_host or {})}
+            for src in _sources(by_host, present[dev].host):
                 gbps, lat = cluster.link(src, dev)
                 t = lat + mb * 8.0 / (1000.0 * gbps)
                 if t <= best_t:

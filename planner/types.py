@@ -161,6 +161,27 @@ class Layer:
     out_mb: float
     act_mb: float
     param_mb: float
+    tp_comm_mb: float | None = None
+    """MB per sample one all-reduce of the layer's tensor-parallel output moves;
+    None: the layer is never split (spec 2, 5.6)."""
+    tp_allreduces: int = 1
+    """All-reduces per forward when split; the backward does as many."""
+    tp_max: int | None = None
+    """Largest degree the layer may be split into; None: no limit."""
+    tp_efficiency: tuple[tuple[int, float], ...] = ()
+    """(degree, fraction of the ideal speed-up the split compute reaches), by degree;
+    degrees not named reach 1."""
+
+    def splits(self, degree: int) -> bool:
+        """Whether a stage of ``degree`` devices splits this layer (else each device runs it whole)."""
+        return degree > 1 and self.tp_comm_mb is not None and (
+            self.tp_max is None or degree <= self.tp_max)
+
+    def efficiency(self, degree: int) -> float:
+        for d, e in self.tp_efficiency:
+            if d == degree:
+                return e
+        return 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -197,6 +218,9 @@ class Job:
     gives no default; here 0 (:data:`DEFAULT_V`, the job file leaving V out)
     means the job gives none and the controller learns its exchange rate
     between seconds and cost (docs/controller.md)."""
+    tensor_parallel: bool = False
+    """Whether the job's trainer runs tensor-parallel stages (spec 3); the
+    planner offers plans with them only when it does."""
 
     @property
     def microbatches(self) -> int:
@@ -206,11 +230,26 @@ class Job:
 @dataclass(frozen=True, kw_only=True)
 class Stage:
     device: str
+    """The stage's device; with tensor parallelism the first of ``devices``."""
     layers: tuple[int, int]
     """Half-open layer range [a, b)."""
     recompute: bool = False
     order: tuple[str, ...] | None = None
     """Per-stage op order ("F0", "B0", ...) for the custom schedule."""
+    devices: tuple[str, ...] = ()
+    """The tensor-parallel group, in ring order (spec 4, 5.6); ``(device,)`` when
+    left out. A stage with more than one device splits its layers that many ways."""
+
+    def __post_init__(self) -> None:
+        if not self.devices:
+            object.__setattr__(self, "devices", (self.device,))
+        elif self.devices[0] != self.device:
+            raise ValueError(f"Stage.device {self.device!r} must be devices[0] {self.devices[0]!r}")
+
+    @property
+    def tp(self) -> int:
+        """The stage's tensor-parallel degree (1 without tensor parallelism)."""
+        return len(self.devices)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -220,7 +259,12 @@ class Group:
 
     @property
     def devices(self) -> tuple[str, ...]:
-        return tuple(s.device for s in self.stages)
+        """Every device of the group, stage by stage (all of a tensor-parallel stage's)."""
+        return tuple(d for s in self.stages for d in s.devices)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        return any(s.tp > 1 for s in self.stages)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -237,3 +281,8 @@ class Plan:
     @property
     def global_batch(self) -> int:
         return sum(g.samples for g in self.groups)
+
+    @property
+    def tensor_parallel(self) -> bool:
+        """Whether any stage of the plan is a tensor-parallel group (spec 4)."""
+        return any(g.tensor_parallel for g in self.groups)

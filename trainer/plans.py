@@ -131,6 +131,12 @@ def check_plan(
     known = set(device_ids)
     for gi, group in enumerate(plan.groups):
         for si, stage in enumerate(group.stages):
+            if stage.tp > 1:
+                raise InvalidPlanError(
+                    f"plan.groups[{gi}].stages[{si}].devices",
+                    f"a tensor-parallel stage of {stage.tp} devices; this trainer runs one"
+                    " device per stage (plan with tensor_parallel = false)",
+                )
             if stage.device not in known:
                 shown = ", ".join(sorted(known)[:8]) + (" ..." if len(known) > 8 else "")
                 raise InvalidPlanError(

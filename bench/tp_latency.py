@@ -1,0 +1,84 @@
+"""CPU time of `hetpilot plan` with and without the tensor-parallel search, side by side.
+
+    .venv/bin/python bench/tp_latency.py                      # 64, 256 and 1024 devices
+    .venv/bin/python bench/tp_latency.py --devices 1024 --repeat 3
+
+The cluster has five kinds in uneven counts (H100, A100, V100, A10G, T4 at
+25/22/22/16/15% of the devices, 8 per host; `planner/catalog.py` profiles) and
+the model is llama-13b with tensor-parallel keys (Megatron's all-reduces: one
+after the embedding, two per block, one for the head, each of one activation,
+splitting up to 8 ways). Each run is a fresh `hetpilot plan` process on one
+core, start-up included (CPU = user + system of the child); the median is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from hetpilot.planner import catalog, serde
+
+MIX = (("H100", 0.25), ("A100", 0.22), ("V100", 0.22), ("A10G", 0.16), ("T4", 0.15))
+
+
+def write_inputs(folder: Path, devices: int) -> tuple[Path, Path]:
+    hosts = devices // 8
+    counts = [max(1, round(hosts * share)) for _, share in MIX]
+    counts[0] += hosts - sum(counts)
+    cluster = catalog.make_cluster([(kind, 8) for (kind, _), n in zip(MIX, counts, strict=True)
+                                    for _ in range(n)])
+    model = serde.model_to_dict(catalog.MODELS["llama-13b"]())
+    last = len(model["layers"]) - 1
+    for i, layer in enumerate(model["layers"]):
+        layer.update(tp_comm_mb=model["layers"][0]["out_mb"], tp_max=8,
+                     tp_allreduces=2 if 0 < i < last else 1)
+    paths = folder / "cluster.json", folder / "model.json"
+    paths[0].write_text(json.dumps(serde.cluster_to_dict(cluster)))
+    paths[1].write_text(json.dumps(model))
+    return paths
+
+
+def _one_core() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+
+
+def cpu_seconds(command: list[str], cwd: str) -> float:
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    subprocess.run(command, cwd=cwd, preexec_fn=_one_core, capture_output=True, check=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--devices", default="64,256,1024")
+    parser.add_argument("--batch-per-device", type=int, default=4)
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args()
+    for n in (int(x) for x in args.devices.split(",")):
+        with tempfile.TemporaryDirectory() as tmp:
+            cluster, model = write_inputs(Path(tmp), n)
+            out = Path(tmp) / "plan.json"
+            base = [sys.executable, "-m", "hetpilot", "plan", "--cluster", str(cluster),
+                    "--model", str(model), "--batch", str(n * args.batch_per_device),
+                    "--microbatch", "1", "--out", str(out)]
+            row = {"devices": n}
+            for label, extra in (("v1", []), ("tp", ["--tensor-parallel"])):
+                runs = [cpu_seconds(base + extra, tmp) for _ in range(args.repeat)]
+                plan = json.loads(out.read_text())
+                row[f"{label}_cpu_s"] = round(statistics.median(runs), 3)
+                row[f"{label}_iteration_s"] = plan["predicted"]["iteration_s"]
+                row[f"{label}_max_degree"] = max(len(s.get("devices", [0])) for g in plan["groups"]
+                                                 for s in g["stages"])
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,250 @@
+"""Plans with tensor-parallel stages (spec 5.6): a search over degrees around the v1 planner.
+
+For a choice of degree per device kind (kind = equal TFLOP/s and memory), the
+devices of each host are cut into tensor-parallel groups of that many, and
+each group stands in for one **virtual device** in a v1 cluster: its
+TFLOP/s are the rate at which it runs the whole model, all-reduces included
+(so a pipeline stage of it takes about the time the TP stage takes), and its
+memory is scaled by what splitting saves. The v1 planner plans on that
+cluster; the plan is then written back with each virtual device's group as
+a ``devices`` stage and judged by the reference model (spec 5), which is
+what candidates are compared by. Degrees are chosen by one pass of
+coordinate descent from all ones (the v1 plan), and the v1 plan stays when
+nothing beats it, so the result is never slower than the v1 plan by the
+reference model.
+
+The stand-in is exact for a model of identical layers, each split; layers
+that are not split, transfers into and out of a group (scatter-gather) and
+the gradient rings of split layers are where it is approximate, which the
+final judgement by the reference model covers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+
+from .candidates import Candidate, plan_costs
+from .errors import InfeasibleError
+from .refmodel import evaluate
+from .search import candidate_plans, make_plan
+from .tpmodel import ring, ring_allreduce_s
+from .types import Cluster, Device, Group, Job, Model, Plan, Stage
+
+__all__ = ["TPChoice", "degrees", "make_tp_plan", "megatron_tp", "quick_plan", "tp_candidates",
+           "virtual_cluster"]
+
+Kind = tuple[float, float]
+"""A device kind: (tflops, memory_gb)."""
+Planner = Callable[[Cluster, Model, Job], Plan]
+
+
+def _kind(dev: Device) -> Kind:
+    return (dev.tflops, dev.memory_gb)
+
+
+def degrees(cluster: Cluster, model: Model) -> dict[Kind, list[int]]:
+    """Per kind, the degrees > 1 worth trying: powers of two up to the most devices of
+    the kind on one host and the largest ``tp_max`` of a splittable layer."""
+    split = [layer for layer in model.layers if layer.tp_comm_mb is not None]
+    if not split:
+        return {}
+    cap = max(layer.tp_max if layer.tp_max is not None else 1 << 30 for layer in split)
+    per_host: dict[tuple[str, Kind], int] = {}
+    for dev in cluster.devices:
+        key = (dev.host, _kind(dev))
+        per_host[key] = per_host.get(key, 0) + 1
+    most: dict[Kind, int] = {}
+    for (_, kind), n in per_host.items():
+        most[kind] = max(most.get(kind, 0), n)
+    out = {}
+    for kind, n in most.items():
+        options = [t for t in (2, 4, 8, 16) if t <= min(n, cap)]
+        if options:
+            out[kind] = options
+    return out
+
+
+@dataclass(frozen=True)
+class TPChoice:
+    """A virtual cluster and, per virtual device, the devices it stands for."""
+
+    cluster: Cluster
+    members: dict[str, tuple[str, ...]]
+
+
+def _rate(model: Model, tflops: float, t: int, gbps: float, lat: float, micro: int) -> float:
+    """TFLOP/s at which a group of t devices runs the whole model (forward and backward
+    of one microbatch, all-reduces included), counting the model's unsplit GFLOP."""
+    work = total = comm = 0.0
+    for layer in model.layers:
+        gflop = layer.fwd_gflop + layer.bwd_gflop
+        total += gflop
+        if layer.splits(t):
+            work += gflop / (t * layer.efficiency(t))
+            assert layer.tp_comm_mb is not None
+            comm += 2 * layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t,
+                                                               gbps, lat)
+        else:
+            work += gflop
+    seconds = micro * work / (1000.0 * tflops) + comm
+    return micro * total / (1000.0 * seconds) if seconds > 0 else tflops
+
+
+def _memory_scale(model: Model, t: int, micro: int) -> float:
+    """How much more of the model a group of t holds than one device (one microbatch in
+    flight): the unsplit need over the split need per device."""
+    opt = 1.0 + model.optimizer_factor
+    whole = sum(layer.param_mb * opt + micro * layer.act_mb for layer in model.layers)
+    split = sum((layer.param_mb * opt + micro * layer.act_mb) / (t if layer.splits(t) else 1)
+                for layer in model.layers)
+    return whole / split if split > 0 else 1.0
+
+
+def virtual_cluster(cluster: Cluster, model: Model, choice: dict[Kind, int],
+                    micro: int) -> TPChoice:
+    """The v1 cluster in which each tensor-parallel group of ``choice`` is one device."""
+    by_host: dict[tuple[str, Kind], list[Device]] = {}
+    for dev in cluster.devices:
+        by_host.setdefault((dev.host, _kind(dev)), []).append(dev)
+    devices: list[Device] = []
+    members: dict[str, tuple[str, ...]] = {}
+    for (_, kind), devs in by_host.items():
+        t = choice.get(kind, 1)
+        full = len(devs) - len(devs) % t if t > 1 else 0
+        for i in range(0, full, t):
+            group = devs[i:i + t]
+            ids = tuple(d.id for d in group)
+            gbps, lat = ring(cluster, ids)
+            lead = group[0]
+            devices.append(replace(
+                lead,
+                tflops=_rate(model, lead.tflops, t, gbps, lat, micro),
+                memory_gb=lead.memory_gb * _memory_scale(model, t, micro),
+                price_per_hour=sum(d.price_per_hour for d in group),
+                power_watts=sum(d.power_watts for d in group)))
+            members[lead.id] = ids
+        for dev in devs[full:]:
+            devices.append(dev)
+            members[dev.id] = (dev.id,)
+    order = {d.id: i for i, d in enumerate(cluster.devices)}
+    devices.sort(key=lambda d: order[d.id])
+    return TPChoice(Cluster(devices=tuple(devices), network=cluster.network), members)
+
+
+def _real_plan(plan: Plan, members: dict[str, tuple[str, ...]]) -> Plan:
+    groups = tuple(
+        Group(samples=g.samples, stages=tuple(
+            Stage(device=s.device, devices=members[s.device], layers=s.layers,
+                  recompute=s.recompute, order=s.order) for s in g.stages))
+        for g in plan.groups)
+    return Plan(microbatch_size=plan.microbatch_size, schedule=plan.schedule, groups=groups)
+
+
+def _judge(cluster: Cluster, model: Model, job: Job, plan: Plan) -> float | None:
+    ev = evaluate(cluster, model, plan, job.global_batch)
+    return ev.iteration_s if ev.valid else None
+
+
+def quick_plan(cluster: Cluster, model: Model, job: Job) -> Plan:
+    """The v1 search's fastest candidate when it tries device subsets only for its best
+    structure (``focus=1``) and skips the exact re-check: what the degree search compares."""
+    found = candidate_plans(cluster, model, job, focus=1)
+    if not found:
+        raise InfeasibleError("no plan fits in memory")
+    return min(found, key=lambda c: c.iteration_s).plan
+
+
+def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = make_plan,
+                 *, quick: Planner | None = quick_plan) -> Plan:
+    """The fastest plan by the reference model over degrees per kind (1 = v1's plan).
+
+    ``planner`` plans a v1 cluster (hetpilot's ``make_plan``); ``quick``, a
+    cheaper one (None: ``planner``), compares the degree choices, and the
+    best choice is planned again with ``planner``. Degrees are tried kind by
+    kind, each kind's in increasing order until one that fits is no better than
+    the last (one pass of coordinate descent from all ones). Without
+    ``job.tensor_parallel`` or splittable layers this is ``planner`` itself.
+    Raises InfeasibleError when no choice of degrees fits.
+    """
+    options = degrees(cluster, model) if job.tensor_parallel else {}
+    try:
+        best: Plan | None = planner(cluster, model, job)
+    except InfeasibleError:
+        best = None
+    if not options:
+        if best is None:
+            raise InfeasibleError("no plan fits in memory")
+        return best
+    best_s = _judge(cluster, model, job, best) if best is not None else None
+    quick = quick or planner
+    choice: dict[Kind, int] = dict.fromkeys(options, 1)
+    found = _try(cluster, model, job, quick, choice) if quick is not planner else (
+        None if best is None or best_s is None else (best_s, best))
+    choice_s = found[0] if found is not None else None
+    for kind, ts in options.items():
+        last_s = choice_s
+        for t in ts:
+            trial = {**choice, kind: t}
+            found = _try(cluster, model, job, quick, trial)
+            if found is None:  # does not fit: a larger degree may
+                continue
+            if last_s is not None and found[0] >= last_s:
+                break
+            last_s = found[0]
+            if choice_s is None or found[0] < choice_s:
+                choice_s, choice = found[0], trial
+    if any(t > 1 for t in choice.values()):
+        final = _try(cluster, model, job, planner, choice)
+        if final is not None and (best_s is None or final[0] < best_s):
+            best_s, best = final
+    if best is None:
+        raise InfeasibleError("no plan fits in memory, with or without tensor parallelism")
+    return replace(best, predicted_iteration_s=best_s) if best_s is not None else best
+
+
+def _try(cluster: Cluster, model: Model, job: Job, planner: Planner,
+         choice: dict[Kind, int]) -> tuple[float, Plan] | None:
+    virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
+    try:
+        plan = planner(virtual.cluster, model, job)
+    except InfeasibleError:
+        return None
+    real = _real_plan(plan, virtual.members)
+    seconds = _judge(cluster, model, job, real)
+    return None if seconds is None else (seconds, real)
+
+
+def megatron_tp(cluster: Cluster, model: Model, job: Job) -> Plan:
+    """The Megatron-style baseline with tensor parallelism inside hosts: every host's
+    devices of a kind form groups of the largest degree (:func:`degrees`), and the
+    ``megatron`` baseline lays out the rest (one pipeline per host, equal layers,
+    equal samples) with each group as one device."""
+    choice = {kind: ts[-1] for kind, ts in degrees(cluster, model).items()}
+    virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
+    real = _real_plan(make_plan(virtual.cluster, model, job, policy="megatron"),
+                      virtual.members)
+    seconds = _judge(cluster, model, job, real)
+    if seconds is None:
+        raise InfeasibleError("megatron with tensor parallelism: its plan does not fit in memory")
+    return replace(real, predicted_iteration_s=seconds)
+
+
+def tp_candidates(cluster: Cluster, model: Model, job: Job) -> list[Candidate]:
+    """For the controller: the plan of :func:`make_tp_plan` as a candidate when it has
+    tensor-parallel stages (and the job can run them), else nothing."""
+    if not job.tensor_parallel or not degrees(cluster, model):
+        return []
+    try:
+        plan = make_tp_plan(cluster, model, job)
+    except InfeasibleError:
+        return []
+    if not plan.tensor_parallel or plan.predicted_iteration_s is None:
+        return []
+    return [Candidate(plan=plan, iteration_s=plan.predicted_iteration_s,
+                      costs=plan_costs(cluster, plan), label="tensor-parallel")]
+
+
+def tp_degrees_used(plan: Plan) -> Sequence[int]:
+    """The degrees of a plan's stages, for reports."""
+    return sorted({s.tp for g in plan.groups for s in g.stages})
