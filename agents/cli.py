@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         config.cluster_token()
         from .host_secret import HostSecret
         HostSecret(config.resolved_state_dir()).value()  # made now: a bad state dir says so
-        from .launcher import lock_state_dir
+        from .launchstate import lock_state_dir
         # one agent process per state dir, held until this process ends
         held = lock_state_dir(config.resolved_state_dir()) if config.launch else None
     except (ConfigError, OSError) as exc:

@@ -19,7 +19,7 @@ supplementary groups and HOME. A launch without one, or on an agent that cannot
 switch users (not root, no CAP_SETUID/CAP_SETGID), or for a user unknown here or
 root, is not started: it ends with 127 and a reason naming why, and the daemon
 fails its job with it. ``"agent"``: every launch runs as the agent's own user (a
-host whose owners trust each other; what releases before did).
+host whose owners trust each other).
 
 Two directories per launch. ``<state_dir>/launches/<id>/`` is the agent's (0700,
 inside ``launches/`` 0700): ``launch.json`` (the record), ``exit`` (written by
@@ -78,6 +78,9 @@ found as the launch's descendants in ``/proc`` and remembered with their start
 time, so they are killed even after torchrun is gone, and a reused pid never is.
 A launch's ranks that outlive its torchrun are killed too.
 
+The records, tombstones and lock are :mod:`hetpilot.agents.launchstate`'s; the
+command lines and environments :mod:`hetpilot.agents.launchcmd`'s.
+
 Everything here runs on the agent's event loop and never blocks long (Popen,
 small file reads and writes, one ``/proc`` scan a second while launches run).
 """
@@ -85,25 +88,30 @@ small file reads and writes, one ``/proc`` scan a second while launches run).
 from __future__ import annotations
 
 import contextlib
-import errno
-import fcntl
 import json
 import logging
 import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .config import RUN_AS
-from .output import DEFAULT_CAP, OutputReader
+from .launchcmd import (
+    job_env,
+    port_in_use,
+    rank_command,
+    runner_command,
+    runner_env,
+    torchrun_command,
+)
+from .launchstate import EXIT_UNKNOWN, LaunchState, Tombstones, delete_dir
+from .output import DEFAULT_CAP
 from .owner import User, cannot_enter, owner_user, private_dirs, write_private
 from .procs import descendants, process_table
 from .procs import proc_stat as _proc_stat
@@ -114,140 +122,15 @@ __all__ = ["EXIT_UNKNOWN", "LaunchState", "Launcher", "descendants", "port_in_us
 
 log = logging.getLogger("hetpilot.agent")
 
-EXIT_UNKNOWN = 255
-"""Reported when the exit status was lost (see the module docstring)."""
 CANNOT_START = 127
 MAX_CHUNK = 512 * 1024
 """Output bytes of one launch per report."""
 MAX_REPORT_BYTES = 1024 * 1024
 """Output bytes of all launches per report."""
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
-_TORCHRUN_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                 "GROUP_WORLD_SIZE", "ROLE_RANK", "ROLE_WORLD_SIZE", "ROLE_NAME",
-                 "MASTER_ADDR", "MASTER_PORT")
 AGENT_GONE_GRACE_S = 3.0
 """Once its agent is gone, a launch's processes get SIGTERM, then SIGKILL this much later
 (at most: the agent's stop grace when shorter)."""
-TOMBSTONES = ".removed"
-"""Ids of the launches whose directories were removed (one per line)."""
-MAX_TOMBSTONES = 100_000
-"""Beyond this many, the oldest half is forgotten (the daemon never orders a launch
-again once it was reported)."""
-
-
-def port_in_use(port: int) -> str | None:
-    """Why ``port`` cannot be listened on here (on every address, with SO_REUSEADDR, as
-    torchrun's c10d store does), or None when it can."""
-    for family, address in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
-        try:
-            with socket.socket(family, socket.SOCK_STREAM) as sock:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                sock.bind((address, port))
-                sock.listen(1)
-        except OSError as exc:
-            if family == socket.AF_INET6 and exc.errno in (errno.EAFNOSUPPORT,
-                                                           errno.EADDRNOTAVAIL):  # no IPv6
-                continue
-            return exc.strerror or str(exc)
-    return None
-
-
-@dataclass
-class LaunchState:
-    """One launch as the agent knows it (``launch.json`` holds the persisted fields)."""
-
-    launch_id: str
-    job_id: str
-    dir: Path
-    """``launches/<id>``: the agent's record, the exit status, the output (the agent's
-    user only)."""
-    work: Path | None = None
-    """``work/<id>``: the ranks' own directory (owned by the launch's user, 0700): the
-    trainer token, the job's environment, torchrun's files; None for old records."""
-    user: str = ""
-    """The unix user the ranks run as ("": the agent's own)."""
-    pid: int = 0
-    start_ticks: int = 0
-    exit_code: int | None = None
-    reason: str = ""
-    stopped: bool = False
-    done: bool = False
-    """Its exit and all of its output reached the daemon: no longer reported."""
-    done_unix: float = 0.0
-    """When it became done (wall clock): its directory goes ``retention_s`` later."""
-    shipped: int = 0
-    """Output bytes the daemon has acknowledged (not persisted: the daemon skips a
-    resent chunk)."""
-    proc: subprocess.Popen[bytes] | None = None
-    kill_at: float | None = None
-    tree: dict[int, int] = field(default_factory=dict)
-    """Descendants seen (pid -> start ticks): the ranks, to stop even without torchrun."""
-
-    _PERSISTED = ("launch_id", "job_id", "user", "pid", "start_ticks", "exit_code", "reason",
-                  "stopped", "done", "done_unix")
-
-    @property
-    def output(self) -> OutputReader:
-        """The launch's output (:mod:`hetpilot.agents.output`)."""
-        return OutputReader(self.dir / "output")
-
-    @property
-    def running(self) -> bool:
-        return self.exit_code is None
-
-    def output_bytes(self) -> int:
-        """Bytes of output the launch has written (its logical size: some may be
-        dropped from the disk past the cap)."""
-        return self.output.end()
-
-    def save(self) -> None:
-        data = {k: getattr(self, k) for k in self._PERSISTED}
-        data["work"] = str(self.work) if self.work is not None else ""
-        data["tree"] = {str(k): v for k, v in self.tree.items()}
-        tmp = self.dir / "launch.json.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self.dir / "launch.json")
-
-    @classmethod
-    def load(cls, directory: Path) -> LaunchState:
-        data = json.loads((directory / "launch.json").read_text())
-        state = cls(dir=directory, **{k: data[k] for k in cls._PERSISTED if k in data})
-        state.work = Path(data["work"]) if data.get("work") else None
-        state.tree = {int(k): int(v) for k, v in data.get("tree", {}).items()}
-        return state
-
-
-class StateDirInUse(OSError):
-    """Another live agent process holds the state directory."""
-
-
-def lock_state_dir(state_dir: Path) -> Any:
-    """Hold ``<state_dir>/agent.lock`` (flock, released when this process ends) and
-    write our pid into it; :class:`StateDirInUse` if another process holds it.
-
-    Two agents on one state directory would both start each ordered launch (each
-    knows only the launch ids it read at its start) and report each other's as
-    unknown. The lock's file descriptor is not inherited by launches, which outlive
-    the agent and must not keep its successor out."""
-    state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-    handle = os.fdopen(fd, "a+")  # held for the process
-    try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        handle.seek(0)
-        holder = handle.read().strip()[:20] or "unknown"
-        handle.close()
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
-        raise StateDirInUse(
-            f"state dir {state_dir}: another hetpilot agent (pid {holder}) uses it; stop "
-            "that agent, or give this one another --state-dir (and --host)") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
 
 
 class Launcher:
@@ -274,8 +157,7 @@ class Launcher:
         self.local_addr = local_addr
         self.tls = {k: os.path.abspath(v) for k, v in (tls or {}).items() if v}
         self._launches: dict[str, LaunchState] = {}
-        self._removed: set[str] = set()
-        self._tombstones = 0
+        self._removed = Tombstones(self.root)
         self._refused: dict[str, tuple[str, int, str]] = {}
         """Launch ids not started for a busy rendezvous port: (job id, port, reason)."""
         self._scanned = 0.0
@@ -291,12 +173,6 @@ class Launcher:
                 shutil.rmtree(directory, ignore_errors=True)  # a removal cut short
         if not self.root.is_dir():
             return
-        try:
-            lines = (self.root / TOMBSTONES).read_text().split()
-        except FileNotFoundError:
-            lines = []
-        self._removed = set(lines)
-        self._tombstones = len(lines)
         for directory in sorted(self.root.iterdir()):
             if directory.name.startswith(".trash-") and directory.is_dir():
                 shutil.rmtree(directory, ignore_errors=True)  # a removal cut short
@@ -304,8 +180,8 @@ class Launcher:
             if not directory.is_dir() or not _SAFE_ID.fullmatch(directory.name):
                 continue
             if directory.name in self._removed:  # cut short before its rename
-                self._delete(directory)
-                self._delete(self.work / directory.name)
+                delete_dir(directory)
+                delete_dir(self.work / directory.name)
                 continue
             try:
                 state = LaunchState.load(directory)
@@ -436,7 +312,7 @@ class Launcher:
         token = work / "trainer.token"
         write_private(token, order.trainer_token + "\n")
         env_file = work / "env.json"
-        write_private(env_file, json.dumps(self.job_env(order)))
+        write_private(env_file, json.dumps(job_env(order)))
         (work / "ranks").mkdir(mode=0o700)
         if who is not None:  # the ranks' files are their user's; the directory last
             for path in (token, env_file, work / "ranks", work):
@@ -447,15 +323,11 @@ class Launcher:
         if why:
             self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
             return True
-        command = [self.python, "-m", "hetpilot.agents.runner", "--exit",
-                   str(directory / "exit"), "--output", str(directory / "output"),
-                   "--output-bytes", str(self.output_cap), "--parent", str(os.getpid()),
-                   "--grace", str(min(self.stop_grace_s, AGENT_GONE_GRACE_S))]
-        if who is not None:
-            command += ["--uid", str(who.uid), "--gid", str(who.gid),
-                        "--groups", ",".join(map(str, who.groups))]
-        command += ["--", *self.torchrun(order, work)]
-        env = self.environment(order, token, devices, device_kinds, who)
+        command = [*runner_command(self.python, directory, output_cap=self.output_cap,
+                                   grace_s=min(self.stop_grace_s, AGENT_GONE_GRACE_S),
+                                   who=who), "--", *self.torchrun(order, work)]
+        env = runner_env(order, host=self.host, daemon=self.daemon, token=token,
+                         devices=devices, device_kinds=device_kinds, tls=self.tls, who=who)
         try:
             with open(directory / "runner.log", "ab") as out:  # the runner's own errors
                 state.proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=out,
@@ -481,53 +353,11 @@ class Launcher:
         return None if self.run_as == "agent" else owner_user(order.unix_user)
 
     def torchrun(self, order: Any, work: Path) -> list[str]:
-        cmd = [self.python, "-m", "torch.distributed.run", "--nnodes", str(order.nnodes),
-               "--nproc-per-node", str(len(order.devices)), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", order.rdzv_endpoint, "--rdzv-id", order.launch_id,
-               "--rdzv-conf", f"is_host={'true' if order.rdzv_host else 'false'}",
-               "--max-restarts", str(order.max_restarts), "--log-dir", str(work / "ranks")]
-        if self.local_addr:
-            cmd += ["--local-addr", self.local_addr]
-        return [*cmd, "--no-python", *self.rank_command(order, work)]
+        return torchrun_command(self.python, order, work, self.local_addr,
+                                self.rank_command(order, work))
 
     def rank_command(self, order: Any, work: Path) -> list[str]:
-        """What torchrun starts for each rank: the entry point under
-        :mod:`hetpilot.agents.rankio` (the job's environment, prefixed lines)."""
-        entry = ([self.python, "-u", "-m", order.module] if order.module
-                 else list(order.command))
-        return [self.python, "-m", "hetpilot.agents.rankio", str(work / "env.json"), "--",
-                *entry, *order.args]
-
-    def job_env(self, order: Any) -> dict[str, str]:
-        """The job's ``[entry.env]`` as its ranks get it: all but the variables the agent
-        and torchrun set themselves."""
-        return {k: v for k, v in order.env.items()
-                if not k.startswith(("HETPILOT_", "TORCHELASTIC_")) and k not in _TORCHRUN_ENV
-                and k != "CUDA_VISIBLE_DEVICES"}
-
-    def environment(self, order: Any, token: Path, devices: list[str],
-                    device_kinds: Mapping[str, str], who: User | None = None
-                    ) -> dict[str, str]:
-        """The runner's and torchrun's environment (the ranks get the job's on top):
-        the agent's, less its own and torchrun's variables, and the launch's."""
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("HETPILOT_", "TORCHELASTIC_")) and k not in _TORCHRUN_ENV}
-        env["PYTHONUNBUFFERED"] = "1"
-        if who is not None:
-            env.update(HOME=who.home, USER=who.name, LOGNAME=who.name)
-            for key in ("XDG_RUNTIME_DIR", "XDG_STATE_HOME", "XDG_CONFIG_HOME",
-                        "XDG_CACHE_HOME", "XDG_DATA_HOME", "MAIL"):
-                env.pop(key, None)  # the agent's, not the user's
-        env.update({
-            "HETPILOT_JOB_ID": order.job_id, "HETPILOT_LAUNCH_ID": order.launch_id,
-            "HETPILOT_ADDRESS": self.daemon, "HETPILOT_TOKEN_FILE": str(token),
-            "HETPILOT_DEVICE_IDS": ",".join(f"{self.host}:{d}" for d in devices)})
-        for key, value in self.tls.items():
-            if who is None or key == "ca_file":  # the agent's own certificate stays its own
-                env[f"HETPILOT_{key.upper()}"] = value
-        if devices and all(device_kinds.get(d) == "cuda" for d in devices):
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(devices)
-        return env
+        return rank_command(self.python, order, work)
 
     def stop(self, launch_id: str) -> bool:
         """SIGTERM the launch's processes (SIGKILL after the grace period); True when it
@@ -598,40 +428,18 @@ class Launcher:
                if s.done and not s.running and now - s.done_unix >= self.retention_s]
         for state in due:
             try:
-                self._tombstone(state.launch_id)
+                self._removed.add(state.launch_id)
             except OSError as exc:  # not recorded: not removed (it could start again)
                 log.warning("launch %s: cannot record its removal: %s", state.launch_id, exc)
                 return []
-            self._delete(state.dir)
+            delete_dir(state.dir)
             if state.work is not None:
-                self._delete(state.work)
+                delete_dir(state.work)
             del self._launches[state.launch_id]
             log.info("launch %s (job %s): directory removed (ended and acknowledged %.0f s "
                      "ago; launch_retention_s %g)", state.launch_id, state.job_id,
                      now - state.done_unix, self.retention_s)
         return [s.launch_id for s in due]
-
-    def _tombstone(self, launch_id: str) -> None:
-        path = self.root / TOMBSTONES
-        if self._tombstones >= MAX_TOMBSTONES:  # keep the newest half
-            lines = path.read_text().split()[-MAX_TOMBSTONES // 2:]
-            tmp = path.with_name(path.name + ".tmp")
-            tmp.write_text("".join(f"{i}\n" for i in lines))
-            os.replace(tmp, path)
-            self._removed = set(lines)
-            self._tombstones = len(lines)
-        with open(path, "a") as fh:
-            fh.write(f"{launch_id}\n")
-        self._removed.add(launch_id)
-        self._tombstones += 1
-
-    def _delete(self, directory: Path) -> None:
-        trash = directory.with_name(f".trash-{directory.name}")
-        try:
-            os.replace(directory, trash)
-        except OSError:
-            trash = directory
-        shutil.rmtree(trash, ignore_errors=True)
 
     def _kill(self, state: LaunchState) -> None:
         for pid, ticks in [(state.pid, state.start_ticks), *state.tree.items()]:

@@ -12,7 +12,7 @@ returns once its report's batch has committed, and raises that batch's error (a
 Note [the commit on the event loop]: the batch is committed on the loop thread, as
 a single report's was. Handing it to a worker thread took the commit off the loop
 but cost more CPU in all, a thread hand-off per batch, and at 1 Hz per agent the
-batches are small (bench/RESULTS-controlplane.md, issue 37.9).
+batches are small (bench/RESULTS-controlplane.md).
 """
 
 from __future__ import annotations

@@ -37,17 +37,17 @@ MIGRATIONS: tuple[tuple[str, ...], ...] = (
     # timings need no change: their JSON bodies gained optional keys, and the old
     # bodies read back with loss and eval_metric None.
     ("CREATE TABLE IF NOT EXISTS progress (job_id TEXT PRIMARY KEY, body TEXT NOT NULL)",),
-    # 2 -> 3: layer times each device measured on a job (issue 14). Stored jobs,
+    # 2 -> 3: layer times each device measured on a job. Stored jobs,
     # agents and reports need no change: their JSON bodies gained keys with
     # defaults (slot_iterations 0, probe_dtype / probe_shape "").
     ("""CREATE TABLE IF NOT EXISTS measurements (
           job_id TEXT NOT NULL, device_id TEXT NOT NULL, body TEXT NOT NULL,
           PRIMARY KEY (job_id, device_id))""",),
-    # 3 -> 4: drained hosts (issue 16). Stored jobs and slot statuses need no change:
+    # 3 -> 4: drained hosts. Stored jobs and slot statuses need no change:
     # their JSON bodies gained keys with defaults (started_ms, ended_ms, reason; spent,
     # updated_ms), and the new states ("succeeded", "failed") are only ever written.
     ("CREATE TABLE IF NOT EXISTS drains (host TEXT PRIMARY KEY, body TEXT NOT NULL)",),
-    # 4 -> 5: launches of jobs with an entry point (issue 16, launch). Stored jobs need
+    # 4 -> 5: launches of jobs with an entry point. Stored jobs need
     # no change: their JSON bodies gained `entry` (empty: no entry point), and agents
     # `launches` (false until the agent registers again).
     ("""CREATE TABLE IF NOT EXISTS launches (

@@ -86,7 +86,7 @@ still runs on the CPU. With ``--backend nccl`` (a machine with at least N GPUs)
 rank r computes on GPU r and the ranks talk over NCCL, as ``hetpilot train`` does
 under torchrun on such a host: activations, gradients, the gradient sync and moved
 layer state cross between GPUs as CUDA tensors; the references compute on GPU 0.
-**Not yet run**: no machine with two GPUs has been lent to this project (issue 14).
+**Not yet run**: no machine with two GPUs has been lent to this project.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from hetpilot.agents.config import AgentConfig, ConfigError
-from hetpilot.client import cli
+from hetpilot.client import cli, jobview
 from hetpilot.client.cli import InputError, job_request_from_toml
 from hetpilot.client.nodes import print_nodes
 from hetpilot.v1 import cluster_pb2, job_pb2
@@ -145,9 +145,9 @@ def test_names_reasons_and_warnings_are_printed_with_control_characters_escaped(
     monkeypatch.setenv("COLUMNS", "400")
     job = job_pb2.JobInfo(job_id="j1", name=EVIL, owner="alice", reason=EVIL,
                           state=job_pb2.JOB_STATE_FAILED, warnings=[EVIL])
-    cli._print_jobs([job], width=400)
+    jobview.print_jobs([job], width=400)
     _shown(capsys.readouterr().out)
-    cli._print_job(job)
+    jobview.print_job(job)
     _shown(capsys.readouterr().out)
     nodes = cluster_pb2.ListNodesResponse(nodes=[cluster_pb2.NodeInfo(
         host="h", drain_reason=EVIL, state=cluster_pb2.NODE_STATE_DRAINING,

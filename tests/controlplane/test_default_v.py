@@ -7,7 +7,7 @@ import time
 
 import grpc
 import pytest
-from hetpilot.client.cli import _settings, job_request_from_toml
+from hetpilot.client.jobfile import budget_settings, job_request_from_toml
 from hetpilot.v1 import agent_pb2_grpc, job_pb2, job_pb2_grpc
 
 from .conftest import CLUSTER_MD, OWNER_MD, RunningDaemon
@@ -55,5 +55,5 @@ def test_job_file_without_v_sends_the_default(tmp_path) -> None:  # type: ignore
     (tmp_path / "job.toml").write_text(body + "V = 0\n")
     with pytest.raises(Exception, match=r"job\.toml\.V: must be > 0"):
         job_request_from_toml(tmp_path / "job.toml")
-    assert _settings(["V=auto", "price_per_hour=2"]) == ({"price_per_hour": 2.0}, 0.0)
-    assert _settings(["V=7"]) == ({}, 7.0)
+    assert budget_settings(["V=auto", "price_per_hour=2"]) == ({"price_per_hour": 2.0}, 0.0)
+    assert budget_settings(["V=7"]) == ({}, 7.0)

@@ -26,7 +26,8 @@ from typing import Any
 
 import grpc
 import pytest
-from hetpilot.agents.launcher import TOMBSTONES, port_in_use
+from hetpilot.agents.launchcmd import port_in_use
+from hetpilot.agents.launchstate import TOMBSTONES
 from hetpilot.daemon.joblogs import DROPPED, HostReader, JobLogs, read_index
 from hetpilot.v1 import agent_pb2, job_pb2
 

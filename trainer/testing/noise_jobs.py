@@ -1,7 +1,7 @@
 """A job whose float64 check cannot see anything (train-check must say inconclusive): the
 last BatchNorm normalises 2 values a channel (microbatch 2, 1x1 images after the
 convolutions), so rounding alone sends two float64 runs apart, as resnet18 at microbatch
-2 on 32x32 images did (issue 39)."""
+2 on 32x32 images does."""
 
 from __future__ import annotations
 
