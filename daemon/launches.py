@@ -99,7 +99,7 @@ log = logging.getLogger("hetpilot.daemon")
 SUCCEEDED_GRACE_S = 60.0
 """How long a SUCCEEDED job's ranks may keep running before they are stopped."""
 EXIT_UNKNOWN = 255
-"""Exit code of a launch whose exit status was lost (agents/launcher.py)."""
+"""Exit code of a launch whose exit status was lost (agents/launchstate.py)."""
 CANNOT_START = 127
 """Exit code of a launch that could not be started."""
 MAX_REASON = 2000
