@@ -72,7 +72,8 @@ def main() -> int:
     cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            "-m", "hetpilot", "train", "--model", "hetpilot.demo.digits:job",
            "--plan", str(plan_file), "--device-id", "local:{rank}", "--slot-iterations", "1",
-           "--epochs", str(args.epochs), "--emulate-tflops", str(args.tflops)]
+           "--epochs", str(args.epochs), "--emulate-tflops", str(args.tflops),
+           "--log-format", "json"]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env)

@@ -142,6 +142,7 @@ def _train_two_ranks(daemon: Daemon, job_id: str, tmp_path: Path, model: str, ep
             [sys.executable, "-m", "hetpilot", "train", "--model", model,
              "--daemon", daemon.address, "--job", job_id, "--token-file", str(token),
              "--epochs", str(epochs), "--device-id", HOST + ":{rank}", "--plan-wait", "30",
+             "--log-format", "json",
              *extra],
             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
