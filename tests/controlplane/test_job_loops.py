@@ -178,7 +178,10 @@ def test_a_failing_loop_retries_with_backoff_and_says_why() -> None:
                 slot3.set()
 
         store.record_slot = recorded  # type: ignore[method-assign]
-        plane = ControlPlane(store, DaemonConfig(slot_s=0.05, state_dir="/nonexistent"))
+        # the agent registers once and never reports: a long heartbeat timeout keeps its
+        # device up however slowly a loaded machine plans (else slots stop counting)
+        plane = ControlPlane(store, DaemonConfig(slot_s=0.05, heartbeat_timeout_s=3600.0,
+                                                 state_dir="/nonexistent"))
         said: list[str | None] = []
         recovered = asyncio.Event()
         loop_failed = plane.loop_failed
