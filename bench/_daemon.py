@@ -79,14 +79,25 @@ def alive(pid: int) -> bool:
     return False
 
 
+def _health_answers(address: str) -> bool:
+    """Whether a grpc.health.v1 Check at ``address`` answers (SERVING or not)."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=1)
+        except grpc.RpcError:
+            return False
+    return True
+
+
 class Daemon:
-    """``python -m hetpilot daemon`` as a subprocess on 127.0.0.1 (port 0).
+    """``python -m hetpilot daemon`` as a subprocess on 127.0.0.1 (port 0, or ``listen``).
 
     stderr goes to ``log`` (appended across restarts) unless ``log`` is None."""
 
     def __init__(self, state_dir: Path, config: Path, *, log: Path | None = None,
-                 metrics: bool = True, log_level: str = "INFO") -> None:
-        self.state_dir, self.config, self.log = state_dir, config, log
+                 metrics: bool = True, log_level: str = "INFO",
+                 listen: str = "127.0.0.1:0") -> None:
+        self.state_dir, self.config, self.log, self.listen = state_dir, config, log, listen
         self.metrics_flag, self.log_level = metrics, log_level
         self.proc: subprocess.Popen[bytes] | None = None
         self.address = ""
@@ -98,11 +109,13 @@ class Daemon:
         return self.proc.pid
 
     def start(self, timeout: float = 60.0) -> str:
-        """Start and wait for endpoints.json written by this process; the gRPC address."""
+        """Start and wait for endpoints.json written by this process (or, on a fixed
+        ``listen``, for health to answer: on a full disk there is no endpoints.json);
+        the gRPC address."""
         ends = self.state_dir / "endpoints.json"
         self.state_dir.mkdir(parents=True, exist_ok=True)
         stderr = open(self.log, "ab") if self.log is not None else None  # noqa: SIM115
-        cmd = [sys.executable, "-m", "hetpilot", "daemon", "--listen", "127.0.0.1:0",
+        cmd = [sys.executable, "-m", "hetpilot", "daemon", "--listen", self.listen,
                "--state-dir", str(self.state_dir), "--config", str(self.config),
                "--metrics-listen", "127.0.0.1:0" if self.metrics_flag else "",
                "--log-level", self.log_level]
@@ -121,6 +134,9 @@ class Daemon:
                 if data["pid"] == self.proc.pid:
                     self.address, self.metrics = data["grpc"], data.get("metrics", "")
                     return self.address
+            if not self.listen.endswith(":0") and _health_answers(self.listen):
+                self.address = self.listen
+                return self.address
             if time.monotonic() - began > timeout:
                 self.kill()
                 raise RuntimeError("daemon did not write endpoints.json in time")
