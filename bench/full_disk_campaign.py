@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import errno
 import json
 import os
 import socket
@@ -50,7 +49,7 @@ from hetpilot.channel import metadata
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _daemon import Daemon, EmulatedAgents, log_summary, submit_request, write_config
 
-from tests.controlplane.sandbox import small_fs  # _daemon puts the root on sys.path
+from tests.controlplane.sandbox import fill, small_fs  # _daemon puts the root on sys.path
 
 CLUSTER = "full-disk-cluster-token"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -61,24 +60,6 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _fill(mnt: Path) -> Path:
-    """Take every free byte of the file system with one file; return it."""
-    filler = mnt / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-    try:
-        for chunk in (1 << 16, 1 << 12, 1):
-            while True:
-                try:
-                    os.write(fd, b"\xa5" * chunk)
-                except OSError as exc:
-                    if exc.errno != errno.ENOSPC:
-                        raise
-                    break
-    finally:
-        os.close(fd)
-    return filler
 
 
 class Owners:
@@ -275,7 +256,7 @@ def round_(i: int, args: argparse.Namespace, tmp: Path, failures: list[str]) -> 
             out["acked_before_full"] = len(owners.all_acked())
 
             # full: acknowledged until refused; the daemon answers meanwhile
-            filler = _fill(mnt)
+            filler = fill(mnt)
             out["acked_while_full"] = owners.until_refused(args.max_tries)
             if sum(owners.refused.values()) < len(tokens):
                 failures.append(f"{where}: the disk never refused a submit in "
@@ -288,7 +269,7 @@ def round_(i: int, args: argparse.Namespace, tmp: Path, failures: list[str]) -> 
             out["first_free"] = _resume(owners, agents, filler, failures, f"{where}, first free")
 
             # full again: a stop and a start while full
-            filler = _fill(mnt)
+            filler = fill(mnt)
             out["acked_while_full_again"] = owners.until_refused(args.max_tries)
             out["sigterm_while_full"] = _sigterm(daemon, failures, where)
             owners.close()
