@@ -5,6 +5,7 @@ directory others may pass through. Each says why it cannot, for a skip."""
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import stat
@@ -15,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["PROBE", "shared_dir", "small_fs", "unix_users", "why_no_users"]
+__all__ = ["PROBE", "fill", "shared_dir", "small_fs", "unix_users", "why_no_users"]
 
 PROBE = """
 import json, os, sys
@@ -141,3 +142,22 @@ def small_fs(where: Path, size: str) -> Iterator[Path]:
         yield point
     finally:
         subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def fill(mnt: Path) -> Path:
+    """Take every free byte of the file system at ``mnt`` with one new file; return it
+    (remove it to give the space back)."""
+    filler = mnt / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
+    try:
+        for chunk in (1 << 16, 1 << 12, 1):
+            while True:
+                try:
+                    os.write(fd, b"\xa5" * chunk)
+                except OSError as exc:
+                    if exc.errno != errno.ENOSPC:
+                        raise
+                    break
+    finally:
+        os.close(fd)
+    return filler

@@ -9,7 +9,6 @@ moved the WAL aside on stop and the next start refused the file."""
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import socket
@@ -31,6 +30,7 @@ from hetpilot.channel import Endpoint, open_sync
 
 from .conftest import OWNER_MD, OWNER_TOKEN, wait_endpoints
 from .helpers import submit_request
+from .sandbox import fill
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -51,23 +51,6 @@ def small_fs(tmp_path: Path) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(mnt)], timeout=30).returncode != 0:
             subprocess.run(["umount", "-l", str(mnt)], timeout=30, check=True)
-
-
-def _fill(mnt: Path) -> Path:
-    """Take every free byte of the file system with one file; return it."""
-    filler = mnt / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o600)
-    try:
-        for chunk in (1 << 16, 1 << 12, 1):
-            while True:
-                try:
-                    os.write(fd, b"\xa5" * chunk)
-                except OSError as exc:
-                    assert exc.errno == errno.ENOSPC, exc
-                    break
-    finally:
-        os.close(fd)
-    return filler
 
 
 def _job(i: int) -> JobRecord:
@@ -107,7 +90,7 @@ def test_a_full_disk_loses_no_acknowledged_write_and_writes_resume(small_fs: Pat
     # a checkpoint every 12 pages (3-4 commits), so that some run while the disk is full
     store = SqliteStore(path, checkpoint_pages=12)
     assert _submit(store, acked, 12, until_full=False) == 0  # WAL space to reuse
-    filler = _fill(small_fs)
+    filler = fill(small_fs)
 
     # full: writes are acknowledged while the WAL has room, then refused as full
     # (never UNAVAILABLE), reads go on, and nothing acknowledged is lost
@@ -213,7 +196,7 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
     try:
         jobs = job_pb2_grpc.JobServiceStub(open_sync(Endpoint(address=address)))
         assert _submit_until_full(jobs, acked, 3) == 0
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         assert _submit_until_full(jobs, acked, 200) == 1
         _health_becomes(address, health_pb2.HealthCheckResponse.NOT_SERVING)
         filler.unlink()
@@ -221,7 +204,7 @@ def test_the_daemon_on_a_full_disk_answers_again_and_keeps_every_acknowledged_jo
         before = len(acked)
         assert _submit_until_full(jobs, acked, 3) == 0 and len(acked) == before + 3
 
-        filler = _fill(small_fs)
+        filler = fill(small_fs)
         assert _submit_until_full(jobs, acked, 200) == 1
         _sigterm_exits_0(proc)
     finally:
