@@ -218,9 +218,7 @@ def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = ma
         pool.append(first)
     quick = quick or planner
     choice: dict[Kind, int] = dict.fromkeys(options, 1)
-    found = _try(cluster, model, job, quick, choice) if quick is not planner else (
-        [] if first is None else [first])
-    pool.extend(found)
+    found = [] if first is None else [first]  # all ones: v1's own plan is the baseline
     choice_s = min((j.seconds for j in found), default=None)
     tried: dict[tuple[int, ...], list[_Judged]] = {tuple(choice.values()): found}
     for _ in range(PASSES):
@@ -264,7 +262,8 @@ def mixed_plans(virtual: TPChoice, model: Model, job: Job) -> list[Plan]:
 
     K groups of about equal speed (the v1 structures' ``mixed`` layout: devices
     fastest first, each to the group with the least speed so far), K = n // S for
-    S in :data:`MIXED_STAGES`, each group slow devices first and fast first. This
+    S in :data:`MIXED_STAGES`, each group slow devices first (stage 0 holds the most
+    microbatches in flight, and the slow kind's memory goes furthest there). This
     is Sailor's winning shape on its 128 + 384 case (32 pipelines of A100s and
     4-way V100 groups, 7 stages): the v1 structures build big clusters' pipelines
     from whole hosts or one kind, and on a virtual cluster a 4-way group is a host.
@@ -281,11 +280,10 @@ def mixed_plans(virtual: TPChoice, model: Model, job: Job) -> list[Plan]:
     out = []
     counts = sorted({len(devices) // s for s in MIXED_STAGES if s <= model.num_layers} - {0, 1})
     for k in counts:
-        for slow_first in (True, False):
-            groups = balanced_groups(by_speed, k, slow_first=slow_first)
-            cand = planner.plan_structure(Structure(f"tp-mixed-{k}", tuple(groups)), schedule)
-            if cand is not None:
-                out.append(cand.plan)
+        groups = balanced_groups(by_speed, k, slow_first=True)
+        cand = planner.plan_structure(Structure(f"tp-mixed-{k}", tuple(groups)), schedule)
+        if cand is not None:
+            out.append(cand.plan)
     return out
 
 
