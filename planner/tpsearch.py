@@ -30,7 +30,7 @@ from .errors import InfeasibleError
 from .refmodel import evaluate, sync_time
 from .search import candidate_plans, make_plan
 from .structure_planner import Planner as StructurePlanner
-from .structures import Structure, balanced_groups
+from .structures import Structure, balanced_groups, searched_schedules
 from .tpmodel import ring, ring_allreduce_s
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -274,9 +274,7 @@ def mixed_plans(virtual: TPChoice, model: Model, job: Job) -> list[Plan]:
         return []
     by_speed = sorted(devices, key=lambda d: -d.tflops)  # stable: host order within a speed
     planner = StructurePlanner(virtual.cluster, model, job)
-    schedule = "1f1b" if "1f1b" in job.schedules else job.schedules[0]
-    if schedule == "custom":
-        schedule = "1f1b"
+    schedule = searched_schedules(job)[0]
     out = []
     counts = sorted({len(devices) // s for s in MIXED_STAGES if s <= model.num_layers} - {0, 1})
     for k in counts:
