@@ -64,12 +64,32 @@ def check_batch(global_batch: int, microbatch_size: int) -> None:
                               f"{MAX_MICROBATCHES}: raise microbatch_size")
 
 
+TRAINER_RUNS_TP = False
+"""Whether the trainer the daemon starts runs tensor-parallel stages (spec 5.6). Until
+it does, every job is planned with ``tensor_parallel = false``: the daemon never pushes
+a plan with ``devices`` stages (a job cannot ask for one: JobRecord has no such field)."""
+
+
 def to_job(rec: JobRecord) -> Job:
     return job_from_dict({"global_batch": rec.global_batch,
                           "microbatch_size": rec.microbatch_size,
                           "schedule": list(rec.schedules) or "any",
                           "budgets": dict(rec.budgets),
+                          "tensor_parallel": TRAINER_RUNS_TP,
                           **({"V": rec.V} if rec.V else {})})  # 0: no V given, the default
+
+
+def _holds_tp_plan(state: Mapping[str, Any]) -> bool:
+    """Whether a stored controller state's plan has a stage of several devices (a
+    state written by a build whose trainer ran them)."""
+    raw = state.get("plan")
+    groups = raw.get("groups") if isinstance(raw, Mapping) else None
+    for group in groups if isinstance(groups, list) else ():
+        stages = group.get("stages") if isinstance(group, Mapping) else None
+        for stage in stages if isinstance(stages, list) else ():
+            if isinstance(stage, Mapping) and "devices" in stage:
+                return True
+    return False
 
 
 def make_controller(rec: JobRecord, state: Mapping[str, Any] | None) -> Controller:
@@ -79,6 +99,8 @@ def make_controller(rec: JobRecord, state: Mapping[str, Any] | None) -> Controll
     landed after the last slot was recorded is not lost by a restart."""
     model, job = parse_model(rec.model_json), to_job(rec)
     config = ControllerConfig(slot_s=rec.slot_s)
+    if state and not job.tensor_parallel and _holds_tp_plan(state):
+        state = {**state, "plan": None}  # the next slot plans without TP stages
     if state:
         ctrl = Controller.from_state(model, job, state, config)
     else:

@@ -337,7 +337,8 @@ def _owners(model: Model, group: Group) -> list[tuple[tuple[str, ...], int]]:
     return out
 
 
-def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
+def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group], *,
+              shared_uplinks: bool = False) -> float:
     """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6).
 
     A layer's owner in a group is its stage's devices and its split degree
@@ -346,6 +347,11 @@ def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
     ``i * t_g // s`` of each group's stage (t_g its degree), and every device
     of a stage waits for the ring its index falls in (``r * s // t_g``). With
     one device per stage this is spec 5.3 exactly.
+
+    ``shared_uplinks`` (not spec 5; the TP search's robust reading): the s
+    rings of a split bucket each carry all its bytes, as if they shared one
+    link per host, so splitting a layer does not shrink its sync. Sailor's
+    simulator times its sync across pipelines this way.
     """
     k = len(groups)
     if k <= 1:
@@ -365,7 +371,7 @@ def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group]) -> float:
             size += model.layers[end].param_mb
             end += 1
         rings = min(split for _, split in owners)
-        if rings > 1:
+        if rings > 1 and not shared_uplinks:
             size /= rings
         times = []
         for r in range(rings):

@@ -24,6 +24,7 @@ cuts its groups and assigns them microbatches. Structures tried:
 
 from __future__ import annotations
 
+import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ from .partition import ModelArrays
 from .types import Cluster, Device, Job
 
 __all__ = ["BIG_CLUSTER", "BUILTIN_SCHEDULES", "EVERY_MAPPING_DEVICES", "Structure",
-           "searched_schedules", "structures"]
+           "balanced_groups", "searched_schedules", "structures"]
 
 EVERY_MAPPING_DEVICES = 4
 """On clusters of up to this many devices every device mapping is a structure (on 5-6
@@ -142,8 +143,8 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         add(f"stage-major-speed-{size}", _stage_major(by_speed, size))
     if by_speed[0].tflops >= 1.5 * by_speed[-1].tflops and not big:
         for k in _mixed_counts(by_speed):
-            add(f"mixed-{k}-slow-first", _balanced(by_speed, k, slow_first=True))
-            add(f"mixed-{k}-fast-first", _balanced(by_speed, k, slow_first=False))
+            add(f"mixed-{k}-slow-first", balanced_groups(by_speed, k, slow_first=True))
+            add(f"mixed-{k}-fast-first", balanced_groups(by_speed, k, slow_first=False))
     if every_mapping:
         for i, groups in enumerate(_ordered_partitions(chain)):
             add(f"mapping-{i}", groups)
@@ -185,7 +186,7 @@ def _mixed_counts(by_speed: Sequence[Device]) -> list[int]:
     return sorted({k for k in (fast, 2, 4) if 2 <= k < n})
 
 
-def _balanced(by_speed: Sequence[Device], k: int, slow_first: bool) -> list[tuple[Device, ...]]:
+def balanced_groups(by_speed: Sequence[Device], k: int, slow_first: bool) -> list[tuple[Device, ...]]:
     """K pipelines of about equal total speed, each mixing fast and slow devices: the
     devices, fastest first, each to the group with the least speed so far. A slow device
     then takes a short stage beside a fast one instead of sitting idle or slowing a group of
@@ -193,11 +194,11 @@ def _balanced(by_speed: Sequence[Device], k: int, slow_first: bool) -> list[tupl
     A100). Each group runs slowest first or fastest first: stage 0 holds the most
     microbatches in flight, and the first layers (an embedding) are often the heavy ones."""
     groups: list[list[Device]] = [[] for _ in range(k)]
-    speed = [0.0] * k
+    least = [(0.0, j) for j in range(k)]  # (speed so far, group): a heap, least first
     for d in by_speed:
-        i = min(range(k), key=lambda j: (speed[j], j))
+        speed, i = least[0]
         groups[i].append(d)
-        speed[i] += d.tflops
+        heapq.heapreplace(least, (speed + d.tflops, i))
     return [tuple(reversed(g)) if slow_first else tuple(g) for g in groups]
 
 

@@ -191,3 +191,25 @@ def test_groups_of_different_devices_are_also_cut_alike() -> None:
     plan = make_plan(cluster, model, job)
     ours = evaluate(cluster, model, plan, job.global_batch).iteration_s
     assert ours is not None and ours <= best * 1.02
+
+
+def test_balanced_groups_hand_each_device_to_the_least_speed_so_far() -> None:
+    # the rule stated plainly (the least speed so far, the lowest index on a tie), against
+    # balanced_groups' heap on speeds with many ties: the same groups, device for device
+    from hetpilot.planner.structures import balanced_groups
+
+    rng = random.Random(7)
+    for _ in range(300):
+        devs = sorted((Device(id=f"d{i}", host=f"h{i // 4}",
+                              tflops=float(rng.choice([1, 2, 3, 5, 8, 13, 0.5])), memory_gb=16.0)
+                       for i in range(rng.randint(2, 60))), key=lambda d: -d.tflops)
+        k = rng.randint(1, len(devs))
+        groups: list[list[Device]] = [[] for _ in range(k)]
+        speed = [0.0] * k
+        for d in devs:
+            i = min(range(k), key=lambda j: (speed[j], j))
+            groups[i].append(d)
+            speed[i] += d.tflops
+        for slow_first in (True, False):
+            want = [tuple(reversed(g)) if slow_first else tuple(g) for g in groups]
+            assert balanced_groups(devs, k, slow_first=slow_first) == want

@@ -134,6 +134,10 @@ def test_sync_of_two_tp_groups_runs_parallel_rings() -> None:
     # each: 0.01601 and 0.06401 s; layer 1 (whole): one ring h:0-k:0 of 100 MB, 0.00801 s,
     # which every device waits for. h:1 and k:1 are the slowest: 0.06401 + 0.00801.
     assert sync_time(cluster, model, plan.groups) == pytest.approx(0.06401 + 0.00801, rel=1e-12)
+    # the TP search's robust reading (shared uplinks): each ring carries all 400 MB of
+    # layer 0, h:1-k:1 at 25 Gbit/s: 400 * 8 / 25000 + 2 * 5e-6 = 0.12801; layer 1 as before
+    assert sync_time(cluster, model, plan.groups, shared_uplinks=True) == pytest.approx(
+        0.12801 + 0.00801, rel=1e-12)
 
 
 def test_tp_stage_must_lie_within_one_host() -> None:

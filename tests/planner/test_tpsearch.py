@@ -154,3 +154,77 @@ def test_tp_makes_a_model_fit_that_fits_nowhere_else() -> None:
     plan = make_tp_plan(cluster, model, job)
     assert [s.tp for g in plan.groups for s in g.stages] == [4]
     assert evaluate(cluster, model, plan, 4).valid
+
+
+def _two_kinds(fast_hosts: int, slow_hosts: int) -> Cluster:
+    devs = [Device(id=f"f{h}:{i}", host=f"f{h}", tflops=20.0, memory_gb=40.0)
+            for h in range(fast_hosts) for i in range(4)]
+    devs += [Device(id=f"s{h}:{i}", host=f"s{h}", tflops=10.0, memory_gb=6.0)
+             for h in range(slow_hosts) for i in range(4)]
+    return Cluster(devices=tuple(devs), network=Network(intra_host_gbps=1000.0,
+                                                        inter_host_gbps=25.0, latency_us=0.0))
+
+
+def test_mixed_pipelines_of_tp_groups_steer_the_degree_search(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # 128 devices of two kinds, 96 microbatches, 8 layers too big for a slow device's
+    # memory alone. mixed_plans lays out pipelines of fast and slow 4-way groups; judged
+    # with each degree choice they lead the descent to 4-way groups of both kinds, where
+    # the full search's 8-stage pipelines halve the iteration time that the search
+    # without them reaches
+    from hetpilot.planner import tpsearch
+
+    cluster = _two_kinds(8, 24)
+    model = Model(name="m", layers=tuple(
+        Layer(name=f"b{i}", fwd_gflop=100.0, bwd_gflop=200.0, out_mb=10.0, act_mb=200.0,
+              param_mb=300.0, tp_comm_mb=2.0, tp_allreduces=2) for i in range(8)))
+    job = Job(global_batch=96, microbatch_size=1, tensor_parallel=True)
+    both = {(20.0, 40.0): 4, (10.0, 6.0): 4}
+    mixed = tpsearch.mixed_plans(virtual_cluster(cluster, model, both, 1), model, job)
+    assert any(len({s.device[0] for s in g.stages}) == 2  # a pipeline of fast and slow hosts
+               for plan in mixed for g in plan.groups)
+    plan = make_tp_plan(cluster, model, job)
+    assert {s.tp for g in plan.groups for s in g.stages} == {4}
+    got = evaluate(cluster, model, plan, 96)
+    assert got.valid and got.iteration_s == pytest.approx(plan.predicted_iteration_s)
+    monkeypatch.setattr(tpsearch, "MIXED_STAGES", ())  # the search without them
+    without = make_tp_plan(cluster, model, job)
+    assert got.iteration_s < 0.6 * evaluate(cluster, model, without, 96).iteration_s
+
+
+def test_mixed_plans_need_two_kinds() -> None:
+    from hetpilot.planner.tpsearch import mixed_plans
+
+    cluster, model = _cluster(2400.0, hosts=2), _model(0.5)
+    job = Job(global_batch=8, microbatch_size=1, tensor_parallel=True)
+    assert mixed_plans(virtual_cluster(cluster, model, {(10.0, 16.0): 2}, 1), model, job) == []
+
+
+def test_choice_of_least_regret_over_two_sync_readings() -> None:
+    from hetpilot.planner.tpsearch import _choose, _Judged
+    from hetpilot.planner.types import Plan
+
+    plan = Plan(microbatch_size=1, schedule="1f1b", groups=())
+    v1 = _Judged(3.0, 3.0, plan)  # no split layers: both readings agree
+    lucky = _Judged(2.0, 3.6, plan)  # fastest by spec 5, all of its lead in the sync term
+    steady = _Judged(2.2, 2.3, plan)  # 10% behind by spec 5, fastest with shared uplinks
+    # regrets: lucky max(1, 3.6 / 2.3) = 1.57, steady max(1.1, 1) = 1.1, v1 1.5
+    assert _choose([v1, lucky, steady]) is steady
+    assert _choose([v1, lucky]) is lucky  # regrets: v1 1.5, lucky max(1, 3.6 / 3) = 1.2
+
+
+def test_least_regret_is_never_slower_than_a_plan_without_split_layers() -> None:
+    import random
+
+    from hetpilot.planner.tpsearch import _choose, _Judged
+    from hetpilot.planner.types import Plan
+
+    plan = Plan(microbatch_size=1, schedule="1f1b", groups=())
+    rng = random.Random(38)
+    for _ in range(2000):
+        pool = [_Judged(s, s, plan) for s in (rng.uniform(1, 4) for _ in range(rng.randint(1, 3)))]
+        pool += [_Judged(s, s * rng.uniform(1, 2.5), plan)
+                 for s in (rng.uniform(1, 4) for _ in range(rng.randint(0, 6)))]
+        rng.shuffle(pool)
+        chosen = _choose(pool)
+        assert chosen.seconds <= min(j.seconds for j in pool if j.robust == j.seconds)
