@@ -321,27 +321,53 @@ def report_from_proto(req: agent_pb2.AgentReport) -> AgentReport:
     agent_id = name(req.agent_id, "agent_id")
     count(req.devices, "devices", MAX_DEVICES)
     count(req.links, "links")
-    devices = []
-    for i, d in enumerate(req.devices):
-        f = f"devices[{i}]"
-        devices.append(DeviceReport(
-            index=device_index(d.index, f"{f}.index"),
-            tflops=number(d.tflops, f"{f}.tflops", maximum=1e6),
-            memory_total_gb=number(d.memory_total_gb, f"{f}.memory_total_gb", maximum=1e6),
-            memory_free_gb=number(d.memory_free_gb, f"{f}.memory_free_gb", maximum=1e6),
-            utilization=fraction(d.utilization, f"{f}.utilization"),
-            colocated_processes=d.colocated_processes,
-            colocated_load=fraction(d.colocated_load, f"{f}.colocated_load"),
-            emulated=d.emulated, probe_dtype=label(d.probe_dtype, f"{f}.probe_dtype"),
-            probe_shape=label(d.probe_shape, f"{f}.probe_shape")))
-    links = []
-    for i, link in enumerate(req.links):
-        f = f"links[{i}]"
-        links.append(LinkReport(peer_host=name(link.peer_host, f"{f}.peer_host"),
-                                gbps=number(link.gbps, f"{f}.gbps", maximum=1e6),
-                                rtt_us=number(link.rtt_us, f"{f}.rtt_us", maximum=1e9)))
     return AgentReport(agent_id=agent_id, seq=req.seq, unix_ms=req.unix_ms,
-                       devices=tuple(devices), links=tuple(links))
+                       devices=tuple(_device_report(d, i) for i, d in enumerate(req.devices)),
+                       links=tuple(_link_report(link, i) for i, link in enumerate(req.links)))
+
+
+# Note [valid reports skip the field names]: every agent sends a report a second, so
+# the checks of a report's values first run without building the names of its fields
+# (eight strings per device); only a value that fails them goes through the checks
+# that name the field. The quick test is at least as strict as the named one.
+
+def _device_report(d: agent_pb2.DeviceReport, i: int) -> DeviceReport:
+    index, dtype, shape = d.index, d.probe_dtype, d.probe_shape
+    if not (0.0 <= d.tflops <= 1e6 and 0.0 <= d.memory_total_gb <= 1e6
+            and 0.0 <= d.memory_free_gb <= 1e6 and 0.0 <= d.utilization <= 1.0
+            and 0.0 <= d.colocated_load <= 1.0 and index and ":" not in index
+            and _NAME.fullmatch(index) and (not dtype or _LABEL.fullmatch(dtype))
+            and (not shape or _LABEL.fullmatch(shape))):
+        return _device_report_named(d, f"devices[{i}]")  # Note [valid reports skip ...]
+    return DeviceReport(index=index, tflops=d.tflops, memory_total_gb=d.memory_total_gb,
+                        memory_free_gb=d.memory_free_gb, utilization=d.utilization,
+                        colocated_processes=d.colocated_processes,
+                        colocated_load=d.colocated_load, emulated=d.emulated,
+                        probe_dtype=dtype, probe_shape=shape)
+
+
+def _device_report_named(d: agent_pb2.DeviceReport, f: str) -> DeviceReport:
+    return DeviceReport(
+        index=device_index(d.index, f"{f}.index"),
+        tflops=number(d.tflops, f"{f}.tflops", maximum=1e6),
+        memory_total_gb=number(d.memory_total_gb, f"{f}.memory_total_gb", maximum=1e6),
+        memory_free_gb=number(d.memory_free_gb, f"{f}.memory_free_gb", maximum=1e6),
+        utilization=fraction(d.utilization, f"{f}.utilization"),
+        colocated_processes=d.colocated_processes,
+        colocated_load=fraction(d.colocated_load, f"{f}.colocated_load"),
+        emulated=d.emulated, probe_dtype=label(d.probe_dtype, f"{f}.probe_dtype"),
+        probe_shape=label(d.probe_shape, f"{f}.probe_shape"))
+
+
+def _link_report(link: agent_pb2.LinkReport, i: int) -> LinkReport:
+    peer = link.peer_host
+    if not (0.0 <= link.gbps <= 1e6 and 0.0 <= link.rtt_us <= 1e9 and peer
+            and _NAME.fullmatch(peer)):
+        f = f"links[{i}]"  # Note [valid reports skip the field names]
+        return LinkReport(peer_host=name(peer, f"{f}.peer_host"),
+                          gbps=number(link.gbps, f"{f}.gbps", maximum=1e6),
+                          rtt_us=number(link.rtt_us, f"{f}.rtt_us", maximum=1e9))
+    return LinkReport(peer_host=peer, gbps=link.gbps, rtt_us=link.rtt_us)
 
 
 def launches_from_proto(req: agent_pb2.AgentReport) -> list[LaunchStatus]:

@@ -5,6 +5,7 @@ a live daemon."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 from collections.abc import Sequence
 from pathlib import Path
@@ -27,8 +28,8 @@ def _committed(path: Path) -> dict[str, int]:
     """The reports another connection sees: what is committed, not what is cached."""
     db = sqlite3.connect(path)
     try:
-        return {agent: int(body.split('"seq": ')[1].split(",")[0]) if '"seq": ' in body
-                else -1 for agent, body in db.execute("SELECT agent_id, body FROM reports")}
+        return {agent: json.loads(body).get("seq", -1)
+                for agent, body in db.execute("SELECT agent_id, body FROM reports")}
     finally:
         db.close()
 
