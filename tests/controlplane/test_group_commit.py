@@ -170,3 +170,51 @@ def test_each_report_ack_of_a_live_daemon_comes_after_its_commit(tmp_path: Path)
     assert len(seen) == 40 * 3
     late = [(host, acked, stored) for host, acked, stored in seen if stored < acked]
     assert not late, f"acked before committed: {late[:5]}"
+
+
+def test_reports_that_come_within_the_commit_window_share_one_transaction(
+        tmp_path: Path) -> None:
+    """The first report after a quiet spell commits at once; the next ones, though they
+    come in different turns of the event loop, wait out the window (here far longer
+    than the test) and go in one transaction, committed by close at the latest."""
+    path = tmp_path / "state.db"
+    store = CountingStore(path)
+
+    async def scenario() -> tuple[list[str], list[bool]]:
+        committer = ReportCommitter(store, window_s=3600.0)
+        await committer.put(AgentReport(agent_id="first", seq=1, unix_ms=0))
+        before = sorted(_committed(path))
+        later = [asyncio.create_task(committer.put(AgentReport(agent_id=f"h{i}", seq=2,
+                                                                 unix_ms=i)))
+                 for i in range(3)]
+        for _ in range(5):  # turns of the loop: each report queued in one of its own
+            await asyncio.sleep(0)
+        waiting = [not t.done() for t in later]
+        await committer.close()
+        await asyncio.gather(*later)
+        return before, waiting
+
+    before, waiting = asyncio.run(scenario())
+    assert before == ["first"]
+    assert all(waiting)  # within the window: not committed, no ack
+    assert store.batches == [1, 3]
+    assert sorted(_committed(path)) == ["first", "h0", "h1", "h2"]
+    store.close()
+
+
+def test_a_full_batch_does_not_wait_for_the_commit_window(tmp_path: Path) -> None:
+    path = tmp_path / "state.db"
+    store = CountingStore(path)
+
+    async def scenario() -> None:
+        committer = ReportCommitter(store, max_batch=4, window_s=3600.0)
+        await committer.put(AgentReport(agent_id="first", seq=1, unix_ms=0))
+        # four reports fill a batch: they commit without close (the test's timeout
+        # would end a wait for the window)
+        await asyncio.gather(*(committer.put(AgentReport(agent_id=f"h{i}", seq=2, unix_ms=i))
+                               for i in range(4)))
+        assert store.batches == [1, 4]
+        await committer.close()
+
+    asyncio.run(scenario())
+    store.close()
