@@ -4,6 +4,7 @@ own AgentService.Report stream) against a daemon that runs under a profiler.
 
   .venv/bin/python bench/controlplane_profile.py --agents 1000 --seconds 15 --profile cprofile
   .venv/bin/python bench/controlplane_profile.py --agents 500,1000,1500,2000 --pin
+  .venv/bin/python bench/controlplane_profile.py --agents 2000 --pin --versus ../base/.venv/bin/python --rounds 4
 
 Per step it prints one JSON line: latency (write to ack at the client), lost
 reports, the daemon's CPU per report from /proc split by thread (the asyncio
@@ -28,6 +29,11 @@ measured rather than inferred (other people's jobs on the machine can still
 land on CPU 0: ``other_cpu_cores`` in the output shows how much else ran).
 ``--preload FILE`` execs FILE in the daemon before
 it starts (used only to measure prototypes; see RESULTS-controlplane-profile.md).
+``--versus PYTHON`` measures a before and an after side by side in one run: each
+step runs ``--rounds`` times with the daemon under PYTHON (another checkout's
+venv, with its own hetpilot: "base") and under this interpreter ("this"),
+alternately, the load the same; each line is tagged ``daemon``, and the medians
+of both close the step.
 
 The daemon is started through this file (``--wrap``), which calls
 ``hetpilot.cli.main(["daemon", ...])`` in the main thread. Loopback only.
@@ -120,15 +126,15 @@ def machine_busy() -> float:
     return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
 
 
-def start_daemon(tmp: Path, profile_out: Path, preload: str | None, pin: bool
-                 ) -> tuple[subprocess.Popen[bytes], str]:
+def start_daemon(tmp: Path, profile_out: Path, preload: str | None, pin: bool,
+                 python: str = sys.executable) -> tuple[subprocess.Popen[bytes], str]:
     from _daemon import write_config
 
     tmp.mkdir(parents=True, exist_ok=True)
     config = write_config(tmp / "d.toml", cluster_token=TOKEN, heartbeat_timeout_s=30.0)
     state = tmp / "s"
     state.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, __file__, "--wrap", str(profile_out)]
+    cmd = [python, __file__, "--wrap", str(profile_out)]
     if preload:
         cmd += ["--preload", preload]
     cmd += ["--", "--listen", "127.0.0.1:0", "--state-dir", str(state), "--config",
@@ -270,6 +276,9 @@ def main() -> int:
     ap.add_argument("--preload", help="a file exec'd in the daemon first (prototypes)")
     ap.add_argument("--top", type=int, default=30)
     ap.add_argument("--out", default="", help="keep profiles here (default: a temp dir)")
+    ap.add_argument("--versus", help="another interpreter to run the daemon under, "
+                                     "alternately with this one (a before and after)")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each daemon per step")
     args = ap.parse_args()
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hetpilot-profile-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -279,25 +288,56 @@ def main() -> int:
     print(f"# cpu cores: {os.cpu_count()}, python {sys.version.split()[0]}, grpcio "
           f"{grpc.__version__}, profile {args.profile}, pin {args.pin}, "
           f"preload {args.preload}", flush=True)
+    daemons = [("base", args.versus), ("this", sys.executable)] if args.versus else [
+        ("this", sys.executable)]
     for n in (int(x) for x in args.agents.split(",")):
-        cprof = work / f"cprofile-{n}.pstats"
-        proc, address = start_daemon(tmp / f"d{n}", cprof, args.preload, args.pin)
-        try:
-            res = step(address, proc.pid, n, args.seconds, args.workers, args.pin,
-                       args.profile, work)
-            if args.profile == "cprofile":
-                res["profile_file"] = str(cprof)
-            print(json.dumps(res), flush=True)
-        finally:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        if args.profile == "cprofile" and cprof.exists():
-            print_cprofile(cprof, max(res["acked"], 1), args.top)
+        runs: dict[str, list[dict]] = defaultdict(list)
+        for r in range(args.rounds):
+            for tag, python in daemons:
+                cprof = work / f"cprofile-{n}-{tag}-{r}.pstats"
+                res = run_step(tmp / f"d{n}-{tag}-{r}", cprof, python, n, args, work)
+                res["daemon"] = tag
+                runs[tag].append(res)
+                print(json.dumps(res), flush=True)
+                if args.profile == "cprofile" and cprof.exists():
+                    print_cprofile(cprof, max(res["acked"], 1), args.top)
+        if len(daemons) > 1 or args.rounds > 1:
+            print(json.dumps({"agents": n, "medians": {tag: medians(rs) for tag, rs in runs.items()}}),
+                  flush=True)
     return 0
+
+
+def run_step(tmp: Path, cprof: Path, python: str, n: int, args: argparse.Namespace,
+             work: Path) -> dict:
+    """One step against a fresh daemon run under ``python``."""
+    proc, address = start_daemon(tmp, cprof, args.preload, args.pin, python)
+    try:
+        res = step(address, proc.pid, n, args.seconds, args.workers, args.pin, args.profile, work)
+        if args.profile == "cprofile":
+            res["profile_file"] = str(cprof)
+        return res
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def medians(runs: list[dict]) -> dict:
+    """The median of each figure that says how a daemon did, over its runs."""
+    import statistics
+
+    keys = ("daemon_cpu_us_per_report", "p50_ms", "p99_ms", "max_ms", "lost", "reports_per_s")
+    out: dict = {}
+    for k in keys:
+        values = [r[k] for r in runs if r.get(k) is not None]
+        out[k] = statistics.median(values) if values else None
+    out["daemon_cpu_us_per_report_runs"] = [r["daemon_cpu_us_per_report"] for r in runs]
+    out["p99_ms_runs"] = [r["p99_ms"] for r in runs]
+    out["lost_total"] = sum(r["lost"] for r in runs)
+    return out
 
 
 if __name__ == "__main__":
