@@ -106,7 +106,7 @@ class _Requests:
 
     async def __anext__(self) -> Any:
         raw = await self._context.read()
-        if raw is grpc.aio.EOF:
+        if raw is grpc.aio.EOF:  # type: ignore[attr-defined]  # not in grpc-stubs
             raise StopAsyncIteration
         return await self._interceptor._decode(raw, self._decode, self._context, self._method)
 
