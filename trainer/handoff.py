@@ -12,8 +12,9 @@ meets its receive.
 
 from __future__ import annotations
 
+import copy
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import tensorparallel as tp
 from .activations import wire_device
 from .layers import LayerSpec, OptimizerFactory, build_layer
 from .placement import Owners, tie_holders
@@ -79,6 +81,9 @@ class Holdings:
                 self.tie_of.setdefault(layer, []).append(t)
         self.ckpt_dir: Path | None = None
         """The checkpoint being resumed: layers and ties nobody holds are read from it."""
+        self.sharded: dict[int, Any] = {}
+        """Layers held split over a tensor-parallel stage's mesh (layer -> mesh); every other
+        layer is held whole (:mod:`hetpilot.trainer.tensorparallel`)."""
 
     # -- one layer or tie -------------------------------------------------------
 
@@ -159,9 +164,47 @@ class Holdings:
         state: dict[str, Any] = ckpt.read_file(self.ckpt_dir, name, map_location=self.device)
         return state
 
+    # -- tensor-parallel stages -------------------------------------------------
+
+    def shard(self, layer: int, mesh: Any, tp_plan: Mapping[str, str]) -> bool:
+        """Split held ``layer`` over ``mesh`` as ``tp_plan`` says (every rank of the mesh
+        calls this with the same layer); its optimizer follows with its state split the same
+        way. Returns whether any submodule was split (else the layer stays whole: replicated)."""
+        whole = self.held[layer]
+        tied = [whole.get_parameter(n) for n in self.tied_names(layer)]
+        styles = tp.matched(whole, tp_plan, keep_whole=[id(p) for p in tied])
+        if not styles:
+            return False
+        state = self.layer_state(layer)
+        # a copy: a layer given as a module is the job's own object, which install() reuses
+        # when the layer is gathered back; the tied parameters stay shared (not copied)
+        module = tp.parallelize(copy.deepcopy(whole, {id(p): p for p in tied}), mesh, styles)
+        tied_ids = {id(p) for p in tied}
+        params = [p for p in module.parameters() if id(p) not in tied_ids and p.requires_grad]
+        optim = self.optimizer(params) if params else None
+        if optim is not None and state["optim"] is not None:
+            saved = state["optim"]
+            saved["state"] = {
+                i: {k: tp.shard_like(v, params[i]) if isinstance(v, torch.Tensor) else v
+                    for k, v in st.items()}
+                for i, st in saved["state"].items()}
+            optim.load_state_dict(saved)
+        self.held[layer] = module
+        self.optims[layer] = optim
+        self.sharded[layer] = mesh
+        return True
+
+    def unshard(self) -> None:
+        """Collective over each split layer's mesh: hold every split layer whole again
+        (full tensors), in layer order (the same on every rank of a mesh)."""
+        for layer in sorted(self.sharded):
+            del self.sharded[layer]
+            self.install(layer, tp.full_tensors(self.layer_state(layer)))
+
     # -- all of them ------------------------------------------------------------
 
     def clear(self) -> None:
+        self.sharded.clear()
         self.held.clear()
         self.optims.clear()
         self.tie_optims.clear()

@@ -81,8 +81,10 @@ from .records import Reporter, Slot, deliver, slot_record
 from .replicas import (
     Tie,
     find_ties,
+    full_state,
     hidden_reference,
 )
+from .tensorparallel import full_tensors
 
 __all__ = ["NoPlanError", "Trainer", "TrainerConfig"]
 
@@ -237,6 +239,13 @@ class Trainer:
     def held_layers(self) -> dict[int, nn.Module]:
         return dict(self.holdings.held)
 
+    def full_layer_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Collective over each tensor-parallel stage: every held layer's ``state_dict`` and
+        non-persistent buffers, split layers gathered to full tensors (train-check)."""
+        return {layer: {k: v.detach().clone() for k, v in
+                        full_tensors(full_state(module)).items()}
+                for layer, module in sorted(self.holdings.held.items())}
+
     @property
     def loss_scaler(self) -> LossScaler | None:
         """float16's dynamic loss scaler (None for other dtypes)."""
@@ -285,9 +294,11 @@ class Trainer:
 
         Raises InvalidPlanError (same on every rank) before anything moves.
         """
-        orders = check_plan(plan, self.device_ids, self.num_layers, self.global_batch)
+        orders = check_plan(plan, self.device_ids, self.num_layers, self.global_batch,
+                            tensor_parallel=self.config.tp_plan is not None)
         started = time.perf_counter()
         new = layer_owners(plan, self.rank_of, self.num_layers)
+        self.holdings.unshard()  # split layers are moved whole (full tensors)
         moved = self.holdings.hand_over(self._owners, new)
         self._owners = new
         self.holdings.ckpt_dir = None
@@ -316,7 +327,8 @@ class Trainer:
         settings = StageSettings(loss_fn=self._loss_fn, precision=self.precision,
                                  device=self.device, slowdown=cfg.slowdown,
                                  global_batch=self.global_batch, grad_group=self._grad_group,
-                                 bucket_cap_mb=cfg.bucket_cap_mb, overlap_sync=cfg.overlap_sync)
+                                 bucket_cap_mb=cfg.bucket_cap_mb, overlap_sync=cfg.overlap_sync,
+                                 tp_plan=cfg.tp_plan)
         self._part = build_part(
             plan, orders, owners=self._owners, holdings=self.holdings, rank=self.rank,
             rank_of=self.rank_of, settings=settings, targets=self._targets,
@@ -555,9 +567,15 @@ class Trainer:
         if self._scaler is not None:
             meta["loss_scaler"] = self._scaler.state_dict()
         meta.update({k: v for k, v in (extra or {}).items() if k not in meta})
+        split = bool(self.holdings.sharded)
+        self.holdings.unshard()  # checkpoints hold full tensors, whatever the plan
         saving.save(Path(directory), self.step, meta, keep, plan=self.plan,
                     holdings=self.holdings, owners=self._owners, rank=self.rank,
                     world=self.world, rank_of=self.rank_of)
+        if any(s.tp > 1 for g in self.plan.groups for s in g.stages) or split:
+            self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
+                                                self.global_batch,
+                                                tensor_parallel=self.config.tp_plan is not None))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Resume from ``directory`` (its ``latest`` commit, or a legacy flat checkpoint:
@@ -576,9 +594,11 @@ class Trainer:
             self.holdings.clear()
             self._owners = [[] for _ in self._specs]
         else:
+            self.holdings.sharded.clear()  # every held layer is reloaded whole
             self.holdings.reload()
             self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
-                                                self.global_batch))
+                                                self.global_batch,
+                                                tensor_parallel=self.config.tp_plan is not None))
             self.holdings.ckpt_dir = None
         dist.barrier()
         return meta

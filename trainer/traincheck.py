@@ -111,7 +111,6 @@ from .launch import BACKENDS, spawn
 from .layers import copy_layers
 from .plans import check_plan, random_plan
 from .preflight import preflight
-from .replicas import full_state
 from .statediff import (
     MIXED_NOISE_FACTOR,
     NOISE_FACTOR,
@@ -167,7 +166,8 @@ def summarize_plan(plan: Plan) -> str:
     parts = []
     for g in plan.groups:
         stages = " | ".join(
-            f"{s.device}[{s.layers[0]},{s.layers[1]}){'R' if s.recompute else ''}" for s in g.stages
+            f"{'+'.join(s.devices)}[{s.layers[0]},{s.layers[1]}){'R' if s.recompute else ''}"
+            for s in g.stages
         )
         parts.append(f"{g.samples}: {stages}")
     return f"{plan.schedule:6s} " + "  ;  ".join(parts)
@@ -184,7 +184,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     trainer = Trainer(
         spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
         TrainerConfig(global_batch=spec["global_batch"], device_id=f"local:{rank}",
-                      seed=cfg["seed"], dtype=getattr(torch, cfg["dtype"]), device=device),
+                      seed=cfg["seed"], dtype=getattr(torch, cfg["dtype"]), device=device,
+                      tp_plan=spec.get("tp_plan")),
     )
     out = Path(cfg["out"])
     if rank == 0:  # rank 0's modules are the runtime's starting point: the reference's too
@@ -199,8 +200,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             scales.append(scaler.scale if scaler is not None else 1.0)
             losses.append(trainer.train_epoch(max_iterations=1)["loss"])
             applied.append(scaler is None or scaler.skipped == skipped)
-        state = {layer: {k: v.detach().clone() for k, v in full_state(mod).items()}
-                 for layer, mod in trainer.held_layers.items()}
+        state = trainer.full_layer_states()  # split layers gathered: full tensors
         torch.save(state, out / f"plan{i}_rank{rank}.pt")
         if rank == 0:
             torch.save({"applied": applied, "scales": scales, "loss": sum(losses) / len(losses),
@@ -242,9 +242,14 @@ def _microbatch(global_batch: int, ranks: int) -> int:
 
 
 def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: int,
-               microbatch: int) -> list[Plan]:
+               microbatch: int, tensor_parallel: bool = False) -> list[Plan]:
     """Random valid plans until every layer boundary has been a cut (at least three plans;
-    schedules in turn, recompute on in every other plan, the last leaves one device idle)."""
+    schedules in turn, recompute on in every other plan, the last leaves one device idle).
+    With ``tensor_parallel`` (a job with a ``tp_plan``, 2 ranks or more), plans with
+    tensor-parallel stages come between them, so the ranks switch live from degree 1 to
+    degree t and back: each degree in 2, 4 that the ranks allow, on one group (with
+    pipeline cuts where ranks are left), and on 4 ranks or more also a plan of several
+    uneven groups that split layers differently."""
     devices = [f"local:{r}" for r in range(ranks)]
     uncovered = set(range(1, num_layers))
     schedules = list(SCHEDULE_CYCLE)
@@ -263,7 +268,28 @@ def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: in
                              schedules[len(plans) % len(schedules)], leave_idle=True,
                              recompute_p=0.0 if any(s.recompute for g in last.groups
                                                     for s in g.stages) else 0.5))
-    return plans
+    if not tensor_parallel or ranks < 2:
+        return plans
+    degrees = [d for d in (2, 4) if d <= ranks]
+    tp_plans = [random_plan(rng, devices, num_layers, global_batch, microbatch,
+                            schedules[i % len(schedules)], groups=1, tp_degrees=(d,),
+                            recompute_p=0.5 if i % 2 else 0.0)
+                for i, d in enumerate(degrees)]
+    if ranks >= 4:
+        tp_plans.append(random_plan(rng, devices, num_layers, global_batch, microbatch,
+                                    schedules[len(tp_plans) % len(schedules)], groups=2,
+                                    tp_degrees=(2,), recompute_p=0.3))
+    mixed: list[Plan] = []
+    for i, plan in enumerate(plans):  # 1 -> t -> 1 -> ...
+        mixed.append(plan)
+        if i < len(tp_plans):
+            mixed.append(tp_plans[i])
+    return mixed
+
+
+def tp_stages(plans: list[Plan]) -> int:
+    """The tensor-parallel stages of ``plans``."""
+    return sum(1 for p in plans for g in p.groups for s in g.stages if s.tp > 1)
 
 
 def run_check(
@@ -302,14 +328,17 @@ def run_check(
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
     microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
     param_dtype, compute_dtype = next(iter(_references(dtype).values()))
+    tensor_parallel = spec.get("tp_plan") is not None
+    degrees = [d for d in (2, 4) if d <= ranks] if tensor_parallel else []
     for note in preflight(spec, f"--job: {job}()", microbatch, seed, param_dtype,
-                          compute_dtype, ranks_on=device):  # refused here, before any rank
+                          compute_dtype, ranks_on=device,
+                          tp_degrees=degrees):  # refused here, before any rank
         log(f"note: {note}")
     rng = random.Random(seed)
-    plans = draw_plans(rng, ranks, num_layers, batch, microbatch)
+    plans = draw_plans(rng, ranks, num_layers, batch, microbatch, tensor_parallel)
     devices = [f"local:{r}" for r in range(ranks)]
     for plan in plans:  # refused here, before any rank starts
-        check_plan(plan, devices, num_layers, batch)
+        check_plan(plan, devices, num_layers, batch, tensor_parallel=tensor_parallel)
     cfg = {"plans": [plan_to_dict(p) for p in plans], "job": job, "iterations": iterations,
            "seed": seed, "dtype": dtype, "device": device, "backend": backend}
     with tempfile.TemporaryDirectory(prefix="hetpilot-train-check-") as tmp:
@@ -352,6 +381,8 @@ def run_check(
         where = " on cuda:0"
     log(f"{ranks} ranks{where}, {len(plans)} plans, "
         f"microbatch {microbatch}, {dtype}, {took:.1f} s")
+    if tensor_parallel:
+        log(f"tensor-parallel stages checked: {tp_stages(plans)}")
     return worst
 
 
