@@ -92,10 +92,19 @@ class RankPart:
 def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings, rank: int,
                rank_of: Mapping[str, int], settings: StageSettings,
                targets: Callable[[int, tuple[int, int], bool], tuple[float, float]],
-               min_seconds: Callable[[int, int], float | None] | None) -> RankPart:
+               min_seconds: Callable[[int, int], float | None] | None,
+               tp_meshes: dict[tuple[int, ...], Any] | None = None) -> RankPart:
     """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute)``: a
     stage's emulated forward and backward seconds; ``min_seconds``: an emulated all-reduce's
-    (:class:`~hetpilot.trainer.gradsync.GradSync`)."""
+    (:class:`~hetpilot.trainer.gradsync.GradSync`).
+
+    ``tp_meshes``: the device meshes of tensor-parallel stages made so far (by their ranks;
+    None where this rank is not one of them), kept across plans and added to here. They
+    are never destroyed: DTensor caches sharding decisions by a mesh's ranks, so a mesh
+    made again for the same ranks must be the same live group (a destroyed one's name
+    would come back from the cache)."""
+    if tp_meshes is None:
+        tp_meshes = {}
     part = RankPart()
     made: dict[tuple[int, ...], Any] = {}
 
@@ -120,11 +129,13 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
     for gi, group in enumerate(plan.groups):  # every rank makes every stage's group, in order
         for si, stage in enumerate(group.stages):
             if stage.tp > 1:
-                ranks = [rank_of[d] for d in stage.devices]
-                pg = dist.new_group(ranks=ranks)
-                part.groups.append(pg)
+                ranks = tuple(rank_of[d] for d in stage.devices)
+                if ranks not in tp_meshes:
+                    pg = dist.new_group(ranks=list(ranks))
+                    tp_meshes[ranks] = (DeviceMesh.from_group(pg, settings.device.type)
+                                        if rank in ranks else None)
                 if rank in ranks:
-                    meshes[gi, si] = DeviceMesh.from_group(pg, settings.device.type)
+                    meshes[gi, si] = tp_meshes[ranks]
     for gi, group in enumerate(plan.groups):
         for si, stage in enumerate(group.stages):
             if rank in (rank_of[d] for d in stage.devices):

@@ -228,6 +228,8 @@ class Trainer:
         """The process group pipeline gradients cross in, apart from the activations' (the
         default group), with ``gradient_group``: made at the first plan."""
         self.last_switch: dict[str, Any] = {}
+        self._tp_meshes: dict[tuple[int, ...], Any] = {}
+        """Tensor-parallel stages' device meshes by ranks, kept across plans (build_part)."""
 
     # -- state ----------------------------------------------------------------
 
@@ -332,7 +334,8 @@ class Trainer:
         self._part = build_part(
             plan, orders, owners=self._owners, holdings=self.holdings, rank=self.rank,
             rank_of=self.rank_of, settings=settings, targets=self._targets,
-            min_seconds=self._emulated_allreduce if self._emu is not None else None)
+            min_seconds=self._emulated_allreduce if self._emu is not None else None,
+            tp_meshes=self._tp_meshes)
 
     def _targets(self, m: int, layers: tuple[int, int], recompute: bool) -> tuple[float, float]:
         """EMULATION (target-time): spec 5.1's F_j and B_j on a device of ``emulate_tflops``."""

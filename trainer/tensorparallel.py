@@ -121,7 +121,8 @@ def split_problem(layer: nn.Module, x: Any, styles: Mapping[str, str], degree: i
             part = local(x)
         except Exception as exc:
             return (f"its forward cannot run split {degree} ways ({type(exc).__name__}: "
-                    f"{exc}); a reshape with a fixed head or feature count needs -1 there")
+                    f"{exc}); a reshape with a fixed head or feature count needs -1 there, "
+                    "and each colwise submodule's output a rowwise one consuming it")
     got, want = _shapes(part), _shapes(whole)
     if got != want:
         return (f"split {degree} ways its output has shapes {got}, not {want}: the "

@@ -1,0 +1,162 @@
+"""Tensor-parallel stages: plans refused without a tp_plan, layers that cannot run split
+refused by the preflight, and real gloo ranks splitting layers exactly as one process."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+import torch
+from hetpilot.planner.errors import InvalidPlanError, ValidationError
+from hetpilot.planner.serde import plan_from_dict
+from hetpilot.trainer import examples
+from hetpilot.trainer.plans import check_plan, random_plan
+from hetpilot.trainer.preflight import preflight
+
+DEVICES = ["local:0", "local:1", "local:2", "local:3"]
+TP = {
+    "microbatch_size": 2, "schedule": "1f1b",
+    "groups": [
+        {"samples": 10, "stages": [{"devices": ["local:0", "local:1"], "layers": [0, 3]},
+                                   {"device": "local:2", "layers": [3, 6]}]},
+        {"samples": 6, "stages": [{"device": "local:3", "layers": [0, 6]}]},
+    ],
+}
+
+
+def test_a_tensor_parallel_stage_is_refused_by_name_without_a_tp_plan() -> None:
+    with pytest.raises(InvalidPlanError) as info:
+        check_plan(plan_from_dict(TP), DEVICES, 6, 16)
+    assert info.value.field == "plan.groups[0].stages[0].devices"
+    assert "tp_plan" in str(info.value)
+    orders = check_plan(plan_from_dict(TP), DEVICES, 6, 16, tensor_parallel=True)
+    assert [len(g) for g in orders] == [2, 1]
+
+
+def test_a_tensor_parallel_stage_naming_an_unknown_device_is_refused() -> None:
+    data = {**TP, "groups": [dict(TP["groups"][0]), TP["groups"][1]]}
+    data["groups"][0]["stages"] = [{"devices": ["local:0", "gpu9:0"], "layers": [0, 3]},
+                                   {"device": "local:2", "layers": [3, 6]}]
+    with pytest.raises(InvalidPlanError) as info:
+        check_plan(plan_from_dict(data), DEVICES, 6, 16, tensor_parallel=True)
+    assert info.value.field == "plan.groups[0].stages[0].devices"
+    assert "gpu9:0" in str(info.value)
+
+
+@pytest.mark.parametrize("degrees", [(2,), (4,), (2, 4)])
+def test_random_plans_with_tensor_parallel_stages_are_valid(degrees: tuple[int, ...]) -> None:
+    rng = random.Random(5)
+    for _ in range(40):
+        plan = random_plan(rng, DEVICES, 6, 16, 2, rng.choice(["gpipe", "1f1b", "custom"]),
+                           tp_degrees=degrees)
+        check_plan(plan, DEVICES, 6, 16, tensor_parallel=True)
+        tps = {s.tp for g in plan.groups for s in g.stages}
+        assert tps <= {1, *degrees}, plan
+        if max(len(g.devices) for g in plan.groups) >= min(degrees):  # room for a split
+            assert max(tps) > 1, plan
+        assert sorted(d for g in plan.groups for d in g.devices) == DEVICES
+
+
+def _preflight(job: dict, degrees: tuple[int, ...] = (2,)) -> list[str]:
+    return preflight(job, "--job: j()", 4, 0, torch.float64, tp_degrees=degrees)
+
+
+def test_preflight_refuses_a_block_whose_reshape_fixes_the_head_count() -> None:
+    job = examples.gpt()  # its Block: a fused qkv, then view(b, s, self.heads, ...)
+    job["tp_plan"] = {"qkv": "colwise", "proj": "rowwise"}
+    with pytest.raises(ValidationError) as info:
+        _preflight(job)
+    assert info.value.field == "--job: j()['tp_plan']"
+    assert "item 1 (Block)" in str(info.value) and "split 2 ways" in str(info.value)
+
+
+def test_preflight_refuses_a_split_that_does_not_divide_or_is_not_paired() -> None:
+    job = examples.gpt_tp()  # 4 heads of 8: 3 ways does not divide 32 outputs
+    with pytest.raises(ValidationError) as info:
+        _preflight(job, (3,))
+    assert "not divisible by 3" in str(info.value)
+    job["tp_plan"] = {"mlp.up": "colwise"}  # no rowwise after it: mlp.down gets half
+    with pytest.raises(ValidationError) as info:
+        _preflight(job)
+    assert "cannot run split 2 ways" in str(info.value)
+    assert "item 1 (TPBlock)" in str(info.value)
+
+
+def test_preflight_passes_the_shipped_tensor_parallel_gpt() -> None:
+    _preflight(examples.gpt_tp(), (2, 4))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_live_switch_between_degrees_and_checkpoint_match_one_process(tmp_path: Path) -> None:
+    """2 gloo ranks: degree 2 -> 1 -> 2 at iteration boundaries, a checkpoint saved split
+    (full tensors, plan-independent) and reloaded split; every replica against one process
+    in float64."""
+    from hetpilot.trainer import checkpoint as ckpt
+    from hetpilot.trainer.launch import spawn
+    from hetpilot.trainer.reference import ReferenceRun, build_layers
+    from hetpilot.trainer.testing.tp_ranks import STEPS, TP_PLAN, tp_switch_rank
+
+    spawn(tp_switch_rank, 2, (str(tmp_path),), timeout_s=150)
+    got = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2)]
+
+    def reference() -> ReferenceRun:
+        job = examples.gpt_tp()
+        return ReferenceRun(build_layers(list(job["layers"]), 0, torch.float64), job["loss"],
+                            job["optimizer"], job["dataset"], job["global_batch"], seed=0)
+
+    def close(held: dict[int, dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]],
+              what: str) -> None:
+        assert held, what
+        for layer, state in held.items():
+            for name, value in state.items():
+                diff = float((value - want[layer][name]).abs().max())
+                assert diff <= 1e-9, f"{what}: layer {layer} {name!r} differs by {diff:.3e}"
+
+    ref = reference()
+    for i, (plan, iterations) in enumerate(STEPS):
+        for _ in range(iterations):
+            ref.step(plan_from_dict(plan))
+        want = ref.states()
+        for r in range(2):
+            held = got[r]["states"][i]
+            if plan is TP_PLAN:  # every layer on both ranks (the blocks split)
+                assert sorted(held) == list(range(5))
+            close(held, want, f"rank {r} after plan {i + 1}")
+        if i == 0:  # the checkpoint holds full tensors, the one process's: no shard
+            where = ckpt.resolve(tmp_path / "ckpt")
+            assert where is not None
+            for layer in range(5):
+                saved = ckpt.read_file(where, ckpt.layer_file(layer))["module"]
+                close({layer: saved}, want, "checkpoint")
+            for r in range(2):
+                close(got[r]["reloaded"], want, f"rank {r} reloaded")
+    resumed = reference()
+    for _ in range(3):  # two steps before the checkpoint, one after the reload
+        resumed.step(plan_from_dict(TP_PLAN))
+    for r in range(2):
+        assert got[r]["split"] == [1, 2], "the blocks are split again after the reload"
+        close(got[r]["after"], resumed.states(), f"rank {r} after the reload and a step")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_train_check_draws_tensor_parallel_plans_and_matches_one_process() -> None:
+    """4 ranks: degree 2 within a pipeline, degree 4, and two uneven groups splitting layers
+    differently (one 2 ways, one whole), each between plans without tensor parallelism."""
+    import re
+
+    from hetpilot.trainer.traincheck import run_check
+
+    lines: list[str] = []
+    worst = run_check(4, job="hetpilot.trainer.examples:gpt_tp", seed=4, timeout_s=200,
+                      log=lines.append)
+    text = "\n".join(lines)
+    assert worst["float64"].value <= 1e-9, text
+    assert "tensor-parallel stages checked: 3" in text, text
+    summaries = [line for line in lines if line.startswith("plan v")]
+    split = [bool(re.search(r"local:\d\+local:\d", s)) for s in summaries]
+    assert any(split[i] and not split[i + 1] for i in range(len(split) - 1)), text  # t -> 1
+    assert any(re.search(r"(local:\d\+){3}local:\d", s) for s in summaries), text  # degree 4
+    assert any(";" in s and "+" in s for s in summaries), text  # groups split differently
