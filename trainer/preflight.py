@@ -68,7 +68,7 @@ __all__ = ["MEAN_TOLERANCE", "preflight"]
 
 def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
               dtype: torch.dtype | None, compute_dtype: torch.dtype | None = None,
-              ranks_on: str = "cpu", tp_degrees: Sequence[int] = ()) -> list[str]:
+              ranks_on: str = "cpu") -> list[str]:
     """Check ``spec`` (a loaded job, :func:`~hetpilot.trainer.jobspec.load_job`) on one
     microbatch, on the CPU; raise :class:`ValidationError` naming ``where['key']`` (module
     docstring); return notes for the user.
@@ -76,18 +76,15 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     ``ranks_on``: where the ranks compute. When it is not the CPU and the mixed-precision
     run fails for want of a CPU kernel in the low dtype (a float16 LSTM or RReLU: torch's
     CPU has none, CUDA has), the preflight runs again without autocast and says so in a
-    note, instead of refusing a job its GPU ranks can train.
-
-    ``tp_degrees``: the degrees tensor-parallel stages may split the job's layers (with its
-    ``tp_plan``); a layer whose forward cannot run split one of those ways is refused
-    (``tp_plan``, naming the item and why: :func:`~hetpilot.trainer.tensorparallel.split_problem`)."""
+    note, instead of refusing a job its GPU ranks can train. (The degrees a ``tp_plan``
+    can split the layers: :func:`split_degrees`.)"""
     try:
-        return _preflight(spec, where, microbatch, seed, dtype, compute_dtype, tp_degrees)
+        return _preflight(spec, where, microbatch, seed, dtype, compute_dtype)
     except ValidationError as exc:
         if compute_dtype is None or ranks_on == "cpu" or not _lacks_cpu_kernel(exc):
             raise
         low = str(compute_dtype).removeprefix("torch.")
-        notes = _preflight(spec, where, microbatch, seed, dtype, None, tp_degrees)
+        notes = _preflight(spec, where, microbatch, seed, dtype, None)
         return [f"the preflight ran without {low} autocast, as this CPU has no {low} kernel "
                 f"for the job ({exc}); the ranks compute on {ranks_on}", *notes]
 
@@ -103,8 +100,7 @@ def _lacks_cpu_kernel(exc: ValidationError) -> bool:
 
 
 def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
-               dtype: torch.dtype | None, compute_dtype: torch.dtype | None,
-               tp_degrees: Sequence[int] = ()) -> list[str]:
+               dtype: torch.dtype | None, compute_dtype: torch.dtype | None) -> list[str]:
 
     def bad(key: str, problem: str) -> ValidationError:
         return ValidationError(f"{where}['{key}']", problem)
@@ -122,11 +118,7 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
         drift: str | None = None  # the first layer returning floating values of another dtype
         islands: list[str] = []  # float64: layers computing part in a narrower dtype
         with precision.autocast(torch.device("cpu")):
-            tp_plan = spec.get("tp_plan") if tp_degrees else None
-            shared = _shared_parameters(layers)
             for i, layer in enumerate(layers):
-                if tp_plan is not None:
-                    _refuse_unsplittable(i, layer, x, tp_plan, tp_degrees, shared, bad)
                 twin = _twin(layer, x)
                 watch = OpWatch(dtype if dtype == torch.float64 and not compute_dtype else None)
                 try:
@@ -179,6 +171,38 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     return notes
 
 
+def split_degrees(spec: dict[str, Any], where: str, microbatch: int, seed: int,
+                  dtype: torch.dtype | None, degrees: Sequence[int]
+                  ) -> tuple[list[int], list[str], list[int]]:
+    """Of ``degrees``, those every layer of ``spec`` runs split by its ``tp_plan`` (on one
+    microbatch, in one process: :func:`~hetpilot.trainer.tensorparallel.split_problem`),
+    why each other one does not (``degree t: item i (Name): why``), and the layers the plan
+    splits (the others run whole on each rank of a stage)."""
+
+    def bad(key: str, problem: str) -> ValidationError:
+        return ValidationError(f"{where}['{key}']", problem)
+
+    tp_plan = spec.get("tp_plan")
+    if tp_plan is None or not degrees:
+        return [], [], []
+    ok, why, split = list(degrees), [], []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        layers, _ = _build(spec["layers"], seed, dtype, bad)
+        shared = _shared_parameters(layers)
+        x = read_batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
+        for i, layer in enumerate(layers):
+            if matched(layer, tp_plan, keep_whole=shared):
+                split.append(i)
+            for degree in list(ok):
+                problem = _split_refusal(i, layer, x, tp_plan, degree, shared)
+                if problem is not None:
+                    ok.remove(degree)
+                    why.append(f"degree {degree}: {problem}")
+            with seeded(_PROBE_SEED, torch.device("cpu")):
+                x = layer(x)
+    return ok, why, split
+
+
 def _shared_parameters(layers: Sequence[nn.Module]) -> set[int]:
     """ids of the parameters two layers hold (ties: never split)."""
     seen: set[int] = set()
@@ -189,17 +213,15 @@ def _shared_parameters(layers: Sequence[nn.Module]) -> set[int]:
     return shared
 
 
-def _refuse_unsplittable(i: int, layer: nn.Module, x: Any, tp_plan: dict[str, str],
-                         degrees: Sequence[int], shared: set[int], bad: Any) -> None:
-    """Refuse layer ``i`` when its forward cannot run split ``degrees`` ways by the plan."""
+def _split_refusal(i: int, layer: nn.Module, x: Any, tp_plan: dict[str, str], degree: int,
+                   shared: set[int]) -> str | None:
+    """Why layer ``i`` cannot run split ``degree`` ways by the plan (None: it can)."""
     styles = matched(layer, tp_plan, keep_whole=shared)
     if not styles:
-        return
-    for degree in degrees:
-        with seeded(_PROBE_SEED, torch.device("cpu")):
-            problem = split_problem(layer, x, styles, degree)
-        if problem is not None:
-            raise bad("tp_plan", f"item {i} ({type(layer).__name__}): {problem}")
+        return None
+    with seeded(_PROBE_SEED, torch.device("cpu")):
+        problem = split_problem(layer, x, styles, degree)
+    return None if problem is None else f"item {i} ({type(layer).__name__}): {problem}"
 
 
 def _check_metric(metric: Any, output: Any, target: Any, precision: Precision,

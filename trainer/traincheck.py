@@ -95,7 +95,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -110,7 +110,7 @@ from .jobspec import load_job
 from .launch import BACKENDS, spawn
 from .layers import copy_layers
 from .plans import check_plan, random_plan
-from .preflight import preflight
+from .preflight import preflight, split_degrees
 from .statediff import (
     MIXED_NOISE_FACTOR,
     NOISE_FACTOR,
@@ -242,14 +242,17 @@ def _microbatch(global_batch: int, ranks: int) -> int:
 
 
 def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: int,
-               microbatch: int, tensor_parallel: bool = False) -> list[Plan]:
+               microbatch: int, degrees: Sequence[int] = (),
+               split: set[int] | None = None) -> list[Plan]:
     """Random valid plans until every layer boundary has been a cut (at least three plans;
     schedules in turn, recompute on in every other plan, the last leaves one device idle).
-    With ``tensor_parallel`` (a job with a ``tp_plan``, 2 ranks or more), plans with
-    tensor-parallel stages come between them, so the ranks switch live from degree 1 to
-    degree t and back: each degree in 2, 4 that the ranks allow, on one group (with
-    pipeline cuts where ranks are left), and on 4 ranks or more also a plan of several
-    uneven groups that split layers differently."""
+    With ``degrees`` (those a job's ``tp_plan`` can split its layers, at most ``ranks``),
+    plans with tensor-parallel stages come between them, so the ranks switch live from
+    degree 1 to degree t and back: one plan per degree on one group (with pipeline cuts
+    where ranks are left), and on 4 ranks or more also a plan of two uneven groups that
+    split layers differently (degree 2 in one). Each of those is drawn again (up to 50
+    times) until each of its tensor-parallel stages holds a layer of ``split`` (those the
+    ``tp_plan`` splits)."""
     devices = [f"local:{r}" for r in range(ranks)]
     uncovered = set(range(1, num_layers))
     schedules = list(SCHEDULE_CYCLE)
@@ -268,17 +271,20 @@ def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: in
                              schedules[len(plans) % len(schedules)], leave_idle=True,
                              recompute_p=0.0 if any(s.recompute for g in last.groups
                                                     for s in g.stages) else 0.5))
-    if not tensor_parallel or ranks < 2:
+    if not degrees:
         return plans
-    degrees = [d for d in (2, 4) if d <= ranks]
-    tp_plans = [random_plan(rng, devices, num_layers, global_batch, microbatch,
-                            schedules[i % len(schedules)], groups=1, tp_degrees=(d,),
-                            recompute_p=0.5 if i % 2 else 0.0)
+    def draw(schedule: str, groups: int, degree: int, recompute_p: float) -> Plan:
+        for _ in range(50):
+            plan = random_plan(rng, devices, num_layers, global_batch, microbatch, schedule,
+                               groups=groups, tp_degrees=(degree,), recompute_p=recompute_p)
+            if split is None or tp_stages(plan, split) == tp_stages(plan):
+                break
+        return plan
+
+    tp_plans = [draw(schedules[i % len(schedules)], 1, d, 0.5 if i % 2 else 0.0)
                 for i, d in enumerate(degrees)]
-    if ranks >= 4:
-        tp_plans.append(random_plan(rng, devices, num_layers, global_batch, microbatch,
-                                    schedules[len(tp_plans) % len(schedules)], groups=2,
-                                    tp_degrees=(2,), recompute_p=0.3))
+    if ranks >= 4 and 2 in degrees:
+        tp_plans.append(draw(schedules[len(tp_plans) % len(schedules)], 2, 2, 0.3))
     mixed: list[Plan] = []
     for i, plan in enumerate(plans):  # 1 -> t -> 1 -> ...
         mixed.append(plan)
@@ -287,9 +293,11 @@ def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: in
     return mixed
 
 
-def tp_stages(plans: list[Plan]) -> int:
-    """The tensor-parallel stages of ``plans``."""
-    return sum(1 for p in plans for g in p.groups for s in g.stages if s.tp > 1)
+def tp_stages(plan: Plan, split: set[int] | None = None) -> int:
+    """The tensor-parallel stages of ``plan`` (with ``split``: those holding one of these
+    layers, which the job's ``tp_plan`` splits)."""
+    return sum(1 for g in plan.groups for s in g.stages if s.tp > 1 and (
+        split is None or not split.isdisjoint(range(*s.layers))))
 
 
 def run_check(
@@ -328,14 +336,18 @@ def run_check(
     num_layers, batch = len(list(spec["layers"])), int(spec["global_batch"])
     microbatch = int(spec.get("microbatch_size") or _microbatch(batch, ranks))
     param_dtype, compute_dtype = next(iter(_references(dtype).values()))
-    tensor_parallel = spec.get("tp_plan") is not None
-    degrees = [d for d in (2, 4) if d <= ranks] if tensor_parallel else []
     for note in preflight(spec, f"--job: {job}()", microbatch, seed, param_dtype,
-                          compute_dtype, ranks_on=device,
-                          tp_degrees=degrees):  # refused here, before any rank
+                          compute_dtype, ranks_on=device):  # refused here, before any rank
         log(f"note: {note}")
+    degrees, why, split = split_degrees(spec, f"--job: {job}()", microbatch, seed, param_dtype,
+                                 [d for d in (2, 4) if d <= ranks])
+    if why and not degrees:  # its tp_plan splits no layer any way these ranks allow
+        raise ValidationError(f"--job: {job}()['tp_plan']", why[0])
+    for reason in why:
+        log(f"note: no tensor-parallel stage of {reason}")
+    tensor_parallel = spec.get("tp_plan") is not None
     rng = random.Random(seed)
-    plans = draw_plans(rng, ranks, num_layers, batch, microbatch, tensor_parallel)
+    plans = draw_plans(rng, ranks, num_layers, batch, microbatch, degrees, set(split))
     devices = [f"local:{r}" for r in range(ranks)]
     for plan in plans:  # refused here, before any rank starts
         check_plan(plan, devices, num_layers, batch, tensor_parallel=tensor_parallel)
@@ -382,7 +394,7 @@ def run_check(
     log(f"{ranks} ranks{where}, {len(plans)} plans, "
         f"microbatch {microbatch}, {dtype}, {took:.1f} s")
     if tensor_parallel:
-        log(f"tensor-parallel stages checked: {tp_stages(plans)}")
+        log(f"tensor-parallel stages checked: {sum(tp_stages(p, set(split)) for p in plans)}")
     return worst
 
 

@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hetpilot.planner.errors import InvalidPlanError, ValidationError
+from hetpilot.planner.errors import InvalidPlanError
 from hetpilot.planner.serde import plan_from_dict
 from hetpilot.trainer import examples
 from hetpilot.trainer.plans import check_plan, random_plan
-from hetpilot.trainer.preflight import preflight
+from hetpilot.trainer.preflight import split_degrees
 
 DEVICES = ["local:0", "local:1", "local:2", "local:3"]
 TP = {
@@ -58,33 +58,44 @@ def test_random_plans_with_tensor_parallel_stages_are_valid(degrees: tuple[int, 
         assert sorted(d for g in plan.groups for d in g.devices) == DEVICES
 
 
-def _preflight(job: dict, degrees: tuple[int, ...] = (2,)) -> list[str]:
-    return preflight(job, "--job: j()", 4, 0, torch.float64, tp_degrees=degrees)
+def _degrees(job: dict, degrees: tuple[int, ...] = (2,)) -> tuple[list[int], list[str]]:
+    ok, why, split = split_degrees(job, "--job: j()", 4, 0, torch.float64, degrees)
+    assert split == [1, 2]  # the two blocks
+    return ok, why
 
 
-def test_preflight_refuses_a_block_whose_reshape_fixes_the_head_count() -> None:
+def test_a_block_whose_reshape_fixes_the_head_count_cannot_run_split() -> None:
     job = examples.gpt()  # its Block: a fused qkv, then view(b, s, self.heads, ...)
     job["tp_plan"] = {"qkv": "colwise", "proj": "rowwise"}
-    with pytest.raises(ValidationError) as info:
-        _preflight(job)
-    assert info.value.field == "--job: j()['tp_plan']"
-    assert "item 1 (Block)" in str(info.value) and "split 2 ways" in str(info.value)
+    ok, why = _degrees(job)
+    assert ok == [] and len(why) == 1
+    assert why[0].startswith("degree 2: item 1 (Block)") and "split 2 ways" in why[0]
 
 
-def test_preflight_refuses_a_split_that_does_not_divide_or_is_not_paired() -> None:
-    job = examples.gpt_tp()  # 4 heads of 8: 3 ways does not divide 32 outputs
-    with pytest.raises(ValidationError) as info:
-        _preflight(job, (3,))
-    assert "not divisible by 3" in str(info.value)
+def test_splits_that_do_not_divide_or_are_not_paired_cannot_run() -> None:
+    job = examples.gpt_tp()  # 32 outputs do not split 3 ways
+    ok, why = _degrees(job, (2, 3))
+    assert ok == [2] and "not divisible by 3" in why[0]
     job["tp_plan"] = {"mlp.up": "colwise"}  # no rowwise after it: mlp.down gets half
-    with pytest.raises(ValidationError) as info:
-        _preflight(job)
-    assert "cannot run split 2 ways" in str(info.value)
-    assert "item 1 (TPBlock)" in str(info.value)
+    ok, why = _degrees(job)
+    assert ok == [] and "cannot run split 2 ways" in why[0] and "item 1 (TPBlock)" in why[0]
 
 
-def test_preflight_passes_the_shipped_tensor_parallel_gpt() -> None:
-    _preflight(examples.gpt_tp(), (2, 4))
+def test_the_shipped_tensor_parallel_gpt_runs_split_two_and_four_ways() -> None:
+    assert _degrees(examples.gpt_tp(), (2, 4)) == ([2, 4], [])
+
+
+def test_train_check_refuses_a_tp_plan_that_splits_nothing_it_can_run() -> None:
+    """Before any rank starts, exit 2 naming the key."""
+    import subprocess
+    import sys
+
+    res = subprocess.run(
+        [sys.executable, "-m", "hetpilot", "train-check", "--ranks", "2", "--job",
+         "hetpilot.trainer.testing.tp_ranks:fixed_heads"],
+        capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr
+    assert "['tp_plan']: degree 2: item 1 (Block)" in res.stderr, res.stderr
 
 
 @pytest.mark.slow

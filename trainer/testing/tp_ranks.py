@@ -33,6 +33,14 @@ STEPS = [(TP_PLAN, 2), (PIPE_PLAN, 1), (TP_PLAN, 1)]
 """(plan, iterations) in order; the checkpoint is saved after the first."""
 
 
+def fixed_heads() -> dict[str, Any]:
+    """:func:`~hetpilot.trainer.examples.gpt` with a ``tp_plan`` its blocks cannot run
+    split: a fused qkv viewed with a fixed head count (train-check refuses it)."""
+    from ..examples import gpt
+
+    return {**gpt(), "tp_plan": {"qkv": "colwise", "proj": "rowwise"}}
+
+
 def tp_switch_rank(rank: int, world: int, out: str) -> None:
     spec = gpt_tp()
     trainer = Trainer(
