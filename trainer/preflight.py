@@ -61,7 +61,7 @@ from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
 from .replicas import hidden_reference
-from .tensorparallel import matched, split_problem
+from .tensorparallel import matched, shared_parameters, split_problem
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
 
@@ -188,7 +188,7 @@ def split_degrees(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     ok, why, split = list(degrees), [], []
     with torch.random.fork_rng(devices=[]), torch.no_grad():
         layers, _ = _build(spec["layers"], seed, dtype, bad)
-        shared = _shared_parameters(layers)
+        shared = shared_parameters(layers)
         x = read_batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
         for i, layer in enumerate(layers):
             if matched(layer, tp_plan, keep_whole=shared):
@@ -201,16 +201,6 @@ def split_degrees(spec: dict[str, Any], where: str, microbatch: int, seed: int,
             with seeded(_PROBE_SEED, torch.device("cpu")):
                 x = layer(x)
     return ok, why, split
-
-
-def _shared_parameters(layers: Sequence[nn.Module]) -> set[int]:
-    """ids of the parameters two layers hold (ties: never split)."""
-    seen: set[int] = set()
-    shared: set[int] = set()
-    for layer in layers:
-        for p in {id(q) for q in layer.parameters()}:
-            (shared if p in seen else seen).add(p)
-    return shared
 
 
 def _split_refusal(i: int, layer: nn.Module, x: Any, tp_plan: dict[str, str], degree: int,

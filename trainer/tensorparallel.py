@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["full_tensors", "matched", "parallelize", "shard_like", "split_problem"]
+__all__ = ["full_tensors", "matched", "parallelize", "shard_like", "shared_parameters",
+           "split_problem"]
 
 _SPLITTABLE = (nn.Linear, nn.Embedding)
 """The module kinds torch's ColwiseParallel and RowwiseParallel split."""
@@ -52,6 +53,16 @@ def matched(module: nn.Module, tp_plan: Mapping[str, str],
             continue
         out[name] = style
     return out
+
+
+def shared_parameters(modules: Iterable[nn.Module]) -> set[int]:
+    """ids of the parameters two of ``modules`` hold (ties: never split)."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for module in modules:
+        for p in {id(q) for q in module.parameters()}:
+            (shared if p in seen else seen).add(p)
+    return shared
 
 
 def parallelize(module: nn.Module, mesh: Any, styles: Mapping[str, str]) -> nn.Module:

@@ -171,3 +171,33 @@ def test_train_check_draws_tensor_parallel_plans_and_matches_one_process() -> No
     assert any(split[i] and not split[i + 1] for i in range(len(split) - 1)), text  # t -> 1
     assert any(re.search(r"(local:\d\+){3}local:\d", s) for s in summaries), text  # degree 4
     assert any(";" in s and "+" in s for s in summaries), text  # groups split differently
+
+
+def test_profile_measures_the_all_reduces_of_the_layers_the_tp_plan_splits() -> None:
+    from hetpilot.planner.serde import model_from_dict
+    from hetpilot.trainer.profile import profile_model
+
+    job = examples.gpt_tp()
+    model = profile_model(job["layers"], job["sample"], tp_plan=job["tp_plan"])
+    blocks = model["layers"][1:3]
+    for layer in blocks:  # attn.out and mlp.down: two (b, s, d) outputs all-reduced
+        assert layer["tp_allreduces"] == 2
+        assert layer["tp_comm_mb"] == pytest.approx(16 * 32 * 4 / 1e6)  # float32 (s, d)
+    for layer in (model["layers"][0], *model["layers"][3:]):  # no pattern matches: whole
+        assert "tp_comm_mb" not in layer and "tp_allreduces" not in layer
+    assert model_from_dict(model).layers[1].tp_comm_mb == blocks[0]["tp_comm_mb"]
+    plain = profile_model(job["layers"], job["sample"])
+    assert all("tp_comm_mb" not in layer for layer in plain["layers"])
+
+
+def test_hf_job_takes_the_models_own_tp_plan_and_its_head_count_limits_the_degree() -> None:
+    pytest.importorskip("transformers")
+    from hetpilot.trainer.testing import hf_jobs
+
+    job = hf_jobs.llama()  # 4 heads, 2 key/value heads
+    assert job["tp_plan"]["block.self_attn.q_proj"] == "colwise"
+    assert job["tp_plan"]["block.mlp.down_proj"] == "rowwise"
+    ok, why, split = split_degrees(job, "--job: j()", 2, 0, torch.float64, (2, 4))
+    assert ok == [2] and split == [1, 2]
+    assert why[0].startswith("degree 4: item 1 (DecoderBlock): its forward cannot run split")
+    assert "tp_plan" not in hf_jobs.gpt2()  # GPT-2 has no plan of its own
