@@ -28,7 +28,7 @@ from .activations import wire_device
 from .layers import LayerSpec, OptimizerFactory, build_layer
 from .placement import Owners, tie_holders
 from .precision import cast_floating
-from .replicas import Tie, load_nonpersistent, nonpersistent_buffers, tie_param
+from .replicas import Tie, full_state, load_nonpersistent, nonpersistent_buffers, tie_param
 
 __all__ = ["Holdings", "recv_state", "send_state"]
 
@@ -84,6 +84,12 @@ class Holdings:
         self.sharded: dict[int, Any] = {}
         """Layers held split over a tensor-parallel stage's mesh (layer -> mesh); every other
         layer is held whole (:mod:`hetpilot.trainer.tensorparallel`)."""
+        self.meshes: dict[tuple[int, ...], Any] = {}
+        """Tensor-parallel stages' device meshes by their ranks (None where this rank is not
+        one of them), made by :func:`~hetpilot.trainer.rankpart.build_part` and kept across
+        plans: DTensor caches sharding decisions by a mesh's ranks, so a mesh made again
+        for the same ranks must be the same live group (a destroyed one's name would come
+        back from the cache)."""
 
     # -- one layer or tie -------------------------------------------------------
 
@@ -194,12 +200,19 @@ class Holdings:
         self.sharded[layer] = mesh
         return True
 
+    def full_layer_state(self, layer: int) -> dict[str, Any]:
+        """:meth:`layer_state` with full tensors; collective over the layer's mesh where it
+        is split (every rank of the stage calls it for the same layers in the same order)."""
+        state = self.layer_state(layer)
+        return tp.full_tensors(state) if layer in self.sharded else state
+
     def unshard(self) -> None:
         """Collective over each split layer's mesh: hold every split layer whole again
         (full tensors), in layer order (the same on every rank of a mesh)."""
         for layer in sorted(self.sharded):
+            state = self.full_layer_state(layer)
             del self.sharded[layer]
-            self.install(layer, tp.full_tensors(self.layer_state(layer)))
+            self.install(layer, state)
 
     # -- all of them ------------------------------------------------------------
 
@@ -209,8 +222,16 @@ class Holdings:
         self.optims.clear()
         self.tie_optims.clear()
 
+    def full_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Collective over each tensor-parallel stage: every held layer's ``state_dict`` and
+        non-persistent buffers, split layers gathered to full tensors (train-check)."""
+        return {layer: {k: v.detach().clone() for k, v in
+                        tp.full_tensors(full_state(module)).items()}
+                for layer, module in sorted(self.held.items())}
+
     def reload(self) -> None:
-        """Reload every held layer and tie from :attr:`ckpt_dir`."""
+        """Reload every held layer and tie from :attr:`ckpt_dir`, whole."""
+        self.sharded.clear()
         for layer in list(self.held):
             self.install(layer, self.ckpt_layer_state(layer))
         for t in list(self.tie_optims):  # after the layers: the tie lives in them
@@ -230,7 +251,9 @@ class Holdings:
 
     def hand_over(self, old: Owners, new: Owners) -> int:
         """Collective: move every layer and tie from its ``old`` holders to its ``new`` ones,
-        drop what this rank no longer holds; returns the bytes this rank sent."""
+        drop what this rank no longer holds; returns the bytes this rank sent. Split layers
+        are gathered whole first (:meth:`unshard`): layers move as full tensors."""
+        self.unshard()
         moved = 0
         for layer, (was, now) in enumerate(zip(old, new, strict=True)):
             if not was:  # nobody holds it yet: build it (seeded) or load it from a checkpoint

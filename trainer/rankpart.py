@@ -92,19 +92,12 @@ class RankPart:
 def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings, rank: int,
                rank_of: Mapping[str, int], settings: StageSettings,
                targets: Callable[[int, tuple[int, int], bool], tuple[float, float]],
-               min_seconds: Callable[[int, int], float | None] | None,
-               tp_meshes: dict[tuple[int, ...], Any] | None = None) -> RankPart:
+               min_seconds: Callable[[int, int], float | None] | None) -> RankPart:
     """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute)``: a
     stage's emulated forward and backward seconds; ``min_seconds``: an emulated all-reduce's
     (:class:`~hetpilot.trainer.gradsync.GradSync`).
-
-    ``tp_meshes``: the device meshes of tensor-parallel stages made so far (by their ranks;
-    None where this rank is not one of them), kept across plans and added to here. They
-    are never destroyed: DTensor caches sharding decisions by a mesh's ranks, so a mesh
-    made again for the same ranks must be the same live group (a destroyed one's name
-    would come back from the cache)."""
-    if tp_meshes is None:
-        tp_meshes = {}
+    A tensor-parallel stage's mesh is made once for its ranks (``holdings.meshes``)."""
+    tp_meshes = holdings.meshes
     part = RankPart()
     made: dict[tuple[int, ...], Any] = {}
 

@@ -81,10 +81,8 @@ from .records import Reporter, Slot, deliver, slot_record
 from .replicas import (
     Tie,
     find_ties,
-    full_state,
     hidden_reference,
 )
-from .tensorparallel import full_tensors
 
 __all__ = ["NoPlanError", "Trainer", "TrainerConfig"]
 
@@ -228,8 +226,6 @@ class Trainer:
         """The process group pipeline gradients cross in, apart from the activations' (the
         default group), with ``gradient_group``: made at the first plan."""
         self.last_switch: dict[str, Any] = {}
-        self._tp_meshes: dict[tuple[int, ...], Any] = {}
-        """Tensor-parallel stages' device meshes by ranks, kept across plans (build_part)."""
 
     # -- state ----------------------------------------------------------------
 
@@ -240,13 +236,6 @@ class Trainer:
     @property
     def held_layers(self) -> dict[int, nn.Module]:
         return dict(self.holdings.held)
-
-    def full_layer_states(self) -> dict[int, dict[str, torch.Tensor]]:
-        """Collective over each tensor-parallel stage: every held layer's ``state_dict`` and
-        non-persistent buffers, split layers gathered to full tensors (train-check)."""
-        return {layer: {k: v.detach().clone() for k, v in
-                        full_tensors(full_state(module)).items()}
-                for layer, module in sorted(self.holdings.held.items())}
 
     @property
     def loss_scaler(self) -> LossScaler | None:
@@ -296,11 +285,9 @@ class Trainer:
 
         Raises InvalidPlanError (same on every rank) before anything moves.
         """
-        orders = check_plan(plan, self.device_ids, self.num_layers, self.global_batch,
-                            tensor_parallel=self.config.tp_plan is not None)
+        orders = self._check(plan)
         started = time.perf_counter()
         new = layer_owners(plan, self.rank_of, self.num_layers)
-        self.holdings.unshard()  # split layers are moved whole (full tensors)
         moved = self.holdings.hand_over(self._owners, new)
         self._owners = new
         self.holdings.ckpt_dir = None
@@ -319,6 +306,10 @@ class Trainer:
         }
         return self.last_switch
 
+    def _check(self, plan: Plan) -> list[list[tuple[tuple[bool, int], ...]]]:
+        return check_plan(plan, self.device_ids, self.num_layers, self.global_batch,
+                          tensor_parallel=self.config.tp_plan is not None)
+
     def _rebuild(self, plan: Plan, orders: list[list[tuple[tuple[bool, int], ...]]]) -> None:
         """Collective: this rank's part of ``plan`` (:func:`~hetpilot.trainer.rankpart.build_part`)."""
         self._part.close()
@@ -334,8 +325,7 @@ class Trainer:
         self._part = build_part(
             plan, orders, owners=self._owners, holdings=self.holdings, rank=self.rank,
             rank_of=self.rank_of, settings=settings, targets=self._targets,
-            min_seconds=self._emulated_allreduce if self._emu is not None else None,
-            tp_meshes=self._tp_meshes)
+            min_seconds=self._emulated_allreduce if self._emu is not None else None)
 
     def _targets(self, m: int, layers: tuple[int, int], recompute: bool) -> tuple[float, float]:
         """EMULATION (target-time): spec 5.1's F_j and B_j on a device of ``emulate_tflops``."""
@@ -570,15 +560,9 @@ class Trainer:
         if self._scaler is not None:
             meta["loss_scaler"] = self._scaler.state_dict()
         meta.update({k: v for k, v in (extra or {}).items() if k not in meta})
-        split = bool(self.holdings.sharded)
-        self.holdings.unshard()  # checkpoints hold full tensors, whatever the plan
         saving.save(Path(directory), self.step, meta, keep, plan=self.plan,
                     holdings=self.holdings, owners=self._owners, rank=self.rank,
                     world=self.world, rank_of=self.rank_of)
-        if any(s.tp > 1 for g in self.plan.groups for s in g.stages) or split:
-            self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
-                                                self.global_batch,
-                                                tensor_parallel=self.config.tp_plan is not None))
 
     def load_checkpoint(self, directory: str | Path) -> dict[str, Any]:
         """Resume from ``directory`` (its ``latest`` commit, or a legacy flat checkpoint:
@@ -597,11 +581,8 @@ class Trainer:
             self.holdings.clear()
             self._owners = [[] for _ in self._specs]
         else:
-            self.holdings.sharded.clear()  # every held layer is reloaded whole
-            self.holdings.reload()
-            self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
-                                                self.global_batch,
-                                                tensor_parallel=self.config.tp_plan is not None))
+            self.holdings.reload()  # whole: tensor-parallel stages split them again
+            self._rebuild(self.plan, self._check(self.plan))
             self.holdings.ckpt_dir = None
         dist.barrier()
         return meta

@@ -200,7 +200,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             scales.append(scaler.scale if scaler is not None else 1.0)
             losses.append(trainer.train_epoch(max_iterations=1)["loss"])
             applied.append(scaler is None or scaler.skipped == skipped)
-        state = trainer.full_layer_states()  # split layers gathered: full tensors
+        state = trainer.holdings.full_states()  # split layers gathered: full tensors
         torch.save(state, out / f"plan{i}_rank{rank}.pt")
         if rank == 0:
             torch.save({"applied": applied, "scales": scales, "loss": sum(losses) / len(losses),

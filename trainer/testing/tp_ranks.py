@@ -56,11 +56,11 @@ def tp_switch_rank(rank: int, world: int, out: str) -> None:
             trainer.train_step()
         if i == 0:
             trainer.save_checkpoint(where / "ckpt")
-        states.append(trainer.full_layer_states())
+        states.append(trainer.holdings.full_states())
     trainer.load_checkpoint(where / "ckpt")  # under the split plan: reloaded, split again
-    reloaded = trainer.full_layer_states()
+    reloaded = trainer.holdings.full_states()
     trainer.train_step()
-    after = trainer.full_layer_states()
+    after = trainer.holdings.full_states()
     split = sorted(trainer.holdings.sharded)
     result: dict[str, Any] = {"states": states, "reloaded": reloaded, "after": after,
                               "split": split}
