@@ -605,7 +605,7 @@ def _devices(plan: Any) -> list[str]:
     """The devices the running plan uses, in its order."""
     if plan is None:
         return []
-    return list(dict.fromkeys(s.device for g in plan.groups for s in g.stages))
+    return list(dict.fromkeys(plan.devices))
 
 
 def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:
