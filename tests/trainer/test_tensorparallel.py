@@ -201,3 +201,17 @@ def test_hf_job_takes_the_models_own_tp_plan_and_its_head_count_limits_the_degre
     assert ok == [2] and split == [1, 2]
     assert why[0].startswith("degree 4: item 1 (DecoderBlock): its forward cannot run split")
     assert "tp_plan" not in hf_jobs.gpt2()  # GPT-2 has no plan of its own
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_the_float16_loss_scaler_reads_split_gradients_slice_by_slice(tmp_path: Path) -> None:
+    from hetpilot.trainer.launch import spawn
+    from hetpilot.trainer.testing.tp_ranks import scaler_rank
+
+    spawn(scaler_rank, 2, (str(tmp_path),), timeout_s=100)
+    for r in range(2):
+        got = torch.load(tmp_path / f"scaler{r}.pt", weights_only=True)
+        assert got["stepped"] and got["unscaled"] == [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0],
+                                                      [6.0, 7.0]]
+        assert got["skipped"] and got["scale"] == 2.0  # one rank's overflow: all skip

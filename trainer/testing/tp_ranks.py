@@ -65,3 +65,26 @@ def tp_switch_rank(rank: int, world: int, out: str) -> None:
     result: dict[str, Any] = {"states": states, "reloaded": reloaded, "after": after,
                               "split": split}
     torch.save(result, where / f"rank{rank}.pt")
+
+
+def scaler_rank(rank: int, world: int, out: str) -> None:
+    """float16's loss scaler on split gradients (DTensor slices over the world's mesh): an
+    overflow in one rank's slice skips the step on every rank; otherwise every slice is
+    unscaled. Writes what it saw."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ..precision import LossScaler
+
+    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    full = torch.arange(8, dtype=torch.float32).reshape(4, 2) * 4.0
+    grad = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
+    scaler = LossScaler(init_scale=4.0)
+    stepped = scaler.update([grad], torch.device("cpu"))
+    unscaled = grad.full_tensor().tolist()
+    if rank == world - 1:
+        grad.to_local()[0, 0] = float("inf")  # the last rank's slice overflows
+    skipped = not scaler.update([grad], torch.device("cpu"))
+    torch.save({"stepped": stepped, "unscaled": unscaled, "skipped": skipped,
+                "scale": scaler.scale}, Path(out) / f"scaler{rank}.pt")
