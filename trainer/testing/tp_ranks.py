@@ -77,7 +77,9 @@ def scaler_rank(rank: int, world: int, out: str) -> None:
 
     from ..precision import LossScaler
 
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    world_group = dist.group.WORLD
+    assert world_group is not None
+    mesh = DeviceMesh.from_group(world_group, "cpu")
     full = torch.arange(8, dtype=torch.float32).reshape(4, 2) * 4.0
     grad = distribute_tensor(full, mesh, [Shard(0)], src_data_rank=None)
     scaler = LossScaler(init_scale=4.0)
