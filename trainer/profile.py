@@ -51,7 +51,7 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .activations import register_dataclasses
 from .layers import copy_layers
-from .precision import cast_floating, precision_for
+from .precision import Precision, cast_floating, precision_for
 from .tensorparallel import matched, shared_parameters
 
 __all__ = ["flop_counter", "layer_times", "profile_model"]
@@ -197,6 +197,13 @@ def _needs_backward(output: Any) -> bool:
     return any(t.requires_grad and t.is_floating_point() for t in _leaves(output))
 
 
+def _forward(layer: nn.Module, inp: Any, precision: Precision, cpu: torch.device) -> Any:
+    """The layer's output as a cut after it carries it (cast to the wire dtype)."""
+    with precision.autocast(cpu):
+        y = layer(inp)
+    return pytree.tree_map(lambda t: precision.wire(t) if isinstance(t, torch.Tensor) else t, y)
+
+
 def _note_allreduces(layer: nn.Module, tp_plan: Mapping[str, str] | None, shared: set[int],
                      reduced: list[int]) -> list[Any]:
     """Hooks appending to ``reduced`` the bytes of each output of ``layer``'s row-parallel
@@ -269,13 +276,10 @@ def profile_model(
             reduced: list[int] = []  # bytes of each row-parallel output (an all-reduce)
             hooks = _note_allreduces(layer, tp_plan, shared, reduced)
             with flop_counter() as fwd_count, \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
-                    precision.autocast(cpu):
-                y = layer(inp)
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                y = _forward(layer, inp, precision, cpu)
             for hook in hooks:
                 hook.remove()
-                y = pytree.tree_map(lambda t: precision.wire(t)
-                                    if isinstance(t, torch.Tensor) else t, y)
             bwd_flops = 0
             if _needs_backward(y):
                 with flop_counter() as bwd_count:

@@ -86,16 +86,15 @@ def test_the_shipped_tensor_parallel_gpt_runs_split_two_and_four_ways() -> None:
 
 
 def test_train_check_refuses_a_tp_plan_that_splits_nothing_it_can_run() -> None:
-    """Before any rank starts, exit 2 naming the key."""
-    import subprocess
-    import sys
+    """Before any rank starts, naming the key (the CLI's exit 2)."""
+    from hetpilot.planner.errors import ValidationError
+    from hetpilot.trainer.traincheck import run_check
 
-    res = subprocess.run(
-        [sys.executable, "-m", "hetpilot", "train-check", "--ranks", "2", "--job",
-         "hetpilot.trainer.testing.tp_ranks:fixed_heads"],
-        capture_output=True, text=True, timeout=120)
-    assert res.returncode == 2, res.stderr
-    assert "['tp_plan']: degree 2: item 1 (Block)" in res.stderr, res.stderr
+    job = "hetpilot.trainer.testing.tp_ranks:fixed_heads"
+    with pytest.raises(ValidationError) as info:
+        run_check(2, job=job, log=lambda _: None)
+    assert info.value.field == f"--job: {job}()['tp_plan']"
+    assert info.value.problem.startswith("degree 2: item 1 (Block)")
 
 
 @pytest.mark.slow
