@@ -237,7 +237,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             model = profile_model(spec["layers"], spec["sample"],
                                   name=args.name or args.model.rpartition(":")[2],
-                                  dtype=getattr(torch, args.dtype) if args.dtype else None)
+                                  dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                  tp_plan=spec.get("tp_plan"))
         except (TypeError, ValueError, RuntimeError) as exc:  # the job's layers, as built
             return _fail(f"--model: cannot profile {args.model}: {exc}")
         text = json.dumps(model, indent=1)
@@ -402,8 +403,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             try:
                 first = source.poll(0)
                 assert first is not None
-                check_plan(first.plan, [s.device for g in first.plan.groups for s in g.stages],
-                           len(spec["layers"]), spec["global_batch"])
+                check_plan(first.plan, list(first.plan.devices), len(spec["layers"]),
+                           spec["global_batch"], tensor_parallel=spec.get("tp_plan") is not None)
             except ValidationError as exc:
                 return _fail(str(exc))
     spec = _with_sample(spec)
@@ -518,7 +519,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                 slowdown=args.emulate_slowdown, emulate_tflops=tflops,
                 layer_gflop=layer_gflop,
                 report_from_rank0=daemon, keep_plan_on_refusal=daemon,
-                emulate_file=args.emulate_file,
+                emulate_file=args.emulate_file, tp_plan=spec.get("tp_plan"),
                 dtype=getattr(torch, args.dtype) if args.dtype else None)
             trainer = Trainer(
                 spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"], config,
@@ -604,7 +605,7 @@ def _devices(plan: Any) -> list[str]:
     """The devices the running plan uses, in its order."""
     if plan is None:
         return []
-    return list(dict.fromkeys(s.device for g in plan.groups for s in g.stages))
+    return list(dict.fromkeys(plan.devices))
 
 
 def _slot(args: argparse.Namespace, source: Any) -> tuple[int, float]:

@@ -7,11 +7,13 @@ so the runtime's constructor only composes its parts.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from .jobspec import check_tp_plan
 
 __all__ = ["TrainerConfig"]
 
@@ -61,6 +63,9 @@ class TrainerConfig:
     merge_optimizers: bool = True
     """Step the layers' optimizers as one where that is exact
     (:mod:`hetpilot.trainer.optimstep`); False steps each alone."""
+    tp_plan: Mapping[str, str] | None = None
+    """The job's ``tp_plan`` (:mod:`hetpilot.trainer.tensorparallel`): what each layer of a
+    tensor-parallel stage splits; None refuses plans with tensor-parallel stages."""
     gradient_group: bool | None = field(default=None)
     """Pipeline gradients cross in a process group of their own, apart from the activations
     (:mod:`hetpilot.trainer.pipeline`); None: under NCCL only, which needs it. See
@@ -86,5 +91,7 @@ class TrainerConfig:
         if self.layer_gflop is not None:
             object.__setattr__(self, "layer_gflop", tuple(
                 (float(f), float(b)) for f, b in self.layer_gflop))
+        if self.tp_plan is not None:
+            object.__setattr__(self, "tp_plan", check_tp_plan(self.tp_plan, "tp_plan"))
         if not self.bucket_cap_mb > 0:
             raise ValueError(f"bucket_cap_mb must be > 0, got {self.bucket_cap_mb}")

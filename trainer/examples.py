@@ -112,6 +112,60 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
+class Attention(nn.Module):
+    """Causal multi-head self-attention with separate q/k/v projections, whose head count
+    follows from its input (``view(b, s, -1, head_dim)``), so it runs split by heads."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        if d_model % heads:
+            raise ValueError(f"d_model {d_model} is not a multiple of heads {heads}")
+        self.head_dim = d_model // heads
+        self.q = nn.Linear(d_model, d_model)
+        self.k = nn.Linear(d_model, d_model)
+        self.v = nn.Linear(d_model, d_model)
+        self.out = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k, v = (p(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(d_model, hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class TPBlock(nn.Module):
+    """Pre-LN transformer block (:class:`Block`'s computation) laid out as Megatron splits
+    it: q/k/v and the MLP's up projection column-parallel, the attention's output and the
+    MLP's down projection row-parallel (:data:`GPT_TP_PLAN`)."""
+
+    def __init__(self, d_model: int, heads: int, mlp_ratio: int = 4) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, mlp_ratio * d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+GPT_TP_PLAN = {"attn.q": "colwise", "attn.k": "colwise", "attn.v": "colwise",
+               "attn.out": "rowwise", "mlp.up": "colwise", "mlp.down": "rowwise"}
+"""The ``tp_plan`` of :func:`gpt_tp`'s blocks (patterns relative to each layer)."""
+
+
 class LMHead(nn.Module):
     """Logits ``(b, s, vocab)`` from the token embedding's own weight (tied, no bias)."""
 
@@ -175,6 +229,20 @@ def gpt(vocab: int = 64, seq_len: int = 16, d_model: int = 32, heads: int = 4,
         "metric": accuracy,
         "global_batch": 32,
     }
+
+
+def gpt_tp(vocab: int = 64, seq_len: int = 16, d_model: int = 32, heads: int = 4,
+           blocks: int = 2) -> dict[str, Any]:
+    """:func:`gpt` with :class:`TPBlock` blocks and a ``tp_plan``: the job whose plans may
+    have tensor-parallel stages (degrees dividing ``heads``). The embedding, final norm and
+    tied head match no pattern: a tensor-parallel stage runs them whole."""
+    job = gpt(vocab, seq_len, d_model, heads, blocks)
+    with _seeded(0):
+        body = [TPBlock(d_model, heads) for _ in range(blocks)]
+        for module in body:
+            module.apply(_gpt_init)
+    layers = job["layers"]
+    return {**job, "layers": [layers[0], *body, *layers[-2:]], "tp_plan": dict(GPT_TP_PLAN)}
 
 
 # --- ResNet ------------------------------------------------------------------------------

@@ -12,8 +12,9 @@ meets its receive.
 
 from __future__ import annotations
 
+import copy
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +23,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import checkpoint as ckpt
+from . import tensorparallel as tp
 from .activations import wire_device
 from .layers import LayerSpec, OptimizerFactory, build_layer
 from .placement import Owners, tie_holders
 from .precision import cast_floating
-from .replicas import Tie, load_nonpersistent, nonpersistent_buffers, tie_param
+from .replicas import Tie, full_state, load_nonpersistent, nonpersistent_buffers, tie_param
 
 __all__ = ["Holdings", "recv_state", "send_state"]
 
@@ -79,6 +81,15 @@ class Holdings:
                 self.tie_of.setdefault(layer, []).append(t)
         self.ckpt_dir: Path | None = None
         """The checkpoint being resumed: layers and ties nobody holds are read from it."""
+        self.sharded: dict[int, Any] = {}
+        """Layers held split over a tensor-parallel stage's mesh (layer -> mesh); every other
+        layer is held whole (:mod:`hetpilot.trainer.tensorparallel`)."""
+        self.meshes: dict[tuple[int, ...], Any] = {}
+        """Tensor-parallel stages' device meshes by their ranks (None where this rank is not
+        one of them), made by :func:`~hetpilot.trainer.rankpart.build_part` and kept across
+        plans: DTensor caches sharding decisions by a mesh's ranks, so a mesh made again
+        for the same ranks must be the same live group (a destroyed one's name would come
+        back from the cache)."""
 
     # -- one layer or tie -------------------------------------------------------
 
@@ -159,15 +170,68 @@ class Holdings:
         state: dict[str, Any] = ckpt.read_file(self.ckpt_dir, name, map_location=self.device)
         return state
 
+    # -- tensor-parallel stages -------------------------------------------------
+
+    def shard(self, layer: int, mesh: Any, tp_plan: Mapping[str, str]) -> bool:
+        """Split held ``layer`` over ``mesh`` as ``tp_plan`` says (every rank of the mesh
+        calls this with the same layer); its optimizer follows with its state split the same
+        way. Returns whether any submodule was split (else the layer stays whole: replicated)."""
+        whole = self.held[layer]
+        tied = [whole.get_parameter(n) for n in self.tied_names(layer)]
+        styles = tp.matched(whole, tp_plan, keep_whole=[id(p) for p in tied])
+        if not styles:
+            return False
+        state = self.layer_state(layer)
+        # a copy: a layer given as a module is the job's own object, which install() reuses
+        # when the layer is gathered back; the tied parameters stay shared (not copied)
+        module = tp.parallelize(copy.deepcopy(whole, {id(p): p for p in tied}), mesh, styles)
+        tied_ids = {id(p) for p in tied}
+        params = [p for p in module.parameters() if id(p) not in tied_ids and p.requires_grad]
+        optim = self.optimizer(params) if params else None
+        if optim is not None and state["optim"] is not None:
+            saved = state["optim"]
+            saved["state"] = {
+                i: {k: tp.shard_like(v, params[i]) if isinstance(v, torch.Tensor) else v
+                    for k, v in st.items()}
+                for i, st in saved["state"].items()}
+            optim.load_state_dict(saved)
+        self.held[layer] = module
+        self.optims[layer] = optim
+        self.sharded[layer] = mesh
+        return True
+
+    def full_layer_state(self, layer: int) -> dict[str, Any]:
+        """:meth:`layer_state` with full tensors; collective over the layer's mesh where it
+        is split (every rank of the stage calls it for the same layers in the same order)."""
+        state = self.layer_state(layer)
+        return tp.full_tensors(state) if layer in self.sharded else state
+
+    def unshard(self) -> None:
+        """Collective over each split layer's mesh: hold every split layer whole again
+        (full tensors), in layer order (the same on every rank of a mesh)."""
+        for layer in sorted(self.sharded):
+            state = self.full_layer_state(layer)
+            del self.sharded[layer]
+            self.install(layer, state)
+
     # -- all of them ------------------------------------------------------------
 
     def clear(self) -> None:
+        self.sharded.clear()
         self.held.clear()
         self.optims.clear()
         self.tie_optims.clear()
 
+    def full_states(self) -> dict[int, dict[str, torch.Tensor]]:
+        """Collective over each tensor-parallel stage: every held layer's ``state_dict`` and
+        non-persistent buffers, split layers gathered to full tensors (train-check)."""
+        return {layer: {k: v.detach().clone() for k, v in
+                        tp.full_tensors(full_state(module)).items()}
+                for layer, module in sorted(self.held.items())}
+
     def reload(self) -> None:
-        """Reload every held layer and tie from :attr:`ckpt_dir`."""
+        """Reload every held layer and tie from :attr:`ckpt_dir`, whole."""
+        self.sharded.clear()
         for layer in list(self.held):
             self.install(layer, self.ckpt_layer_state(layer))
         for t in list(self.tie_optims):  # after the layers: the tie lives in them
@@ -187,7 +251,9 @@ class Holdings:
 
     def hand_over(self, old: Owners, new: Owners) -> int:
         """Collective: move every layer and tie from its ``old`` holders to its ``new`` ones,
-        drop what this rank no longer holds; returns the bytes this rank sent."""
+        drop what this rank no longer holds; returns the bytes this rank sent. Split layers
+        are gathered whole first (:meth:`unshard`): layers move as full tensors."""
+        self.unshard()
         moved = 0
         for layer, (was, now) in enumerate(zip(old, new, strict=True)):
             if not was:  # nobody holds it yet: build it (seeded) or load it from a checkpoint

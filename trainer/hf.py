@@ -314,6 +314,22 @@ def _family(model: Any) -> tuple[Callable[[nn.Module], list[nn.Module]], Any, st
     return SUPPORTED[name]
 
 
+def tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's own tensor-parallel plan (its config's ``base_model_tp_plan``) as a job's
+    ``tp_plan``: the decoder layers' ``colwise`` / ``rowwise`` entries, renamed to the
+    submodules of :class:`DecoderBlock` (``layers.*.self_attn.q_proj`` ->
+    ``block.self_attn.q_proj``). Other styles (``colwise_rep``, experts' ``local_*``,
+    ``gather``) are left out: those submodules run whole on each rank of a stage. None
+    when the model has no such plan (GPT-2, BERT) or no entry is left. The preflight
+    refuses a split its attention cannot run (more ranks than key/value heads)."""
+    if _family(model)[0] is not _llama_layers:
+        return None
+    plan = getattr(getattr(model, "config", None), "base_model_tp_plan", None) or {}
+    out = {f"block.{key.removeprefix('layers.*.')}": style for key, style in plan.items()
+           if key.startswith("layers.*.") and style in ("colwise", "rowwise")}
+    return out or None
+
+
 def layers(model: nn.Module) -> list[nn.Module]:
     """The model as hetpilot layers (module docstring), sharing the model's parameters."""
     return _family(model)[0](model)
@@ -360,11 +376,14 @@ def job(model: nn.Module, dataset: Any, *, global_batch: int, microbatch_size: i
         **job_keys: Any) -> dict[str, Any]:
     """A hetpilot job for ``model`` on ``dataset`` (module docstring). ``optimizer``: a
     factory over a parameter list (default AdamW at lr 5e-5, HF Trainer's); ``job_keys``:
-    any other key of a job (``eval_dataset``, ``metric``, ``sample``)."""
+    any other key of a job (``eval_dataset``, ``metric``, ``sample``, ``tp_plan``). The
+    ``tp_plan`` defaults to the model's own (:func:`tp_plan`), where it has one."""
     build, loss, labels = _family(model)
+    split = tp_plan(model)
     return {"layers": build(model), "loss": loss, "optimizer": optimizer or _adamw,
             "dataset": Pairs(dataset, labels), "global_batch": global_batch,
-            "microbatch_size": microbatch_size, "model": model, **job_keys}
+            "microbatch_size": microbatch_size, "model": model,
+            **({"tp_plan": split} if split is not None else {}), **job_keys}
 
 
 # --- the record a checkpoint keeps, and the model back from it ---------------------------

@@ -21,15 +21,15 @@ import inspect
 import os
 import sys
 import traceback
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeGuard
 
 from hetpilot.planner.errors import ValidationError
 
-__all__ = ["TRAIN_KEYS", "load_job"]
+__all__ = ["TP_STYLES", "TRAIN_KEYS", "check_tp_plan", "load_job"]
 
 TRAIN_KEYS = ("layers", "loss", "optimizer", "dataset", "global_batch")
-OPTIONAL_KEYS = ("microbatch_size", "sample", "eval_dataset", "metric", "model")
+OPTIONAL_KEYS = ("microbatch_size", "sample", "eval_dataset", "metric", "model", "tp_plan")
 """The other keys a job function's dict may have (docs/trainer.md)."""
 
 HINTS = {
@@ -39,6 +39,26 @@ HINTS = {
                  "'Optimizer')",
 }
 """Why a key that users reach for is not one, and what to do instead."""
+
+
+TP_STYLES = ("colwise", "rowwise")
+"""The values a ``tp_plan`` entry may take (:mod:`hetpilot.trainer.tensorparallel`)."""
+
+
+def check_tp_plan(tp_plan: Any, field: str) -> dict[str, str]:
+    """``tp_plan`` as a dict of pattern -> style; ValueError naming ``field`` when malformed."""
+    if not isinstance(tp_plan, Mapping) or not tp_plan:
+        raise ValueError(f"{field}: must be a non-empty dict of submodule-name pattern -> "
+                         f"'colwise' or 'rowwise', got {type(tp_plan).__name__}")
+    out: dict[str, str] = {}
+    for pattern, style in tp_plan.items():
+        if not isinstance(pattern, str) or not pattern:
+            raise ValueError(f"{field}: a key {pattern!r} is not a submodule-name pattern")
+        if style not in TP_STYLES:
+            raise ValueError(f"{field}[{pattern!r}]: must be 'colwise' or 'rowwise', "
+                             f"got {style!r}")
+        out[pattern] = style
+    return out
 
 
 def load_job(target: str, field: str, required: Sequence[str] = TRAIN_KEYS) -> dict[str, Any]:
@@ -100,6 +120,11 @@ def _check_values(spec: dict[str, Any], where: str) -> None:
     if (spec.get("eval_dataset") is None) != (spec.get("metric") is None):
         raise bad("eval_dataset" if spec.get("metric") is None else "metric",
                   "eval_dataset and metric go together: give both or neither")
+    if spec.get("tp_plan") is not None:
+        try:
+            check_tp_plan(spec["tp_plan"], "tp_plan")
+        except ValueError as exc:
+            raise bad("tp_plan", str(exc).removeprefix("tp_plan: ")) from exc
     if spec.get("metric") is not None and not callable(spec["metric"]):
         raise bad("metric", f"must be a function (output, target) -> number, got "
                             f"{type(spec['metric']).__name__}")

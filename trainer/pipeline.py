@@ -281,8 +281,22 @@ class StageRunner:
         recv_order: Sequence[int] | None = None,
         grad_order: Sequence[int] | None = None,
         grad_group: Any = None,
+        act_dsts: Sequence[int] | None = None,
+        grad_dsts: Sequence[int] | None = None,
+        reports: bool = True,
     ) -> None:
         self.layers = list(layers)
+        self.act_dsts = list(act_dsts) if act_dsts is not None else (
+            [next_rank] if next_rank is not None else [])
+        """The ranks this stage sends its activations to: the next stage's (all of a
+        tensor-parallel stage's; none from a tensor-parallel stage's other ranks, whose
+        outputs are the same)."""
+        self.grad_dsts = list(grad_dsts) if grad_dsts is not None else (
+            [prev_rank] if prev_rank is not None else [])
+        """The ranks this stage sends its input gradients to: the previous stage's."""
+        self.reports = reports
+        """Whether this rank's losses and metrics count (not a tensor-parallel stage's other
+        ranks, which compute the same ones)."""
         self.recv_order = list(recv_order) if recv_order is not None else None
         """The microbatches in the order the previous stage sends their activations (None:
         the order this stage runs its forwards)."""
@@ -477,9 +491,8 @@ class StageRunner:
                     y = map_tensors(self.precision.wire, y)
                 self._op_done(clock, began, stats, "fwd_s", self.fwd_target_s)
                 saved[k] = (x_in, grad_leaves(y))
-                if not last:
-                    assert self.next_rank is not None
-                    pending.extend(send_activation(y, self.next_rank, k))
+                for dst in self.act_dsts:
+                    pending.extend(send_activation(y, dst, k))
             else:
                 grads: list[torch.Tensor] | None = None
                 if not last and saved[k][1]:
@@ -492,15 +505,15 @@ class StageRunner:
                     torch.autograd.backward(outs, grads)
                 self._op_done(clock, began, stats, "bwd_s", self.bwd_target_s)
                 if x_in:
-                    assert self.prev_rank is not None
-                    pending.extend(send_grads(x_in, self.prev_rank, k, self.grad_group))
+                    for dst in self.grad_dsts:
+                        pending.extend(send_grads(x_in, dst, k, self.grad_group))
                 stats.microbatches += 1
         started = time.perf_counter()
         for work, _ in pending:
             work.wait()
         stats.wait_s += time.perf_counter() - started
         clock.resolve(stats)
-        loss_sum = float(torch.stack(losses).double().sum()) if losses else 0.0
+        loss_sum = float(torch.stack(losses).double().sum()) if losses and self.reports else 0.0
         return stats, loss_sum
 
     def evaluate(
@@ -536,12 +549,13 @@ class StageRunner:
                         target = self._to_device(targets(k))
                         with self.precision.autocast(self.device):
                             total += size * float(metric(x, target))
-                    else:
-                        assert self.next_rank is not None
+                    for dst in self.act_dsts:
                         pending.extend(send_activation(map_tensors(self.precision.wire, x),
-                                                       self.next_rank, k))
+                                                       dst, k))
             for work, _ in pending:
                 work.wait()
+            if not self.reports:
+                total = 0.0
         finally:
             for module, mode in modes:
                 module.training = mode

@@ -18,12 +18,13 @@ Owners = list[list[int]]
 
 
 def layer_owners(plan: Plan, rank_of: Mapping[str, int], num_layers: int) -> Owners:
-    """The ranks ``plan`` puts each layer on, group by group."""
+    """The ranks ``plan`` puts each layer on, group by group (every rank of a
+    tensor-parallel stage, in its ring order: each holds the layer, split or whole)."""
     owners: Owners = [[] for _ in range(num_layers)]
     for group in plan.groups:
         for stage in group.stages:
             for layer in range(*stage.layers):
-                owners[layer].append(rank_of[stage.device])
+                owners[layer].extend(rank_of[d] for d in stage.devices)
     return owners
 
 

@@ -119,11 +119,13 @@ class FilePlanSource:
 # -- refusal -----------------------------------------------------------------
 
 def check_plan(
-    plan: Plan, device_ids: Sequence[str], num_layers: int, global_batch: int
+    plan: Plan, device_ids: Sequence[str], num_layers: int, global_batch: int,
+    *, tensor_parallel: bool = False,
 ) -> list[list[tuple[tuple[bool, int], ...]]]:
     """Refuse a plan the ranks cannot run; return each group's stage op orders.
 
-    Raises :class:`InvalidPlanError` naming the field: a device id no rank
+    Raises :class:`InvalidPlanError` naming the field: a tensor-parallel stage when the
+    job has no ``tp_plan`` (``tensor_parallel`` false), a device id no rank
     has, a layer range outside ``[0, num_layers)`` or not covering it, samples
     not summing to ``global_batch`` or not a multiple of the microbatch size,
     a custom order that is malformed or deadlocks.
@@ -131,23 +133,27 @@ def check_plan(
     known = set(device_ids)
     for gi, group in enumerate(plan.groups):
         for si, stage in enumerate(group.stages):
-            if stage.tp > 1:
+            if stage.tp > 1 and not tensor_parallel:
                 raise InvalidPlanError(
                     f"plan.groups[{gi}].stages[{si}].devices",
-                    f"a tensor-parallel stage of {stage.tp} devices; this trainer runs one"
-                    " device per stage (plan with tensor_parallel = false)",
+                    f"a tensor-parallel stage of {stage.tp} devices, and the job has no "
+                    "tp_plan saying what to split (give the job a tp_plan, or plan with "
+                    "tensor_parallel = false)",
                 )
-            if stage.device not in known:
-                shown = ", ".join(sorted(known)[:8]) + (" ..." if len(known) > 8 else "")
-                raise InvalidPlanError(
-                    f"plan.groups[{gi}].stages[{si}].device",
-                    f"no rank has device {stage.device!r} (ranks have: {shown})",
-                )
-    # Memory and speed do not matter here: a cluster of the ranks' devices with
-    # ample memory, and a model of the right length, let the reference model's
-    # validator check everything else with its own messages.
+            for d in stage.devices:
+                if d not in known:
+                    shown = ", ".join(sorted(known)[:8]) + (" ..." if len(known) > 8 else "")
+                    field = "device" if stage.tp == 1 else "devices"
+                    raise InvalidPlanError(
+                        f"plan.groups[{gi}].stages[{si}].{field}",
+                        f"no rank has device {d!r} (ranks have: {shown})",
+                    )
+    # Memory, speed and hosts do not matter here (the ranks run a tensor-parallel stage
+    # over any links): a cluster of the ranks' devices on one host with ample memory, and
+    # a model of the right length, let the reference model's validator check everything
+    # else with its own messages.
     cluster = Cluster(
-        devices=tuple(Device(id=d, host=d, tflops=1.0, memory_gb=1e12) for d in known),
+        devices=tuple(Device(id=d, host="ranks", tflops=1.0, memory_gb=1e12) for d in known),
         network=Network(intra_host_gbps=1.0, inter_host_gbps=1.0, latency_us=0.0),
     )
     model = Model(
@@ -214,6 +220,19 @@ def _draw_cuts(rng: random.Random, num_layers: int, count: int,
     return sorted(cuts)
 
 
+def _draw_spans(rng: random.Random, devices: int, degrees: Sequence[int]) -> list[int]:
+    """How many devices each stage of a group of ``devices`` takes (1, or one of
+    ``degrees`` half the time); draws nothing from ``rng`` without ``degrees``."""
+    spans: list[int] = []
+    left = devices
+    while left:
+        fits = [d for d in degrees if 1 < d <= left]
+        t = rng.choice(fits) if fits and rng.random() < 0.5 else 1
+        spans.append(t)
+        left -= t
+    return spans
+
+
 def random_plan(
     rng: random.Random,
     device_ids: Sequence[str],
@@ -226,11 +245,14 @@ def random_plan(
     leave_idle: bool = False,
     prefer_cuts: set[int] | None = None,
     recompute_p: float = 0.3,
+    tp_degrees: Sequence[int] = (),
 ) -> Plan:
     """A random valid plan: ``groups`` groups (random if None), uneven samples, random cuts
     and recompute (each stage with probability ``recompute_p``); with ``leave_idle`` one
     device is left out. Cuts are drawn from ``prefer_cuts`` first (boundaries not yet tried;
-    each one drawn is removed from the set)."""
+    each one drawn is removed from the set). With ``tp_degrees``, stages are
+    tensor-parallel of one of those degrees at random, and at least one stage is (of the
+    largest degree a group has room for), when any group has two devices."""
     devices = list(device_ids)
     rng.shuffle(devices)
     if leave_idle and len(devices) > 1:
@@ -251,9 +273,21 @@ def random_plan(
         counts[rng.randrange(k)] += 1
     made = []
     pos = 0
+    spans = [_draw_spans(rng, sizes[g], tp_degrees) for g in range(k)]
+    if tp_degrees and not any(t > 1 for sp in spans for t in sp):
+        g = max(range(k), key=lambda i: sizes[i])
+        fits = [d for d in tp_degrees if 1 < d <= sizes[g]]
+        if fits:
+            top = max(fits)
+            spans[g] = [top, *([1] * (sizes[g] - top))]
     for g in range(k):
-        stage_devices = devices[pos : pos + sizes[g]]
+        group_devices = devices[pos : pos + sizes[g]]
         pos += sizes[g]
+        stage_devices: list[tuple[str, ...]] = []
+        at = 0
+        for t in spans[g]:
+            stage_devices.append(tuple(group_devices[at : at + t]))
+            at += t
         cuts = _draw_cuts(rng, num_layers, len(stage_devices) - 1, prefer_cuts)
         bounds = [0, *cuts, num_layers]
         orders: list[tuple[str, ...] | None] = (
@@ -263,7 +297,8 @@ def random_plan(
         )
         stages = tuple(
             Stage(
-                device=d,
+                device=d[0],
+                devices=d,
                 layers=(bounds[j], bounds[j + 1]),
                 recompute=rng.random() < recompute_p,
                 order=orders[j],

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 __all__ = ["LossScaler", "Precision", "cast_floating", "dtype_name", "precision_for"]
 
@@ -132,8 +133,9 @@ class LossScaler:
         bad = torch.zeros(1, dtype=torch.float32, device=device)
         for g in grads:  # one flag; no host sync per tensor
             # a sparse gradient (nn.Embedding(sparse=True) under one group) by its values,
-            # as torch.amp.GradScaler checks it
-            values = g._values() if g.is_sparse else g
+            # as torch.amp.GradScaler checks it; a split one (DTensor) by this rank's slice
+            values = g.to_local() if isinstance(g, DTensor) else g._values() if g.is_sparse \
+                else g
             bad += (~torch.isfinite(values)).any().to(bad.dtype)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
         if float(bad.item()) > 0:

@@ -61,6 +61,7 @@ from .pipeline import loss_problem, seeded
 from .precision import Precision
 from .reference import build_layers
 from .replicas import hidden_reference
+from .tensorparallel import matched, shared_parameters, split_problem
 
 __all__ = ["MEAN_TOLERANCE", "preflight"]
 
@@ -75,7 +76,8 @@ def preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
     ``ranks_on``: where the ranks compute. When it is not the CPU and the mixed-precision
     run fails for want of a CPU kernel in the low dtype (a float16 LSTM or RReLU: torch's
     CPU has none, CUDA has), the preflight runs again without autocast and says so in a
-    note, instead of refusing a job its GPU ranks can train."""
+    note, instead of refusing a job its GPU ranks can train. (The degrees a ``tp_plan``
+    can split the layers: :func:`split_degrees`.)"""
     try:
         return _preflight(spec, where, microbatch, seed, dtype, compute_dtype)
     except ValidationError as exc:
@@ -167,6 +169,49 @@ def _preflight(spec: dict[str, Any], where: str, microbatch: int, seed: int,
             if note is not None:
                 notes.append(note)
     return notes
+
+
+def split_degrees(spec: dict[str, Any], where: str, microbatch: int, seed: int,
+                  dtype: torch.dtype | None, degrees: Sequence[int]
+                  ) -> tuple[list[int], list[str], list[int]]:
+    """Of ``degrees``, those every layer of ``spec`` runs split by its ``tp_plan`` (on one
+    microbatch, in one process: :func:`~hetpilot.trainer.tensorparallel.split_problem`),
+    why each other one does not (``degree t: item i (Name): why``), and the layers the plan
+    splits (the others run whole on each rank of a stage)."""
+
+    def bad(key: str, problem: str) -> ValidationError:
+        return ValidationError(f"{where}['{key}']", problem)
+
+    tp_plan = spec.get("tp_plan")
+    if tp_plan is None or not degrees:
+        return [], [], []
+    ok, why, split = list(degrees), [], []
+    with torch.random.fork_rng(devices=[]), torch.no_grad():
+        layers, _ = _build(spec["layers"], seed, dtype, bad)
+        shared = shared_parameters(layers)
+        x = read_batch(spec["dataset"], range(microbatch), 0, dtype, bad, seed)
+        for i, layer in enumerate(layers):
+            if matched(layer, tp_plan, keep_whole=shared):
+                split.append(i)
+            for degree in list(ok):
+                problem = _split_refusal(i, layer, x, tp_plan, degree, shared)
+                if problem is not None:
+                    ok.remove(degree)
+                    why.append(f"degree {degree}: {problem}")
+            with seeded(_PROBE_SEED, torch.device("cpu")):
+                x = layer(x)
+    return ok, why, split
+
+
+def _split_refusal(i: int, layer: nn.Module, x: Any, tp_plan: dict[str, str], degree: int,
+                   shared: set[int]) -> str | None:
+    """Why layer ``i`` cannot run split ``degree`` ways by the plan (None: it can)."""
+    styles = matched(layer, tp_plan, keep_whole=shared)
+    if not styles:
+        return None
+    with seeded(_PROBE_SEED, torch.device("cpu")):
+        problem = split_problem(layer, x, styles, degree)
+    return None if problem is None else f"item {i} ({type(layer).__name__}): {problem}"
 
 
 def _check_metric(metric: Any, output: Any, target: Any, precision: Precision,

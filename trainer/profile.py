@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -51,7 +51,8 @@ from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, 
 
 from .activations import register_dataclasses
 from .layers import copy_layers
-from .precision import cast_floating, precision_for
+from .precision import Precision, cast_floating, precision_for
+from .tensorparallel import matched, shared_parameters
 
 __all__ = ["flop_counter", "layer_times", "profile_model"]
 
@@ -196,6 +197,28 @@ def _needs_backward(output: Any) -> bool:
     return any(t.requires_grad and t.is_floating_point() for t in _leaves(output))
 
 
+def _forward(layer: nn.Module, inp: Any, precision: Precision, cpu: torch.device) -> Any:
+    """The layer's output as a cut after it carries it (cast to the wire dtype)."""
+    with precision.autocast(cpu):
+        y = layer(inp)
+    return pytree.tree_map(lambda t: precision.wire(t) if isinstance(t, torch.Tensor) else t, y)
+
+
+def _note_allreduces(layer: nn.Module, tp_plan: Mapping[str, str] | None, shared: set[int],
+                     reduced: list[int]) -> list[Any]:
+    """Hooks appending to ``reduced`` the bytes of each output of ``layer``'s row-parallel
+    submodules by ``tp_plan`` (each is all-reduced over a tensor-parallel stage)."""
+    if not tp_plan:
+        return []
+
+    def note(_module: nn.Module, _inputs: Any, out: Any) -> None:
+        reduced.append(_nbytes(out))
+
+    return [layer.get_submodule(name).register_forward_hook(note)
+            for name, style in matched(layer, tp_plan, keep_whole=shared).items()
+            if style == "rowwise"]
+
+
 def profile_model(
     layers: Sequence[LayerSpec],
     sample: Any,
@@ -203,6 +226,7 @@ def profile_model(
     name: str = "model",
     optimizer_factor: float = 3.0,
     dtype: torch.dtype | None = None,
+    tp_plan: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
     """The spec section 2 model dict of ``layers`` run on ``sample`` (a microbatch, any pytree
     of tensors whose first dimension is the microbatch).
@@ -213,7 +237,12 @@ def profile_model(
     weights) and runs each layer under autocast, with its output cast to the compute
     dtype as it crosses a cut (``out_mb``, and ``act_mb`` of the next layer). Low-dtype
     copies of the layer's own parameters that autocast saves for the backward are not
-    counted in ``act_mb`` (they do not grow with the microbatch)."""
+    counted in ``act_mb`` (they do not grow with the microbatch).
+
+    With a job's ``tp_plan`` (:mod:`hetpilot.trainer.tensorparallel`), each layer it splits
+    also gets spec 5.6's ``tp_allreduces`` (the row-parallel submodules' outputs in one
+    forward: each is all-reduced over the stage) and ``tp_comm_mb`` (their mean bytes per
+    sample: what one all-reduce moves). Submodules holding a tied parameter are not split."""
     precision = precision_for(dtype)
     m = _microbatch_size(sample)
     modules = _instantiate(layers)
@@ -226,6 +255,7 @@ def profile_model(
     cpu = torch.device("cpu")
     x: Any = sample
     out_layers = []
+    shared = shared_parameters(modules)
     with torch.enable_grad():
         for i, layer in enumerate(modules):
             inp = _layer_input(x, first=i == 0)
@@ -243,12 +273,13 @@ def profile_model(
                     saved[ptr] = max(saved.get(ptr, 0), t.numel() * t.element_size())
                 return t
 
+            reduced: list[int] = []  # bytes of each row-parallel output (an all-reduce)
+            hooks = _note_allreduces(layer, tp_plan, shared, reduced)
             with flop_counter() as fwd_count, \
                     torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                with precision.autocast(cpu):
-                    y = layer(inp)
-                y = pytree.tree_map(lambda t: precision.wire(t)
-                                    if isinstance(t, torch.Tensor) else t, y)
+                y = _forward(layer, inp, precision, cpu)
+            for hook in hooks:
+                hook.remove()
             bwd_flops = 0
             if _needs_backward(y):
                 with flop_counter() as bwd_count:
@@ -264,6 +295,9 @@ def profile_model(
                 "act_mb": sum(saved.values()) / m / 1e6,
                 "param_mb": param_bytes / 1e6,
             })
+            if reduced:
+                out_layers[-1]["tp_comm_mb"] = sum(reduced) / len(reduced) / m / 1e6
+                out_layers[-1]["tp_allreduces"] = len(reduced)
             x = y
     return {"name": name, "optimizer_factor": optimizer_factor, "layers": out_layers}
 

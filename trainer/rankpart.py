@@ -17,6 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from hetpilot.planner.types import Plan
+from torch.distributed.device_mesh import DeviceMesh
 
 from .gradsync import Bucket, GradSync
 from .handoff import Holdings
@@ -24,6 +25,7 @@ from .pipeline import StageRunner
 from .placement import Owners, owner_runs, tie_holders
 from .precision import Precision
 from .replicas import reconcile_buffers, snapshot_buffers, tie_param
+from .tpsync import TPGradSync
 
 __all__ = ["RankPart", "StageSettings", "build_part"]
 
@@ -44,6 +46,9 @@ class StageSettings:
     """The process group pipeline gradients cross in (None: the default group)."""
     bucket_cap_mb: float
     overlap_sync: bool
+    tp_plan: Mapping[str, str] | None = None
+    """The job's ``tp_plan`` (:mod:`hetpilot.trainer.tensorparallel`): what a
+    tensor-parallel stage splits in each of its layers."""
 
 
 @dataclass
@@ -58,7 +63,7 @@ class RankPart:
     """(first, end, process group) of each gradient bucket this rank takes part in."""
     tie_groups: list[tuple[int, Any]] = field(default_factory=list)
     """(tie, process group of its holders) of each tie this rank holds with others."""
-    gradsync: GradSync | None = None
+    gradsync: GradSync | TPGradSync | None = None
     groups: list[Any] = field(default_factory=list)
     """The process groups made for this plan (destroyed by :meth:`close`)."""
 
@@ -90,7 +95,9 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
                min_seconds: Callable[[int, int], float | None] | None) -> RankPart:
     """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute)``: a
     stage's emulated forward and backward seconds; ``min_seconds``: an emulated all-reduce's
-    (:class:`~hetpilot.trainer.gradsync.GradSync`)."""
+    (:class:`~hetpilot.trainer.gradsync.GradSync`).
+    A tensor-parallel stage's mesh is made once for its ranks (``holdings.meshes``)."""
+    tp_meshes = holdings.meshes
     part = RankPart()
     made: dict[tuple[int, ...], Any] = {}
 
@@ -111,30 +118,58 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
             pg = group_of(ranks)
             if rank in ranks:
                 part.tie_groups.append((t, pg))
+    meshes: dict[tuple[int, int], Any] = {}
+    for gi, group in enumerate(plan.groups):  # every rank makes every stage's group, in order
+        for si, stage in enumerate(group.stages):
+            if stage.tp > 1:
+                ranks = tuple(rank_of[d] for d in stage.devices)
+                if ranks not in tp_meshes:
+                    pg = dist.new_group(ranks=list(ranks))
+                    tp_meshes[ranks] = (DeviceMesh.from_group(pg, settings.device.type)
+                                        if rank in ranks else None)
+                if rank in ranks:
+                    meshes[gi, si] = tp_meshes[ranks]
     for gi, group in enumerate(plan.groups):
         for si, stage in enumerate(group.stages):
-            if rank_of[stage.device] == rank:
+            if rank in (rank_of[d] for d in stage.devices):
                 part.role, part.ops = (gi, si), orders[gi][si]
-                part.runner = _stage_runner(plan, gi, si, orders, holdings, rank_of, settings,
-                                            targets)
-    if part.runner is not None:
-        part.gradsync = GradSync(
-            [Bucket(holdings.untied_params(first, end), pg, f"layers {first}-{end - 1}")
-             for first, end, pg in part.buckets],
-            [(tie_param(holdings.ties[t], holdings.held), pg) for t, pg in part.tie_groups],
-            bucket_cap_mb=settings.bucket_cap_mb, overlap=settings.overlap_sync,
-            min_seconds=min_seconds)
+                if (gi, si) in meshes:
+                    if settings.tp_plan is None:
+                        raise ValueError(f"plan.groups[{gi}].stages[{si}].devices: a "
+                                         "tensor-parallel stage needs the job's tp_plan")
+                    for layer in range(*stage.layers):
+                        holdings.shard(layer, meshes[gi, si], settings.tp_plan)
+                part.runner = _stage_runner(plan, gi, si, orders, holdings, rank, rank_of,
+                                            settings, targets)
+    if part.runner is not None and part.role is not None:
+        buckets = [Bucket(holdings.untied_params(first, end), pg, f"layers {first}-{end - 1}")
+                   for first, end, pg in part.buckets]
+        tied = [(tie_param(holdings.ties[t], holdings.held), pg) for t, pg in part.tie_groups]
+        if any(s.tp > 1 for g in plan.groups for s in g.stages):
+            stage = plan.groups[part.role[0]].stages[part.role[1]]
+            part.gradsync = TPGradSync(buckets, tied,
+                                       contributes=rank_of[stage.devices[0]] == rank)
+        else:
+            part.gradsync = GradSync(
+                buckets, tied, bucket_cap_mb=settings.bucket_cap_mb,
+                overlap=settings.overlap_sync, min_seconds=min_seconds)
         part.runner.before_last_backward = part.gradsync.arm
     return part
 
 
 def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdings,
-                  rank_of: Mapping[str, int], settings: StageSettings,
+                  rank: int, rank_of: Mapping[str, int], settings: StageSettings,
                   targets: Callable[[int, tuple[int, int], bool], tuple[float, float]]
                   ) -> StageRunner:
-    """The runner of stage ``si`` of group ``gi``."""
+    """The runner of stage ``si`` of group ``gi`` on ``rank`` (one of the stage's ranks).
+
+    Into and out of a tensor-parallel stage: every rank of a stage holds the same
+    activation (replicated after a row-parallel layer), so the first rank of a stage sends
+    it to every rank of the next stage, and the first rank of the next stage sends the
+    gradient back to every rank of this one; the other ranks send nothing."""
     stages: Sequence[Any] = plan.groups[gi].stages
     stage, n = stages[si], len(stages)
+    first = rank_of[stage.devices[0]] == rank
     fwd_t, bwd_t = targets(plan.microbatch_size, stage.layers, stage.recompute)
     return StageRunner(
         [holdings.held[layer] for layer in range(*stage.layers)],
@@ -151,4 +186,7 @@ def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdin
         recv_order=[k for bwd, k in orders[gi][si - 1] if not bwd] if si > 0 else None,
         grad_order=[k for bwd, k in orders[gi][si + 1] if bwd] if si + 1 < n else None,
         grad_group=settings.grad_group,
+        act_dsts=[rank_of[d] for d in stages[si + 1].devices] if first and si + 1 < n else [],
+        grad_dsts=[rank_of[d] for d in stages[si - 1].devices] if first and si > 0 else [],
+        reports=first,
     )

@@ -115,8 +115,9 @@ class ReferenceRun:
         """One iteration under ``plan``; returns its mean loss. ``apply=False``: the
         gradients are dropped instead of stepped (a float16 step the loss scaler skipped);
         ``scale``: float16's loss scale, taken out of the gradients before the step."""
-        devices = sorted({s.device for g in plan.groups for s in g.stages})
-        orders = check_plan(plan, devices, len(self.layers), self.global_batch)
+        devices = sorted({d for g in plan.groups for s in g.stages for d in s.devices})
+        orders = check_plan(plan, devices, len(self.layers), self.global_batch,
+                            tensor_parallel=True)  # one process runs a split stage whole
         batch = self.indices()
         m, b = plan.microbatch_size, self.global_batch
         buffers = _buffers(self.layers)

@@ -285,7 +285,7 @@ class Trainer:
 
         Raises InvalidPlanError (same on every rank) before anything moves.
         """
-        orders = check_plan(plan, self.device_ids, self.num_layers, self.global_batch)
+        orders = self._check(plan)
         started = time.perf_counter()
         new = layer_owners(plan, self.rank_of, self.num_layers)
         moved = self.holdings.hand_over(self._owners, new)
@@ -306,6 +306,10 @@ class Trainer:
         }
         return self.last_switch
 
+    def _check(self, plan: Plan) -> list[list[tuple[tuple[bool, int], ...]]]:
+        return check_plan(plan, self.device_ids, self.num_layers, self.global_batch,
+                          tensor_parallel=self.config.tp_plan is not None)
+
     def _rebuild(self, plan: Plan, orders: list[list[tuple[tuple[bool, int], ...]]]) -> None:
         """Collective: this rank's part of ``plan`` (:func:`~hetpilot.trainer.rankpart.build_part`)."""
         self._part.close()
@@ -316,7 +320,8 @@ class Trainer:
         settings = StageSettings(loss_fn=self._loss_fn, precision=self.precision,
                                  device=self.device, slowdown=cfg.slowdown,
                                  global_batch=self.global_batch, grad_group=self._grad_group,
-                                 bucket_cap_mb=cfg.bucket_cap_mb, overlap_sync=cfg.overlap_sync)
+                                 bucket_cap_mb=cfg.bucket_cap_mb, overlap_sync=cfg.overlap_sync,
+                                 tp_plan=cfg.tp_plan)
         self._part = build_part(
             plan, orders, owners=self._owners, holdings=self.holdings, rank=self.rank,
             rank_of=self.rank_of, settings=settings, targets=self._targets,
@@ -576,9 +581,8 @@ class Trainer:
             self.holdings.clear()
             self._owners = [[] for _ in self._specs]
         else:
-            self.holdings.reload()
-            self._rebuild(self.plan, check_plan(self.plan, self.device_ids, self.num_layers,
-                                                self.global_batch))
+            self.holdings.reload()  # whole: tensor-parallel stages split them again
+            self._rebuild(self.plan, self._check(self.plan))
             self.holdings.ckpt_dir = None
         dist.barrier()
         return meta

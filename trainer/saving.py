@@ -2,7 +2,9 @@
 
 The files and their crash safety are :mod:`hetpilot.trainer.checkpoint`'s; this module is
 the ranks' side: rank 0 opens a fresh staging directory, each layer's owner in group 0
-writes the layer and each tie's first holder the tie, rank 0 commits. Each phase ends with
+writes the layer (a tensor-parallel stage's first rank, with the full tensors gathered from
+the stage's ranks: checkpoints do not depend on the plan) and each tie's first holder the
+tie, rank 0 commits. Each phase ends with
 every rank learning every rank's outcome, so that all raise (and none waits forever) when
 one failed.
 """
@@ -32,9 +34,12 @@ def save(root: Path, step: int, meta: dict[str, Any], keep: int, *, plan: Plan,
 
     def write() -> None:
         for stage in plan.groups[0].stages:
-            if rank_of[stage.device] == rank:
+            ranks = [rank_of[d] for d in stage.devices]
+            if rank in ranks:
                 for layer in range(*stage.layers):
-                    ckpt.write_file(staging, ckpt.layer_file(layer), holdings.layer_state(layer))
+                    state = holdings.full_layer_state(layer)  # gathered where split
+                    if rank == ranks[0]:
+                        ckpt.write_file(staging, ckpt.layer_file(layer), state)
         for t, tie in enumerate(holdings.ties):
             if tie_holders(tie.layers, owners)[:1] == [rank]:
                 ckpt.write_file(staging, ckpt.tied_file(t), holdings.tie_state(t))

@@ -95,7 +95,7 @@ import random
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -110,8 +110,7 @@ from .jobspec import load_job
 from .launch import BACKENDS, spawn
 from .layers import copy_layers
 from .plans import check_plan, random_plan
-from .preflight import preflight
-from .replicas import full_state
+from .preflight import preflight, split_degrees
 from .statediff import (
     MIXED_NOISE_FACTOR,
     NOISE_FACTOR,
@@ -167,7 +166,8 @@ def summarize_plan(plan: Plan) -> str:
     parts = []
     for g in plan.groups:
         stages = " | ".join(
-            f"{s.device}[{s.layers[0]},{s.layers[1]}){'R' if s.recompute else ''}" for s in g.stages
+            f"{'+'.join(s.devices)}[{s.layers[0]},{s.layers[1]}){'R' if s.recompute else ''}"
+            for s in g.stages
         )
         parts.append(f"{g.samples}: {stages}")
     return f"{plan.schedule:6s} " + "  ;  ".join(parts)
@@ -184,7 +184,8 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
     trainer = Trainer(
         spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
         TrainerConfig(global_batch=spec["global_batch"], device_id=f"local:{rank}",
-                      seed=cfg["seed"], dtype=getattr(torch, cfg["dtype"]), device=device),
+                      seed=cfg["seed"], dtype=getattr(torch, cfg["dtype"]), device=device,
+                      tp_plan=spec.get("tp_plan")),
     )
     out = Path(cfg["out"])
     if rank == 0:  # rank 0's modules are the runtime's starting point: the reference's too
@@ -199,8 +200,7 @@ def _worker(rank: int, world: int, cfg: dict[str, Any]) -> None:
             scales.append(scaler.scale if scaler is not None else 1.0)
             losses.append(trainer.train_epoch(max_iterations=1)["loss"])
             applied.append(scaler is None or scaler.skipped == skipped)
-        state = {layer: {k: v.detach().clone() for k, v in full_state(mod).items()}
-                 for layer, mod in trainer.held_layers.items()}
+        state = trainer.holdings.full_states()  # split layers gathered: full tensors
         torch.save(state, out / f"plan{i}_rank{rank}.pt")
         if rank == 0:
             torch.save({"applied": applied, "scales": scales, "loss": sum(losses) / len(losses),
@@ -242,9 +242,17 @@ def _microbatch(global_batch: int, ranks: int) -> int:
 
 
 def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: int,
-               microbatch: int) -> list[Plan]:
+               microbatch: int, degrees: Sequence[int] = (),
+               split: set[int] | None = None) -> list[Plan]:
     """Random valid plans until every layer boundary has been a cut (at least three plans;
-    schedules in turn, recompute on in every other plan, the last leaves one device idle)."""
+    schedules in turn, recompute on in every other plan, the last leaves one device idle).
+    With ``degrees`` (those a job's ``tp_plan`` can split its layers, at most ``ranks``),
+    plans with tensor-parallel stages come between them, so the ranks switch live from
+    degree 1 to degree t and back: one plan per degree on one group (with pipeline cuts
+    where ranks are left), and on 4 ranks or more also a plan of two uneven groups that
+    split layers differently (degree 2 in one). Each of those is drawn again (up to 50
+    times) until each of its tensor-parallel stages holds a layer of ``split`` (those the
+    ``tp_plan`` splits)."""
     devices = [f"local:{r}" for r in range(ranks)]
     uncovered = set(range(1, num_layers))
     schedules = list(SCHEDULE_CYCLE)
@@ -263,7 +271,33 @@ def draw_plans(rng: random.Random, ranks: int, num_layers: int, global_batch: in
                              schedules[len(plans) % len(schedules)], leave_idle=True,
                              recompute_p=0.0 if any(s.recompute for g in last.groups
                                                     for s in g.stages) else 0.5))
-    return plans
+    if not degrees:
+        return plans
+    def draw(schedule: str, groups: int, degree: int, recompute_p: float) -> Plan:
+        for _ in range(50):
+            plan = random_plan(rng, devices, num_layers, global_batch, microbatch, schedule,
+                               groups=groups, tp_degrees=(degree,), recompute_p=recompute_p)
+            if split is None or tp_stages(plan, split) == tp_stages(plan):
+                break
+        return plan
+
+    tp_plans = [draw(schedules[i % len(schedules)], 1, d, 0.5 if i % 2 else 0.0)
+                for i, d in enumerate(degrees)]
+    if ranks >= 4 and 2 in degrees:
+        tp_plans.append(draw(schedules[len(tp_plans) % len(schedules)], 2, 2, 0.3))
+    mixed: list[Plan] = []
+    for i, plan in enumerate(plans):  # 1 -> t -> 1 -> ...
+        mixed.append(plan)
+        if i < len(tp_plans):
+            mixed.append(tp_plans[i])
+    return mixed
+
+
+def tp_stages(plan: Plan, split: set[int] | None = None) -> int:
+    """The tensor-parallel stages of ``plan`` (with ``split``: those holding one of these
+    layers, which the job's ``tp_plan`` splits)."""
+    return sum(1 for g in plan.groups for s in g.stages if s.tp > 1 and (
+        split is None or not split.isdisjoint(range(*s.layers))))
 
 
 def run_check(
@@ -305,11 +339,18 @@ def run_check(
     for note in preflight(spec, f"--job: {job}()", microbatch, seed, param_dtype,
                           compute_dtype, ranks_on=device):  # refused here, before any rank
         log(f"note: {note}")
+    degrees, why, split = split_degrees(spec, f"--job: {job}()", microbatch, seed, param_dtype,
+                                 [d for d in (2, 4) if d <= ranks])
+    if why and not degrees:  # its tp_plan splits no layer any way these ranks allow
+        raise ValidationError(f"--job: {job}()['tp_plan']", why[0])
+    for reason in why:
+        log(f"note: no tensor-parallel stage of {reason}")
+    tensor_parallel = spec.get("tp_plan") is not None
     rng = random.Random(seed)
-    plans = draw_plans(rng, ranks, num_layers, batch, microbatch)
+    plans = draw_plans(rng, ranks, num_layers, batch, microbatch, degrees, set(split))
     devices = [f"local:{r}" for r in range(ranks)]
     for plan in plans:  # refused here, before any rank starts
-        check_plan(plan, devices, num_layers, batch)
+        check_plan(plan, devices, num_layers, batch, tensor_parallel=tensor_parallel)
     cfg = {"plans": [plan_to_dict(p) for p in plans], "job": job, "iterations": iterations,
            "seed": seed, "dtype": dtype, "device": device, "backend": backend}
     with tempfile.TemporaryDirectory(prefix="hetpilot-train-check-") as tmp:
@@ -352,6 +393,8 @@ def run_check(
         where = " on cuda:0"
     log(f"{ranks} ranks{where}, {len(plans)} plans, "
         f"microbatch {microbatch}, {dtype}, {took:.1f} s")
+    if tensor_parallel:
+        log(f"tensor-parallel stages checked: {sum(tp_stages(p, set(split)) for p in plans)}")
     return worst
 
 

@@ -74,6 +74,23 @@ def test_train_check_on_one_gpu_matches_one_process_in_float64() -> None:
 
 
 @pytest.mark.timeout(600)
+def test_tensor_parallel_stage_of_two_ranks_on_one_gpu_matches_one_process() -> None:
+    """A tensor-parallel stage of 2 gloo ranks sharing GPU 0 (NCCL refuses two ranks on one
+    GPU): DTensor's collectives on CUDA tensors over gloo, the layers split 2 ways, against
+    one float64 process on the GPU. Prepared, NOT run yet (no GPU was lent to the session
+    that wrote it): bench/gpu/tp_check.sh runs it."""
+    from hetpilot.trainer.traincheck import _limit, run_check
+
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer.examples:gpt_tp", device="cuda",
+                      timeout_s=500, log=lines.append)
+    text = "\n".join(lines)
+    assert worst["float64"].value <= _limit("float64", "float64", None), text
+    assert "tensor-parallel stages checked: 1" in text, text
+    assert "on cuda:0" in text
+
+
+@pytest.mark.timeout(600)
 def test_train_check_on_one_gpu_in_bfloat16() -> None:
     """The same in bfloat16 mixed precision: against one process in bfloat16 on the GPU and
     against plain float32 there, each within its tolerance (on an H100: 0.25 and 0.034)."""
