@@ -17,8 +17,10 @@ the first problem is built, not with this module. When no bound is active at the
 optimum (every class gets some microbatches and none reaches its cap: the common
 case, and every LP of a 1f1b plan whose classes all take part), the optimum is
 unique and has a closed form, all classes finishing together (:func:`closed_form`,
-proof there); :func:`solve_lp` then answers without cvxpy, which is not imported
-at all by a plan whose LPs are all of that kind. Rounding then works on the *exact*
+proof there); with a bound active, water-filling (:func:`water_fill`) finds an
+exact optimum, the unique one except where a class's fill alone outlasts the
+others' need (then the face's min-max corner). :func:`solve_lp` answers both
+without cvxpy, which a plan imports only for an LP outside that domain. Rounding then works on the *exact*
 makespans: floor the LP solution (keeping every group at >= 1 microbatch),
 hand out the remaining microbatches one at a time to the group whose makespan
 grows least, and finally move single microbatches off the slowest group while
@@ -41,7 +43,7 @@ from . import memos
 from .errors import SolverError
 
 __all__ = ["CLOSED_FORM", "AssignmentLP", "assign_microbatches", "closed_form", "lp_problem", "solve_lp",
-           "warm_up"]
+           "warm_up", "water_fill"]
 
 _SOLVERS = ("CLARABEL", "HIGHS")
 
@@ -144,9 +146,8 @@ def warm_up() -> None:
 
 
 CLOSED_FORM = True
-"""Whether :func:`solve_lp` answers an LP whose optimum has no active bound in closed
-form (:func:`closed_form`) instead of handing it to cvxpy. Tests turn it off to compare
-with cvxpy."""
+"""Whether :func:`solve_lp` answers LPs exactly (:func:`closed_form`, :func:`water_fill`)
+instead of handing them to cvxpy. Tests turn it off to compare with cvxpy."""
 
 
 def closed_form(
@@ -171,7 +172,7 @@ def closed_form(
     answer any exact LP solver gives (cvxpy's interior point gets it to about
     1e-8). When a bound would be active (a class whose fill alone outlasts the
     others, a gpipe memory cap) or an input is outside the LP's domain, this
-    returns None and the LP goes to cvxpy.
+    returns None and the LP goes to :func:`water_fill`.
     """
     a = np.asarray(fill, dtype=float)
     b = np.asarray(cycle, dtype=float)
@@ -192,6 +193,75 @@ def closed_form(
     return m
 
 
+def water_fill(
+    fill: Sequence[float],
+    cycle: Sequence[float],
+    cap: Sequence[float],
+    total: int,
+    count: Sequence[int] | None = None,
+) -> np.ndarray | None:
+    """An optimum of the LP with bounds active (water-filling), exact; None outside its domain.
+
+    Every class's constraint ``a_c + b_c M_c <= t`` holds whatever its share, so
+    ``t >= T0 = max_c a_c``, and for a given ``t >= T0`` the most class c can take is
+    ``u_c(t) = min(cap_c, (t - a_c) / b_c)``. ``f(t) = sum_c n_c u_c(t)`` is
+    continuous, nondecreasing and piecewise linear (a kink where a class reaches its
+    cap), so the least feasible t is ``t* = T0`` if ``f(T0) >= N``, else the point
+    where ``f(t*) = N``, found by walking the kinks in order: between two kinks the
+    capped set S is fixed and
+
+        t* = (N - sum_{c in S} n_c cap_c + sum_{c not in S} n_c a_c / b_c)
+             / sum_{c not in S} n_c / b_c.
+
+    When ``f(t*) = N`` the optimum is unique: any optimal M has ``M_c <= u_c(t*)``
+    and ``sum_c n_c M_c = N = f(t*)``, so ``M_c = u_c(t*)``, which is what any exact
+    LP solver returns (cvxpy to about 1e-8). When ``t* = T0`` and ``f(T0) > N`` (a
+    class whose fill alone outlasts what the others need) the optimal face is more
+    than a point, and a solver's answer depends on its method (cvxpy's interior point
+    lands inside the face). This takes the lexicographic min-max point of the face,
+    which depends on the inputs only: the classes with ``a_c = T0`` get 0 (every
+    optimum gives them 0), and the others' shares are this LP's optimum over them,
+    with the same N (feasible for the whole LP: it ends before T0). Without an
+    active bound this is :func:`closed_form`'s answer.
+    """
+    a = np.asarray(fill, dtype=float)
+    b = np.asarray(cycle, dtype=float)
+    caps = np.asarray(cap, dtype=float)
+    n = np.ones(len(a)) if count is None else np.asarray(count, dtype=float)
+    if (len(a) == 0 or not (len(b) == len(caps) == len(n) == len(a))
+            or not np.all(np.isfinite(a) & np.isfinite(b) & np.isfinite(caps))
+            or np.any(a < 0) or np.any(b <= 0) or np.any(n < 1) or np.any(caps < 0)
+            or total < 0 or float(n @ caps) < total):
+        return None
+    out = np.zeros(len(a))
+    live = np.ones(len(a), dtype=bool)
+    margin = 1e-9 * max(1.0, float(total))
+    while True:
+        start = float(np.max(a[live]))
+        at_start = np.where(live, np.minimum(caps, np.maximum(start - a, 0.0) / b), 0.0)
+        reach = float(n @ at_start)
+        if reach > total + margin:  # the optimal face is more than a point: drop the last
+            live &= a < start
+            continue
+        if reach >= total - margin:
+            out[live] = at_start[live]
+            return out
+        break
+    full = a + b * caps  # the t at which each class reaches its cap
+    capped = live & (full <= start)
+    for edge in sorted(float(x) for x in full[live & ~capped]):
+        free = live & ~capped
+        weight = n[free] / b[free]
+        t = ((float(total) - float(n[capped] @ caps[capped]) + float(weight @ a[free]))
+             / float(np.sum(weight)))
+        if t <= edge:
+            out[capped] = caps[capped]
+            out[free] = np.minimum(np.maximum((t - a[free]) / b[free], 0.0), caps[free])
+            return out
+        capped = live & (full <= edge)
+    return None  # pragma: no cover - f(max full) = n @ caps >= N ends the walk above
+
+
 def solve_lp(
     fill: Sequence[float],
     cycle: Sequence[float],
@@ -200,11 +270,14 @@ def solve_lp(
     count: Sequence[int] | None = None,
 ) -> np.ndarray:
     """:meth:`AssignmentLP.solve` for ``len(fill)`` classes: in closed form when no
-    bound is active at the optimum (:func:`closed_form`, the same optimum; cvxpy is
-    then not even imported), else with cvxpy, building (and compiling) the problem
-    for that size only when the memo cannot answer."""
+    bound is active at the optimum (:func:`closed_form`, the same optimum), else by
+    :func:`water_fill` (cvxpy's optimum where it is unique); cvxpy is then not even
+    imported. Inputs outside their domain go to cvxpy, building (and compiling) the
+    problem for that size only when the memo cannot answer."""
     if CLOSED_FORM:
         found = closed_form(fill, cycle, cap, total, count)
+        if found is None:
+            found = water_fill(fill, cycle, cap, total, count)
         if found is not None:
             return found
     return _solve_memo(fill, cycle, cap, total, count,

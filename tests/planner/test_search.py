@@ -312,12 +312,12 @@ def test_planner_does_not_import_torch_or_grpc() -> None:
     _run_python(code)
 
 
-def test_cvxpy_is_imported_by_the_first_lp_not_by_the_planner() -> None:
+def test_assignment_lps_bounded_or_not_import_no_cvxpy() -> None:
     """Importing the planner leaves cvxpy out (start-up of `hetpilot plan`, the daemon);
     assignment LPs whose optimum lies inside the bounds have a closed form (all classes
-    finishing together: assign.closed_form) and leave it out too; planning a cluster
-    where a bound is active at the optimum (a slow class that gets no share, a memory
-    cap) solves that LP with cvxpy."""
+    finishing together: assign.closed_form), and those with a bound active at the
+    optimum (a slow class that gets no share, a memory cap) are water-filled
+    (assign.water_fill): planning either kind of cluster imports no cvxpy."""
     code = ("import sys\n"
             "from hetpilot.planner import assign, catalog\n"
             "from hetpilot.planner.search import make_plan\n"
@@ -336,7 +336,7 @@ def test_cvxpy_is_imported_by_the_first_lp_not_by_the_planner() -> None:
             "cluster = catalog.make_cluster([('H100', 2), ('T4', 2)])\n"
             "make_plan(cluster, catalog.MODELS['gpt2-small'](), Job(global_batch=8, microbatch_size=1))\n"
             "assert any(bounded), 'no LP with an active bound: pick another case'\n"
-            "assert 'cvxpy' in sys.modules, 'an LP with an active bound did not go through cvxpy'\n")
+            "assert 'cvxpy' not in sys.modules, 'an LP with an active bound imported cvxpy'\n")
     _run_python(code)
 
 
