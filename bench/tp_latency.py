@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/tp_latency.py                      # 64, 256 and 1024 devices
     .venv/bin/python bench/tp_latency.py --devices 1024 --repeat 3
+    .venv/bin/python bench/tp_latency.py --pythonpath DIR   # and another copy, in turn
 
 The cluster has five kinds in uneven counts (H100, A100, V100, A10G, T4 at
 25/22/22/16/15% of the devices, 8 per host; `planner/catalog.py` profiles) and
@@ -9,6 +10,9 @@ the model is llama-13b with tensor-parallel keys (Megatron's all-reduces: one
 after the embedding, two per block, one for the head, each of one activation,
 splitting up to 8 ways). Each run is a fresh `hetpilot plan` process on one
 core, start-up included (CPU = user + system of the child); the median is reported.
+With ``--pythonpath DIR`` each run of this checkout alternates with one of the copy
+of the package in DIR (laid out as installed: DIR/hetpilot/planner, ...), side by
+side on the same machine, and the row says whether both wrote the same plan.
 """
 
 from __future__ import annotations
@@ -49,9 +53,14 @@ def _one_core() -> None:
     os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
-def cpu_seconds(command: list[str], cwd: str) -> float:
+def cpu_seconds(command: list[str], cwd: str, pythonpath: str | None = None) -> float:
+    env = dict(os.environ)
+    env.pop("PYTHONPATH", None)
+    if pythonpath:
+        env["PYTHONPATH"] = pythonpath
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    subprocess.run(command, cwd=cwd, preexec_fn=_one_core, capture_output=True, check=True)
+    subprocess.run(command, cwd=cwd, env=env, preexec_fn=_one_core, capture_output=True,
+                   check=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
@@ -61,22 +70,35 @@ def main() -> None:
     parser.add_argument("--devices", default="64,256,1024")
     parser.add_argument("--batch-per-device", type=int, default=4)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--pythonpath", help="also time the copy of hetpilot in this folder, in turn")
     args = parser.parse_args()
+    sides = {"": None}
+    if args.pythonpath:
+        sides = {"other_": str(Path(args.pythonpath).resolve()), "": None}
     for n in (int(x) for x in args.devices.split(",")):
         with tempfile.TemporaryDirectory() as tmp:
             cluster, model = write_inputs(Path(tmp), n)
-            out = Path(tmp) / "plan.json"
-            base = [sys.executable, "-m", "hetpilot", "plan", "--cluster", str(cluster),
-                    "--model", str(model), "--batch", str(n * args.batch_per_device),
-                    "--microbatch", "1", "--out", str(out)]
-            row = {"devices": n}
+            row: dict[str, object] = {"devices": n}
             for label, extra in (("v1", []), ("tp", ["--tensor-parallel"])):
-                runs = [cpu_seconds(base + extra, tmp) for _ in range(args.repeat)]
-                plan = json.loads(out.read_text())
-                row[f"{label}_cpu_s"] = round(statistics.median(runs), 3)
+                runs: dict[str, list[float]] = {side: [] for side in sides}
+                plans = {}
+                for _ in range(args.repeat):
+                    for side, path in sides.items():
+                        out = Path(tmp) / f"{side}plan.json"
+                        command = [sys.executable, "-m", "hetpilot", "plan", "--cluster",
+                                   str(cluster), "--model", str(model), "--batch",
+                                   str(n * args.batch_per_device), "--microbatch", "1",
+                                   "--out", str(out), *extra]
+                        runs[side].append(cpu_seconds(command, tmp, path))
+                        plans[side] = json.loads(out.read_text())
+                for side in sides:
+                    row[f"{side}{label}_cpu_s"] = round(statistics.median(runs[side]), 3)
+                plan = plans[""]
                 row[f"{label}_iteration_s"] = plan["predicted"]["iteration_s"]
                 row[f"{label}_max_degree"] = max(len(s.get("devices", [0])) for g in plan["groups"]
                                                  for s in g["stages"])
+                if args.pythonpath:
+                    row[f"{label}_same_plan"] = plans["other_"] == plan
             print(json.dumps(row), flush=True)
 
 
