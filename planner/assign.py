@@ -150,6 +150,26 @@ CLOSED_FORM = True
 instead of handing them to cvxpy. Tests turn it off to compare with cvxpy."""
 
 
+def _lp_arrays(
+    fill: Sequence[float],
+    cycle: Sequence[float],
+    cap: Sequence[float],
+    total: int,
+    count: Sequence[int] | None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None:
+    """The LP's inputs as arrays ``(a, b, cap, n)``, or None outside the domain the exact
+    solutions assume (finite, ``a >= 0``, ``b > 0``, ``n >= 1``, ``N >= 0``)."""
+    a = np.asarray(fill, dtype=float)
+    b = np.asarray(cycle, dtype=float)
+    caps = np.asarray(cap, dtype=float)
+    n = np.ones(len(a)) if count is None else np.asarray(count, dtype=float)
+    if (len(a) == 0 or not (len(b) == len(caps) == len(n) == len(a))
+            or not np.all(np.isfinite(a) & np.isfinite(b) & np.isfinite(caps))
+            or np.any(a < 0) or np.any(b <= 0) or np.any(n < 1) or total < 0):
+        return None
+    return a, b, caps, n
+
+
 def closed_form(
     fill: Sequence[float],
     cycle: Sequence[float],
@@ -174,14 +194,10 @@ def closed_form(
     others, a gpipe memory cap) or an input is outside the LP's domain, this
     returns None and the LP goes to :func:`water_fill`.
     """
-    a = np.asarray(fill, dtype=float)
-    b = np.asarray(cycle, dtype=float)
-    caps = np.asarray(cap, dtype=float)
-    n = np.ones(len(a)) if count is None else np.asarray(count, dtype=float)
-    if (len(a) == 0 or not (len(b) == len(caps) == len(n) == len(a))
-            or not np.all(np.isfinite(a) & np.isfinite(b) & np.isfinite(caps))
-            or np.any(a < 0) or np.any(b <= 0) or np.any(n < 1) or total < 0):
+    arrays = _lp_arrays(fill, cycle, cap, total, count)
+    if arrays is None:
         return None
+    a, b, caps, n = arrays
     weight = n / b
     t = (float(total) + float(np.sum(weight * a))) / float(np.sum(weight))
     m = (t - a) / b
@@ -224,14 +240,11 @@ def water_fill(
     with the same N (feasible for the whole LP: it ends before T0). Without an
     active bound this is :func:`closed_form`'s answer.
     """
-    a = np.asarray(fill, dtype=float)
-    b = np.asarray(cycle, dtype=float)
-    caps = np.asarray(cap, dtype=float)
-    n = np.ones(len(a)) if count is None else np.asarray(count, dtype=float)
-    if (len(a) == 0 or not (len(b) == len(caps) == len(n) == len(a))
-            or not np.all(np.isfinite(a) & np.isfinite(b) & np.isfinite(caps))
-            or np.any(a < 0) or np.any(b <= 0) or np.any(n < 1) or np.any(caps < 0)
-            or total < 0 or float(n @ caps) < total):
+    arrays = _lp_arrays(fill, cycle, cap, total, count)
+    if arrays is None:
+        return None
+    a, b, caps, n = arrays
+    if np.any(caps < 0) or float(n @ caps) < total:
         return None
     out = np.zeros(len(a))
     live = np.ones(len(a), dtype=bool)
