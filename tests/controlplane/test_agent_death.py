@@ -49,6 +49,9 @@ def test_a_killed_agent_ends_its_launches_and_a_cancel_waits_for_it(
         launching: Launching) -> None:  # noqa: F811 - the fixture
     c = launching
     c.start()
+    # both agents up before the jobs come, so both launch on the first host by name
+    wait_until("both agents up", lambda: len([n for n in c.json("nodes").get("nodes", [])
+                                              if n["state"] == "up"]) == 2, timeout=60)
     cancelled, left = _submit(c, "cancelled"), _submit(c, "left")
 
     def running(job_id: str) -> Any:
