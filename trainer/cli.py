@@ -421,7 +421,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
         try:
             profile = profile_model(spec["layers"], spec["sample"],
                                     name=args.model.rpartition(":")[2],
-                                    dtype=getattr(torch, args.dtype) if args.dtype else None)
+                                    dtype=getattr(torch, args.dtype) if args.dtype else None,
+                                    tp_plan=spec.get("tp_plan"))
         except Exception as exc:  # a user's layer failing on the sample: say so, go on
             if tflops is not None:
                 return _fail(f"--emulate-tflops: profiling the job's layers failed: "
@@ -430,12 +431,19 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
                   "no profile is sent, so a job submitted with profile_on_attach gets no "
                   "model from this trainer (give it one: hetpilot profile, then submit)",
                   file=sys.stderr)
-    layer_gflop = None
+    layer_gflop = split_model = None
     if tflops is not None:
         if profile is None:
             return _fail("--emulate-tflops: needs --emulate-model or a 'sample' in the job spec")
         layer_gflop = [(float(la["fwd_gflop"]), float(la.get("bwd_gflop", 2 * la["fwd_gflop"])))
                        for la in profile["layers"]]
+        if spec.get("tp_plan") is not None:  # a split stage's ops last as spec 5.6 reads them
+            from hetpilot.planner.serde import model_from_dict
+
+            try:
+                split_model = model_from_dict(profile)
+            except ValidationError as exc:
+                return _fail(f"--emulate-model: {exc}")
     # The emulations stretch ops by the host's clock, which a CUDA op does not follow (its
     # time is the device's): an emulated run stays on the CPU, on a GPU host too.
     emulated = (args.emulate_slowdown != 1.0 or tflops is not None or bool(args.emulate_file))
@@ -517,7 +525,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             config = TrainerConfig(
                 global_batch=spec["global_batch"], device_id=device_id, device=device,
                 slowdown=args.emulate_slowdown, emulate_tflops=tflops,
-                layer_gflop=layer_gflop,
+                layer_gflop=layer_gflop, split_model=split_model,
                 report_from_rank0=daemon, keep_plan_on_refusal=daemon,
                 emulate_file=args.emulate_file, tp_plan=spec.get("tp_plan"),
                 dtype=getattr(torch, args.dtype) if args.dtype else None)

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from hetpilot.planner.types import Model
 
 from .jobspec import check_tp_plan
 
@@ -45,6 +46,13 @@ class TrainerConfig:
     """Per-sample ``(fwd_gflop, bwd_gflop)`` of each layer, e.g. from
     :func:`hetpilot.trainer.profile.profile_model`; needed by target-time emulation (kept
     as a tuple)."""
+    split_model: Model | None = None
+    """EMULATION, target-time: the job's profile as the planner reads it (spec 2, with each
+    split layer's ``tp_comm_mb``); with it a tensor-parallel stage's ops last as spec 5.6
+    reads them (split work / (t * efficiency) plus the all-reduces) instead of whole."""
+    tp_link: tuple[float, float] | None = None
+    """EMULATION, target-time: (Gbit/s, latency s) of a tensor-parallel stage's all-reduces
+    in those times (None: none; the real all-reduces still take their time)."""
     emulate_file: str | Path | None = None
     """EMULATED conditions (:mod:`hetpilot.emulation`), re-read before every iteration: this
     rank's device speed there replaces ``emulate_tflops`` (needs ``layer_gflop``), and each

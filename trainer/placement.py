@@ -7,9 +7,11 @@ create process groups and hand layers over without asking each other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 
-from hetpilot.planner.types import Plan
+from hetpilot.planner.tpmodel import stage_op_s
+from hetpilot.planner.types import Cluster, Device, Model, Network, Plan, Stage
 
 __all__ = ["emulated_targets", "layer_owners", "owner_runs", "tie_holders"]
 
@@ -48,13 +50,29 @@ def tie_holders(tie_layers: Iterable[int], owners: Owners) -> list[int]:
 
 
 def emulated_targets(layer_gflop: Sequence[tuple[float, float]], tflops: float | None,
-                     microbatch: int, layers: tuple[int, int], recompute: bool
-                     ) -> tuple[float, float]:
+                     microbatch: int, layers: tuple[int, int], recompute: bool,
+                     devices: Sequence[str] = (), split: Model | None = None,
+                     tp_link: tuple[float, float] | None = None) -> tuple[float, float]:
     """EMULATION (target-time): spec 5.1's F_j and B_j of a stage of ``layers`` on a device
-    of ``tflops`` (None: no target, ``(0, 0)``); recomputation adds a forward to B_j."""
+    of ``tflops`` (None: no target, ``(0, 0)``); recomputation adds a forward to B_j.
+
+    A tensor-parallel stage (``devices``: more than one) is timed as spec 5.6 reads it
+    (:func:`hetpilot.planner.tpmodel.stage_op_s`, the reference model's own function):
+    each layer ``split`` (the job's profile) lets split runs ``1 / (t * efficiency)`` of
+    its work, plus its all-reduces over ``tp_link`` ((Gbit/s, latency s); None: no
+    link time). Without ``split`` every layer is timed whole, as a replicated one."""
     if tflops is None:
         return 0.0, 0.0
     a, b = layers
+    if len(devices) > 1 and split is not None:
+        gbps, lat = tp_link if tp_link is not None else (math.inf, 0.0)
+        cluster = Cluster(
+            devices=tuple(Device(id=d, host="stage", tflops=tflops, memory_gb=1.0)
+                          for d in devices),
+            network=Network(intra_host_gbps=gbps, inter_host_gbps=gbps, latency_us=lat * 1e6))
+        return stage_op_s(cluster, split, Stage(device=devices[0], layers=layers,
+                                                recompute=recompute, devices=tuple(devices)),
+                          microbatch)
     scale = microbatch / (1000.0 * tflops)
     fwd = scale * sum(g[0] for g in layer_gflop[a:b])
     bwd = scale * sum(g[1] for g in layer_gflop[a:b])

@@ -91,9 +91,9 @@ class RankPart:
 
 def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings, rank: int,
                rank_of: Mapping[str, int], settings: StageSettings,
-               targets: Callable[[int, tuple[int, int], bool], tuple[float, float]],
+               targets: Callable[[int, tuple[int, int], bool, Sequence[str]], tuple[float, float]],
                min_seconds: Callable[[int, int], float | None] | None) -> RankPart:
-    """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute)``: a
+    """Collective: this rank's part of ``plan``. ``targets(m, layers, recompute, devices)``: a
     stage's emulated forward and backward seconds; ``min_seconds``: an emulated all-reduce's
     (:class:`~hetpilot.trainer.gradsync.GradSync`).
     A tensor-parallel stage's mesh is made once for its ranks (``holdings.meshes``)."""
@@ -159,7 +159,7 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
 
 def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdings,
                   rank: int, rank_of: Mapping[str, int], settings: StageSettings,
-                  targets: Callable[[int, tuple[int, int], bool], tuple[float, float]]
+                  targets: Callable[[int, tuple[int, int], bool, Sequence[str]], tuple[float, float]]
                   ) -> StageRunner:
     """The runner of stage ``si`` of group ``gi`` on ``rank`` (one of the stage's ranks).
 
@@ -170,7 +170,7 @@ def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdin
     stages: Sequence[Any] = plan.groups[gi].stages
     stage, n = stages[si], len(stages)
     first = rank_of[stage.devices[0]] == rank
-    fwd_t, bwd_t = targets(plan.microbatch_size, stage.layers, stage.recompute)
+    fwd_t, bwd_t = targets(plan.microbatch_size, stage.layers, stage.recompute, stage.devices)
     return StageRunner(
         [holdings.held[layer] for layer in range(*stage.layers)],
         prev_rank=rank_of[stages[si - 1].device] if si > 0 else None,

@@ -327,10 +327,13 @@ class Trainer:
             rank_of=self.rank_of, settings=settings, targets=self._targets,
             min_seconds=self._emulated_allreduce if self._emu is not None else None)
 
-    def _targets(self, m: int, layers: tuple[int, int], recompute: bool) -> tuple[float, float]:
-        """EMULATION (target-time): spec 5.1's F_j and B_j on a device of ``emulate_tflops``."""
-        return emulated_targets(self.config.layer_gflop or (), self.emulate_tflops, m, layers,
-                                recompute)
+    def _targets(self, m: int, layers: tuple[int, int], recompute: bool,
+                 devices: Sequence[str] = ()) -> tuple[float, float]:
+        """EMULATION (target-time): spec 5.1's F_j and B_j (5.6's for a tensor-parallel
+        stage of ``devices``) on a device of ``emulate_tflops``."""
+        cfg = self.config
+        return emulated_targets(cfg.layer_gflop or (), self.emulate_tflops, m, layers,
+                                recompute, devices, cfg.split_model, cfg.tp_link)
 
     # -- iterations -------------------------------------------------------------
 
@@ -399,7 +402,7 @@ class Trainer:
         if runner is not None and role is not None and self.plan is not None:
             stage = self.plan.groups[role[0]].stages[role[1]]
             runner.fwd_target_s, runner.bwd_target_s = self._targets(
-                self.plan.microbatch_size, stage.layers, stage.recompute)
+                self.plan.microbatch_size, stage.layers, stage.recompute, stage.devices)
 
     def _emulated_allreduce(self, bucket: int, nbytes: int) -> float | None:
         """EMULATED links: spec 5.3's all-reduce time of ``nbytes`` over a bucket's hosts."""

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 from hetpilot.planner.serde import plan_from_dict
+from hetpilot.planner.types import Layer, Model
 from hetpilot.trainer.config import TrainerConfig
 from hetpilot.trainer.placement import emulated_targets, layer_owners, owner_runs, tie_holders
 
@@ -63,3 +64,24 @@ def test_emulated_targets_are_spec_5_1_op_times() -> None:
     fwd, bwd = emulated_targets(gflop, 2.0, 4, (1, 3), False)
     assert fwd == pytest.approx(4 * 8.0 / 2000.0) and bwd == pytest.approx(4 * 16.0 / 2000.0)
     assert emulated_targets(gflop, 2.0, 4, (1, 3), True)[1] == pytest.approx(bwd + fwd)
+
+
+def test_emulated_tensor_parallel_stage_runs_its_split_share_and_all_reduces() -> None:
+    """A 2-way stage: the split layer runs 1 / (2 * 0.8) of its work plus 2 ring
+    all-reduces of 4 x 1 MB each way; the unsplit one runs whole (spec 5.6)."""
+    gflop = [(4.0, 8.0), (2.0, 4.0)]
+    split = Model(name="m", layers=(
+        Layer(name="a", fwd_gflop=4.0, bwd_gflop=8.0, out_mb=1.0, act_mb=1.0, param_mb=1.0,
+              tp_comm_mb=1.0, tp_allreduces=2, tp_efficiency=((2, 0.8),)),
+        Layer(name="b", fwd_gflop=2.0, bwd_gflop=4.0, out_mb=1.0, act_mb=1.0, param_mb=1.0)))
+    link = (8.0, 1e-4)  # 8 Gbit/s: 1 MB per ms
+    ring = 2 * (2 * 0.5 * 4.0 / 1000.0 + 2 * 1 * 1e-4)  # two ring all-reduces of 4 MB, 2 ranks
+    fwd, bwd = emulated_targets(gflop, 2.0, 4, (0, 2), False, ("h:0", "h:1"), split, link)
+    assert fwd == pytest.approx(4 * (4.0 / 1.6 + 2.0) / 2000.0 + ring)
+    assert bwd == pytest.approx(4 * (8.0 / 1.6 + 4.0) / 2000.0 + ring)
+    whole = emulated_targets(gflop, 2.0, 4, (0, 2), False)
+    assert whole == pytest.approx((4 * 6.0 / 2000.0, 4 * 12.0 / 2000.0))
+    # no link: the split work alone; recompute adds the forward to the backward
+    f0, b0 = 4 * (4.0 / 1.6 + 2.0) / 2000.0, 4 * (8.0 / 1.6 + 4.0) / 2000.0
+    assert emulated_targets(gflop, 2.0, 4, (0, 2), True, ("h:0", "h:1"), split) == \
+        pytest.approx((f0, b0 + f0))
