@@ -448,9 +448,12 @@ class ControlPlane:
         return list(self._loops)
 
     def attach(self, job_id: str, rank: int, device_id: str, model_json: str,
-               measured: MeasurementRecord | None = None) -> tuple[PlanRecord | None, JobRecord]:
+               measured: MeasurementRecord | None = None, *, tensor_parallel: bool = False
+               ) -> tuple[PlanRecord | None, JobRecord]:
         """Attach a rank: the latest plan (None before the first) and the job. Everything is
-        checked before anything is stored: a refused attach changes nothing."""
+        checked before anything is stored: a refused attach changes nothing.
+        ``tensor_parallel``: whether the attaching trainer runs tensor-parallel stages; the
+        job is planned with them from its next slot exactly while its trainer says so."""
         rec = self._own(None, job_id)
         if rec.state in (JOB_CANCELLED, JOB_SUCCEEDED):
             raise FailedPrecondition(f"job {job_id} is {rec.state}")
@@ -470,6 +473,8 @@ class ControlPlane:
                            ended_ms=0, reason="")
         if not rec.started_ms:
             changes.update(started_ms=_now_ms())
+        if tensor_parallel != rec.tensor_parallel:
+            changes.update(tensor_parallel=tensor_parallel)
         if changes:
             revived = rec.state == JOB_FAILED
             rec = rec.with_changes(**changes)
@@ -481,7 +486,7 @@ class ControlPlane:
                          job_id)
                 self._start_loop(job_id)
             loop = self._loops.get(job_id)
-            if loop is not None and new_model is not None:
+            if loop is not None and (new_model is not None or "tensor_parallel" in changes):
                 loop.wake()
         if measured is not None:
             self.trainers.add_measurement(job_id, device_id, measured)

@@ -64,18 +64,15 @@ def check_batch(global_batch: int, microbatch_size: int) -> None:
                               f"{MAX_MICROBATCHES}: raise microbatch_size")
 
 
-TRAINER_RUNS_TP = False
-"""Whether the trainer the daemon starts runs tensor-parallel stages (spec 5.6). Until
-it does, every job is planned with ``tensor_parallel = false``: the daemon never pushes
-a plan with ``devices`` stages (a job cannot ask for one: JobRecord has no such field)."""
-
-
 def to_job(rec: JobRecord) -> Job:
+    """The planner's job of ``rec``: planned with tensor-parallel stages (spec 5.6) only when
+    its trainer said on Attach that it runs them (``rec.tensor_parallel``); a job whose
+    trainer did not is never pushed a plan with ``devices`` stages."""
     return job_from_dict({"global_batch": rec.global_batch,
                           "microbatch_size": rec.microbatch_size,
                           "schedule": list(rec.schedules) or "any",
                           "budgets": dict(rec.budgets),
-                          "tensor_parallel": TRAINER_RUNS_TP,
+                          "tensor_parallel": rec.tensor_parallel,
                           **({"V": rec.V} if rec.V else {})})  # 0: no V given, the default
 
 

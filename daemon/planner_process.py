@@ -121,6 +121,9 @@ def _step(job_id: str, rec: JobRecord, state: Mapping[str, Any] | None, reset: b
           budgets: tuple[dict[str, float], float] | None, cluster: Cluster) -> StepResult:
     started = time.perf_counter()
     ctrl = None if reset else _CONTROLLERS.get(job_id)
+    if ctrl is not None and ctrl.job.tensor_parallel != rec.tensor_parallel:
+        # the job's trainer changed whether it runs TP stages: rebuilt from its own state
+        state, ctrl = ctrl.to_state(), None
     if ctrl is None:
         _CONTROLLERS.pop(job_id, None)
         ctrl = make_controller(rec, state)  # the record's budgets are the newest

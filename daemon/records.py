@@ -125,6 +125,9 @@ class JobRecord(_Json):
     """When the job ended (succeeded, failed, cancelled); 0 while it has not."""
     reason: str = ""
     """Why it ended (a failed trainer's error, "finished", "cancelled by the owner")."""
+    tensor_parallel: bool = False
+    """The job's trainer runs tensor-parallel stages (it said so on its last Attach: its
+    job has a ``tp_plan``), so the job is planned with them (spec 5.6); False: never."""
     entry: dict[str, Any] = field(default_factory=dict)
     """The entry point the agents start (:meth:`hetpilot.entry.Entry.to_dict`); empty:
     the owner starts the ranks. Stored as plain JSON, so older bodies read back empty."""

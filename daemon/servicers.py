@@ -301,7 +301,8 @@ class TrainerServicer(trainer_pb2_grpc.TrainerServiceServicer):
                      context: grpc.aio.ServicerContext) -> trainer_pb2.AttachResponse:
         job_id, rank, device, model, measured = convert.attach_from_proto(
             request, int(time.time() * 1000))
-        plan, job = self.plane.attach(self._job(job_id, context), rank, device, model, measured)
+        plan, job = self.plane.attach(self._job(job_id, context), rank, device, model, measured,
+                                      tensor_parallel=request.tensor_parallel)
         return convert.attach_response(plan, job)
 
     @_stream

@@ -331,14 +331,14 @@ def _endpoint(args: argparse.Namespace) -> Any:
 
 
 def _connect(args: argparse.Namespace, device_ids: list[str], model_json: str,
-             measurements: list[Any]) -> tuple[Any, Any]:
-    """Rank 0: attach every rank (with its measured layer times) and wait for the daemon's
-    first plan."""
+             measurements: list[Any], tensor_parallel: bool) -> tuple[Any, Any]:
+    """Rank 0: attach every rank (with its measured layer times; saying whether the job
+    runs tensor-parallel stages) and wait for the daemon's first plan."""
     from .daemon_link import DaemonLink, GrpcPlanSource
 
     link = DaemonLink(_endpoint(args), args.job, timeout_s=args.timeout)
     source = GrpcPlanSource(link, device_ids, model_json=model_json,
-                            measurements=measurements)
+                            measurements=measurements, tensor_parallel=tensor_parallel)
     try:
         source.start(args.plan_wait)
         first = source.wait_first(args.plan_wait)
@@ -492,7 +492,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             if rank == 0:
                 try:
                     link, source = _connect(args, [str(i) for i in ids],
-                                            json.dumps(profile) if profile else "", measured)
+                                            json.dumps(profile) if profile else "", measured,
+                                            spec.get("tp_plan") is not None)
                 except DaemonError as exc:
                     from hetpilot.exitcodes import EXIT
 

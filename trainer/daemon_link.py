@@ -133,12 +133,14 @@ class DaemonLink:
         return plan
 
     def attach_response(self, rank: int, world_size: int, device_id: str,
-                        model_json: str = "", measurement: Measurement | None = None
-                        ) -> trainer_pb2.AttachResponse:
+                        model_json: str = "", measurement: Measurement | None = None,
+                        tensor_parallel: bool = False) -> trainer_pb2.AttachResponse:
         """Attach one rank with its measured layer times, if any; the whole answer (the
-        latest plan and the job's slot settings)."""
+        latest plan and the job's slot settings). ``tensor_parallel``: this trainer runs
+        tensor-parallel stages (the job has a ``tp_plan``), so the daemon may plan them."""
         req = trainer_pb2.AttachRequest(job_id=self.job_id, rank=rank, world_size=world_size,
-                                        device_id=device_id, model_json=model_json)
+                                        device_id=device_id, model_json=model_json,
+                                        tensor_parallel=tensor_parallel)
         if measurement:
             req.measured_microbatch = int(measurement["microbatch"])
             req.measured_dtype = str(measurement.get("dtype", ""))
@@ -187,8 +189,11 @@ class GrpcPlanSource:
         model_json: str = "",
         backoff: Backoff | None = None,
         measurements: Sequence[Measurement | None] | None = None,
+        tensor_parallel: bool = False,
     ) -> None:
         self.link = link
+        self.tensor_parallel = tensor_parallel
+        """Every attach says this trainer runs tensor-parallel stages (a job with a tp_plan)."""
         self.device_ids = list(device_ids)
         """Device id of each rank, in rank order (every rank is attached by rank 0)."""
         self.model_json = model_json
@@ -274,14 +279,16 @@ class GrpcPlanSource:
             with self._measure_lock:
                 measurement = self._pending[rank]
             try:
-                resp = self.link.attach_response(rank, world, device, model, measurement)
+                resp = self.link.attach_response(rank, world, device, model, measurement,
+                                                 self.tensor_parallel)
             except grpc.RpcError as exc:
                 if measurement is None or _code(exc) != grpc.StatusCode.INVALID_ARGUMENT:
                     raise
                 log.warning("the daemon refused rank %d's measured layer times (%s); "
                             "dropped", rank, _details(exc))
                 delivered = False
-                resp = self.link.attach_response(rank, world, device, model, None)
+                resp = self.link.attach_response(rank, world, device, model, None,
+                                                 self.tensor_parallel)
             with self._measure_lock:
                 if self._pending[rank] is measurement:
                     self._pending[rank] = None

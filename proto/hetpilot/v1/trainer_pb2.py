@@ -25,35 +25,35 @@ _sym_db = _symbol_database.Default()
 from hetpilot.v1 import common_pb2 as hetpilot_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetpilot/v1/trainer.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\xf9\x01\n\rAttachRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\t\x12\x12\n\nmodel_json\x18\x05 \x01(\t\x12-\n\x0blayer_times\x18\x06 \x03(\x0b\x32\x18.hetpilot.v1.LayerTiming\x12\x1b\n\x13measured_microbatch\x18\x07 \x01(\r\x12\x16\n\x0emeasured_dtype\x18\x08 \x01(\t\x12+\n\nlink_times\x18\t \x03(\x0b\x32\x17.hetpilot.v1.LinkTiming\"E\n\nLinkTiming\x12\x16\n\x0epeer_device_id\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\":\n\x0bLayerTiming\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66wd_s\x18\x02 \x01(\x01\x12\r\n\x05\x62wd_s\x18\x03 \x01(\x01\"a\n\x0e\x41ttachResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.hetpilot.v1.PlanVersion\x12\x17\n\x0fslot_iterations\x18\x02 \x01(\r\x12\x0e\n\x06slot_s\x18\x03 \x01(\x01\"<\n\x13TrainerWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04\"z\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x66wd_s\x18\x03 \x01(\x01\x12\r\n\x05\x62wd_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x63omm_s\x18\x05 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x06 \x01(\x01\"\xcb\x01\n\x12StageTimingsReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x14\n\x0cplan_version\x18\x03 \x01(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\x12(\n\x06stages\x18\x05 \x03(\x0b\x32\x18.hetpilot.v1.StageTiming\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0b\x65val_metric\x18\x07 \x01(\x01H\x01\x88\x01\x01\x42\x07\n\x05_lossB\x0e\n\x0c_eval_metric\"\x11\n\x0fStageTimingsAck\"\\\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x07outcome\x18\x02 \x01(\x0e\x32\x17.hetpilot.v1.JobOutcome\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\x11\x46inishJobResponse\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.hetpilot.v1.JobOutcome*\\\n\nJobOutcome\x12\x1b\n\x17JOB_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15JOB_OUTCOME_SUCCEEDED\x10\x01\x12\x16\n\x12JOB_OUTCOME_FAILED\x10\x02\x32\xc0\x02\n\x0eTrainerService\x12\x41\n\x06\x41ttach\x12\x1a.hetpilot.v1.AttachRequest\x1a\x1b.hetpilot.v1.AttachResponse\x12J\n\nWatchPlans\x12 .hetpilot.v1.TrainerWatchRequest\x1a\x18.hetpilot.v1.PlanVersion0\x01\x12S\n\x12ReportStageTimings\x12\x1f.hetpilot.v1.StageTimingsReport\x1a\x1c.hetpilot.v1.StageTimingsAck\x12J\n\tFinishJob\x12\x1d.hetpilot.v1.FinishJobRequest\x1a\x1e.hetpilot.v1.FinishJobResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19hetpilot/v1/trainer.proto\x12\x0bhetpilot.v1\x1a\x18hetpilot/v1/common.proto\"\x92\x02\n\rAttachRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x12\n\nworld_size\x18\x03 \x01(\r\x12\x11\n\tdevice_id\x18\x04 \x01(\t\x12\x12\n\nmodel_json\x18\x05 \x01(\t\x12-\n\x0blayer_times\x18\x06 \x03(\x0b\x32\x18.hetpilot.v1.LayerTiming\x12\x1b\n\x13measured_microbatch\x18\x07 \x01(\r\x12\x16\n\x0emeasured_dtype\x18\x08 \x01(\t\x12+\n\nlink_times\x18\t \x03(\x0b\x32\x17.hetpilot.v1.LinkTiming\x12\x17\n\x0ftensor_parallel\x18\n \x01(\x08\"E\n\nLinkTiming\x12\x16\n\x0epeer_device_id\x18\x01 \x01(\t\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x0c\n\x04gbps\x18\x03 \x01(\x01\":\n\x0bLayerTiming\x12\r\n\x05layer\x18\x01 \x01(\r\x12\r\n\x05\x66wd_s\x18\x02 \x01(\x01\x12\r\n\x05\x62wd_s\x18\x03 \x01(\x01\"a\n\x0e\x41ttachResponse\x12&\n\x04plan\x18\x01 \x01(\x0b\x32\x18.hetpilot.v1.PlanVersion\x12\x17\n\x0fslot_iterations\x18\x02 \x01(\r\x12\x0e\n\x06slot_s\x18\x03 \x01(\x01\"<\n\x13TrainerWatchRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x15\n\rafter_version\x18\x02 \x01(\x04\"z\n\x0bStageTiming\x12\x13\n\x0bstage_index\x18\x01 \x01(\r\x12\x11\n\tdevice_id\x18\x02 \x01(\t\x12\r\n\x05\x66wd_s\x18\x03 \x01(\x01\x12\r\n\x05\x62wd_s\x18\x04 \x01(\x01\x12\x0e\n\x06\x63omm_s\x18\x05 \x01(\x01\x12\x15\n\rsamples_per_s\x18\x06 \x01(\x01\"\xcb\x01\n\x12StageTimingsReport\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x14\n\x0cplan_version\x18\x03 \x01(\x04\x12\x11\n\titeration\x18\x04 \x01(\x04\x12(\n\x06stages\x18\x05 \x03(\x0b\x32\x18.hetpilot.v1.StageTiming\x12\x11\n\x04loss\x18\x06 \x01(\x01H\x00\x88\x01\x01\x12\x18\n\x0b\x65val_metric\x18\x07 \x01(\x01H\x01\x88\x01\x01\x42\x07\n\x05_lossB\x0e\n\x0c_eval_metric\"\x11\n\x0fStageTimingsAck\"\\\n\x10\x46inishJobRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12(\n\x07outcome\x18\x02 \x01(\x0e\x32\x17.hetpilot.v1.JobOutcome\x12\x0e\n\x06reason\x18\x03 \x01(\t\"=\n\x11\x46inishJobResponse\x12(\n\x07outcome\x18\x01 \x01(\x0e\x32\x17.hetpilot.v1.JobOutcome*\\\n\nJobOutcome\x12\x1b\n\x17JOB_OUTCOME_UNSPECIFIED\x10\x00\x12\x19\n\x15JOB_OUTCOME_SUCCEEDED\x10\x01\x12\x16\n\x12JOB_OUTCOME_FAILED\x10\x02\x32\xc0\x02\n\x0eTrainerService\x12\x41\n\x06\x41ttach\x12\x1a.hetpilot.v1.AttachRequest\x1a\x1b.hetpilot.v1.AttachResponse\x12J\n\nWatchPlans\x12 .hetpilot.v1.TrainerWatchRequest\x1a\x18.hetpilot.v1.PlanVersion0\x01\x12S\n\x12ReportStageTimings\x12\x1f.hetpilot.v1.StageTimingsReport\x1a\x1c.hetpilot.v1.StageTimingsAck\x12J\n\tFinishJob\x12\x1d.hetpilot.v1.FinishJobRequest\x1a\x1e.hetpilot.v1.FinishJobResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'hetpilot.v1.trainer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_JOBOUTCOME']._serialized_start=1118
-  _globals['_JOBOUTCOME']._serialized_end=1210
+  _globals['_JOBOUTCOME']._serialized_start=1143
+  _globals['_JOBOUTCOME']._serialized_end=1235
   _globals['_ATTACHREQUEST']._serialized_start=69
-  _globals['_ATTACHREQUEST']._serialized_end=318
-  _globals['_LINKTIMING']._serialized_start=320
-  _globals['_LINKTIMING']._serialized_end=389
-  _globals['_LAYERTIMING']._serialized_start=391
-  _globals['_LAYERTIMING']._serialized_end=449
-  _globals['_ATTACHRESPONSE']._serialized_start=451
-  _globals['_ATTACHRESPONSE']._serialized_end=548
-  _globals['_TRAINERWATCHREQUEST']._serialized_start=550
-  _globals['_TRAINERWATCHREQUEST']._serialized_end=610
-  _globals['_STAGETIMING']._serialized_start=612
-  _globals['_STAGETIMING']._serialized_end=734
-  _globals['_STAGETIMINGSREPORT']._serialized_start=737
-  _globals['_STAGETIMINGSREPORT']._serialized_end=940
-  _globals['_STAGETIMINGSACK']._serialized_start=942
-  _globals['_STAGETIMINGSACK']._serialized_end=959
-  _globals['_FINISHJOBREQUEST']._serialized_start=961
-  _globals['_FINISHJOBREQUEST']._serialized_end=1053
-  _globals['_FINISHJOBRESPONSE']._serialized_start=1055
-  _globals['_FINISHJOBRESPONSE']._serialized_end=1116
-  _globals['_TRAINERSERVICE']._serialized_start=1213
-  _globals['_TRAINERSERVICE']._serialized_end=1533
+  _globals['_ATTACHREQUEST']._serialized_end=343
+  _globals['_LINKTIMING']._serialized_start=345
+  _globals['_LINKTIMING']._serialized_end=414
+  _globals['_LAYERTIMING']._serialized_start=416
+  _globals['_LAYERTIMING']._serialized_end=474
+  _globals['_ATTACHRESPONSE']._serialized_start=476
+  _globals['_ATTACHRESPONSE']._serialized_end=573
+  _globals['_TRAINERWATCHREQUEST']._serialized_start=575
+  _globals['_TRAINERWATCHREQUEST']._serialized_end=635
+  _globals['_STAGETIMING']._serialized_start=637
+  _globals['_STAGETIMING']._serialized_end=759
+  _globals['_STAGETIMINGSREPORT']._serialized_start=762
+  _globals['_STAGETIMINGSREPORT']._serialized_end=965
+  _globals['_STAGETIMINGSACK']._serialized_start=967
+  _globals['_STAGETIMINGSACK']._serialized_end=984
+  _globals['_FINISHJOBREQUEST']._serialized_start=986
+  _globals['_FINISHJOBREQUEST']._serialized_end=1078
+  _globals['_FINISHJOBRESPONSE']._serialized_start=1080
+  _globals['_FINISHJOBRESPONSE']._serialized_end=1141
+  _globals['_TRAINERSERVICE']._serialized_start=1238
+  _globals['_TRAINERSERVICE']._serialized_end=1558
 # @@protoc_insertion_point(module_scope)

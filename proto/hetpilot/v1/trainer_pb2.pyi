@@ -66,6 +66,7 @@ class AttachRequest(_message.Message):
     MEASURED_MICROBATCH_FIELD_NUMBER: _builtins.int
     MEASURED_DTYPE_FIELD_NUMBER: _builtins.int
     LINK_TIMES_FIELD_NUMBER: _builtins.int
+    TENSOR_PARALLEL_FIELD_NUMBER: _builtins.int
     job_id: _builtins.str
     rank: _builtins.int
     world_size: _builtins.int
@@ -79,6 +80,12 @@ class AttachRequest(_message.Message):
     """
     measured_dtype: _builtins.str
     """Compute dtype of the measurement ("float32", "bfloat16", ...)."""
+    tensor_parallel: _builtins.bool
+    """This rank's trainer runs tensor-parallel stages (its job has a tp_plan, spec
+    5.6): the daemon may plan stages of several devices for the job. An attach
+    without it (an older trainer, a job without a tp_plan) makes the job's next
+    plans one device per stage.
+    """
     @_builtins.property
     def layer_times(self) -> _containers.RepeatedCompositeFieldContainer[Global___LayerTiming]:
         """Seconds of one forward and one backward of a microbatch of
@@ -106,10 +113,11 @@ class AttachRequest(_message.Message):
         measured_microbatch: _builtins.int = ...,
         measured_dtype: _builtins.str = ...,
         link_times: _abc.Iterable[Global___LinkTiming] | None = ...,
+        tensor_parallel: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "layer_times", b"layer_times", "link_times", b"link_times", "measured_dtype", b"measured_dtype", "measured_microbatch", b"measured_microbatch", "model_json", b"model_json", "rank", b"rank", "world_size", b"world_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["device_id", b"device_id", "job_id", b"job_id", "layer_times", b"layer_times", "link_times", b"link_times", "measured_dtype", b"measured_dtype", "measured_microbatch", b"measured_microbatch", "model_json", b"model_json", "rank", b"rank", "tensor_parallel", b"tensor_parallel", "world_size", b"world_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
