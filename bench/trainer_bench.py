@@ -153,6 +153,14 @@ def _net_worker(rank: int, world: int, out: str, width: int, micro: int) -> None
              "allreduce_s": statistics.median(ar), "allreduce_bytes": big.numel() * 4}))
 
 
+def run_ranks(worker: Any, tmp: str, cfg: dict[str, Any]) -> tuple[list[dict[str, Any]], float]:
+    """Spawn 4 ranks of ``worker(rank, world, tmp, cfg)``; each rank's rank{r}.json and the wall s."""
+    started = time.monotonic()
+    spawn(worker, 4, (tmp, cfg), 580)
+    wall = time.monotonic() - started
+    return [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)], wall
+
+
 def _time_steps(step: Any, iterations: int) -> float:
     step()  # warm up
     dist.barrier()
@@ -343,10 +351,7 @@ def main() -> int:
         cfg = {"width": args.width, "layers": args.layers, "batch": args.batch,
                "micro": args.micro, "iterations": args.iterations, "plans": plans,
                "mode": args.mode, "base_tflops": args.base_tflops, "layer_gflop": layer_gflop}
-        started = time.monotonic()
-        spawn(_bench_worker, 4, (tmp, cfg), 580)
-        wall = time.monotonic() - started
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+        ranks, wall = run_ranks(_bench_worker, tmp, cfg)
     print(f"measured: p2p one-way {net['p2p_s'] * 1e6:.0f} us for {net['p2p_bytes']} B; "
           f"p2p {p2p_gbps:.2f} Gbit/s (4 MB); all-reduce of {net['allreduce_bytes'] / 1e6:.0f} MB in {net['allreduce_s']:.3f} s "
           f"(ring-equivalent {ar_gbps:.2f} Gbit/s)")

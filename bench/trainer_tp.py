@@ -49,7 +49,7 @@ from hetpilot.trainer.examples import gpt_tp
 from hetpilot.trainer.launch import spawn
 from hetpilot.trainer.profile import layer_times, profile_model
 from hetpilot.trainer.runtime import Trainer, TrainerConfig
-from trainer_bench import SPEEDS, _net_worker
+from trainer_bench import SPEEDS, _net_worker, run_ranks
 
 
 def _job(cfg: dict[str, Any]) -> dict[str, Any]:
@@ -141,10 +141,7 @@ def main() -> int:
             source = "the 2-way stage on emu:0, emu:1 (make_tp_plan chose another degree)"
         plans = {"2-way TP": plan_to_dict(tp), "best without TP": plan_to_dict(without)}
         cfg["plans"] = plans
-        started = time.monotonic()
-        spawn(_worker, 4, (tmp, cfg), 580)
-        wall = time.monotonic() - started
-        ranks = [json.loads(Path(tmp, f"rank{r}.json").read_text()) for r in range(4)]
+        ranks, wall = run_ranks(_worker, tmp, cfg)
     print(f"measured gloo: all-reduce of {net['allreduce_bytes'] / 1e6:.0f} MB in "
           f"{net['allreduce_s']:.3f} s (ring-equivalent {ar_gbps:.2f} Gbit/s), one-way "
           f"{lat * 1e6:.0f} us; TP plan from {source}")
