@@ -357,7 +357,7 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
 
     from .checkpoint import has_checkpoint
     from .plans import FilePlanSource, check_plan
-    from .rankmeasure import calibration, measure, measure_links, sample_size
+    from .rankmeasure import calibration, measure, measure_links, measure_tp, sample_size
     from .records import JsonlReporter
     from .runtime import NoPlanError, Trainer, TrainerConfig
     from .trainlog import tensorboard_problem
@@ -488,6 +488,8 @@ def _train(args: argparse.Namespace, spec: dict[str, Any]) -> int:
             dist.all_gather_object(measured, measure(args, spec, sample_m, tflops, profile,
                                                       device))
             measure_links(args, spec, profile, measured, tflops, [str(i) for i in ids], device)
+            profile = measure_tp(args, spec, profile, sample_m, tflops, [str(i) for i in ids],
+                                 device)
             failure: list[Any] = [None]
             if rank == 0:
                 try:

@@ -113,6 +113,49 @@ def measure_links(args: argparse.Namespace, spec: dict[str, Any],
         measured[r] = {**measured[r], **entry}
 
 
+def measure_tp(args: argparse.Namespace, spec: dict[str, Any], profile: dict[str, Any] | None,
+               m: int | None, tflops: float | None, device_ids: list[str], device: Any
+               ) -> dict[str, Any] | None:
+    """Every rank, for a job with a ``tp_plan``: each rank that shares its host with
+    another (a tensor-parallel stage may hold both) times its split layers' efficiency at
+    the degrees its host's ranks allow (:mod:`hetpilot.trainer.tpefficiency`; not under
+    EMULATION, whose op times are the targets'); rank 0's ``profile`` gets the median
+    per layer and degree (returned; others get theirs back)."""
+    import torch
+    import torch.distributed as dist
+
+    from .precision import precision_for
+    from .tpefficiency import measure_tp_efficiency, merged_efficiency, with_tp_efficiency
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world < 2 or spec.get("tp_plan") is None:
+        return profile
+    hosts = [d.rpartition(":")[0] for d in device_ids]
+    share = hosts.count(hosts[rank])
+    degrees = [t for t in (2, 4, 8) if t <= share]
+    emulated = tflops is not None or bool(args.emulate_file) or args.emulate_slowdown != 1.0
+    mine = None
+    if degrees and m is not None and "sample" in spec and not args.no_measure and not emulated:
+        precision = precision_for(getattr(torch, args.dtype) if args.dtype else None)
+        if precision.param_dtype in (None, torch.float32):
+            try:
+                mine = measure_tp_efficiency(spec["layers"], spec["sample"], m, spec["tp_plan"],
+                                             degrees, device=device,
+                                             autocast_dtype=precision.compute_dtype)
+            except Exception as exc:  # a measurement that fails costs the figure, not the job
+                print(f"hetpilot: rank {rank}: timing the split layers failed "
+                      f"({type(exc).__name__}: {exc}); no tp_efficiency from it", file=sys.stderr)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, mine)
+    merged = merged_efficiency(gathered)
+    if rank != 0 or profile is None or not merged:
+        return profile
+    print("hetpilot: tensor-parallel efficiency measured by the job: " + ", ".join(
+        f"layer {i} " + "/".join(f"{t}-way {e:.2f}" for t, e in by.items())
+        for i, by in merged.items()), file=sys.stderr)
+    return with_tp_efficiency(profile, merged)
+
+
 def _message_bytes(spec: dict[str, Any], profile: dict[str, Any] | None) -> int:
     """Bytes of an activation message for the link probe: a microbatch of the sample
     through the profile's median layer output, else the sample's own bytes."""
