@@ -4,8 +4,10 @@
 ``pipeline_parallel.py`` builds a stage and its schedule from config: the gradient buckets
 of spec 5.3 (maximal runs of layers with the same owners, one process group each), a group
 per tie with more than one holder, and the :class:`~hetpilot.trainer.pipeline.StageRunner`
-of the stage this rank runs (none where the plan leaves it idle). Every rank calls
-``new_group`` for the same groups in the same order, as torch requires.
+of the stage this rank runs (none where the plan leaves it idle). Under a plan with
+tensor-parallel stages, a bucket whose holding stages all split it the same number of ways
+also gets a group per shard index (:func:`shard_ranks`, :mod:`~hetpilot.trainer.tpsync`).
+Every rank calls ``new_group`` for the same groups in the same order, as torch requires.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from .precision import Precision
 from .replicas import reconcile_buffers, snapshot_buffers, tie_param
 from .tpsync import TPGradSync
 
-__all__ = ["RankPart", "StageSettings", "build_part"]
+__all__ = ["RankPart", "StageSettings", "build_part", "shard_ranks"]
 
 Orders = list[list[tuple[tuple[bool, int], ...]]]
 """Each stage's op order, by group and stage (:func:`~hetpilot.trainer.plans.check_plan`)."""
@@ -61,6 +63,9 @@ class RankPart:
     ops: tuple[tuple[bool, int], ...] = ()
     buckets: list[tuple[int, int, Any]] = field(default_factory=list)
     """(first, end, process group) of each gradient bucket this rank takes part in."""
+    shard_groups: list[Any] = field(default_factory=list)
+    """Per bucket of :attr:`buckets`: the process group of this rank's shard index (the
+    per-shard sync of a plan with tensor-parallel stages), or None (the full-tensor one)."""
     tie_groups: list[tuple[int, Any]] = field(default_factory=list)
     """(tie, process group of its holders) of each tie this rank holds with others."""
     gradsync: GradSync | TPGradSync | None = None
@@ -107,11 +112,19 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
             part.groups.append(made[ranks])
         return made[ranks]
 
+    has_tp = any(s.tp > 1 for g in plan.groups for s in g.stages)
     if len(plan.groups) > 1:
         for first, end, ranks in owner_runs(owners):
             pg = group_of(ranks)
+            shards = shard_ranks(plan, rank_of, first) if has_tp else None
+            shard_pg = None
+            for shard in shards or ():  # every rank makes every shard group, in order
+                made_pg = group_of(shard)
+                if rank in shard:
+                    shard_pg = made_pg
             if rank in ranks:
                 part.buckets.append((first, end, pg))
+                part.shard_groups.append(shard_pg)
     for t, tie in enumerate(holdings.ties):
         ranks = tuple(tie_holders(tie.layers, owners))
         if len(ranks) >= 2:
@@ -129,6 +142,9 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
                                         if rank in ranks else None)
                 if rank in ranks:
                     meshes[gi, si] = tp_meshes[ranks]
+                    if meshes[gi, si].mesh.tolist() != sorted(ranks):  # shard_ranks' order
+                        raise RuntimeError(f"plan.groups[{gi}].stages[{si}]: mesh order "
+                                           f"{meshes[gi, si].mesh.tolist()} is not sorted")
     for gi, group in enumerate(plan.groups):
         for si, stage in enumerate(group.stages):
             if rank in (rank_of[d] for d in stage.devices):
@@ -145,16 +161,33 @@ def build_part(plan: Plan, orders: Orders, *, owners: Owners, holdings: Holdings
         buckets = [Bucket(holdings.untied_params(first, end), pg, f"layers {first}-{end - 1}")
                    for first, end, pg in part.buckets]
         tied = [(tie_param(holdings.ties[t], holdings.held), pg) for t, pg in part.tie_groups]
-        if any(s.tp > 1 for g in plan.groups for s in g.stages):
+        if has_tp:
             stage = plan.groups[part.role[0]].stages[part.role[1]]
             part.gradsync = TPGradSync(buckets, tied,
-                                       contributes=rank_of[stage.devices[0]] == rank)
+                                       contributes=rank_of[stage.devices[0]] == rank,
+                                       shard_groups=part.shard_groups)
         else:
             part.gradsync = GradSync(
                 buckets, tied, bucket_cap_mb=settings.bucket_cap_mb,
                 overlap=settings.overlap_sync, min_seconds=min_seconds)
         part.runner.before_last_backward = part.gradsync.arm
     return part
+
+
+def shard_ranks(plan: Plan, rank_of: Mapping[str, int], layer: int
+                ) -> list[tuple[int, ...]] | None:
+    """The per-shard sync groups of the bucket holding ``layer``: where every stage holding
+    it (one per group) splits it the same number of ways t, the t groups of the ranks at
+    each shard index (a stage's ranks sorted: its mesh's order), each sorted; None where
+    the stages split it differently (the bucket takes the full-tensor sync). The same
+    ``tp_plan`` at the same degree splits a layer the same way, so equal degrees mean
+    equal shard layouts."""
+    stages = [stage for group in plan.groups for stage in group.stages
+              if stage.layers[0] <= layer < stage.layers[1]]
+    if not stages or len({stage.tp for stage in stages}) != 1:
+        return None
+    orders = [sorted(rank_of[d] for d in stage.devices) for stage in stages]
+    return [tuple(sorted(order[k] for order in orders)) for k in range(stages[0].tp)]
 
 
 def _stage_runner(plan: Plan, gi: int, si: int, orders: Orders, holdings: Holdings,

@@ -1,18 +1,23 @@
-"""Gradient sync of a plan with tensor-parallel stages: full tensors, one contribution per stage.
+"""Gradient sync of a plan with tensor-parallel stages: per shard where the groups agree.
 
 Spec 5.3's buckets (maximal runs of layers with the same owners) and ties are all-reduced
-over their holders as :class:`~hetpilot.trainer.gradsync.GradSync` does, with two
-differences that tensor parallelism needs:
+over their holders as :class:`~hetpilot.trainer.gradsync.GradSync` does. A bucket takes
+one of two paths, chosen per bucket when the plan's groups are built
+(:func:`~hetpilot.trainer.rankpart.shard_ranks`):
 
-* **one contribution per stage**: every rank of a tensor-parallel stage holds the same
-  gradient of a replicated parameter (and, gathered, of a split one), so only the stage's
-  first rank adds its gradients; the others add zeros (an exact no-op in the sum);
-* **full tensors**: a split parameter's gradient is gathered to its full tensor within
-  the stage (``DTensor.full_tensor``) before the all-reduce, and each rank keeps its own
-  slice of the sum. Groups that split a layer differently (two ways in one, whole in
-  another) thus all-reduce the same full-size buffer. This moves t times the bytes of a
-  per-shard all-reduce; it is the simple correct first version (a re-sharded all-reduce
-  of slices is the faster one).
+* **per shard**, where every holding stage splits the bucket's layers the same number of
+  ways t (the same ``tp_plan`` on the same layers: the same shard layout): shard index k
+  of each stage (its k-th rank in mesh order) all-reduces only its own slice of each split
+  gradient with shard index k of the other stages, one process group per k. A replicated
+  parameter's gradient, the same on every rank of a stage, is all-reduced the same way by
+  every shard index: each group holds one rank per stage, so each sums one contribution
+  per stage, with no division and no broadcast after. 1/t of the full path's bytes;
+* **full tensors**, where the holding stages split the layers differently (two ways in
+  one group, whole in another): a split parameter's gradient is gathered to its full
+  tensor within the stage (``DTensor.full_tensor``), only the stage's first rank adds its
+  gradients (the others add zeros, an exact no-op in the sum), the full-size buffer is
+  all-reduced over all holders and each rank keeps its own slice of the sum. Ties always
+  take this path.
 
 It is blocking, bucket by bucket in layer order, then the ties: no overlap with the
 backward. A parameter no contributing rank's backward reached gets no gradient, as in
@@ -37,15 +42,27 @@ __all__ = ["TPGradSync"]
 class TPGradSync:
     """The gradient sync of one rank under a plan with tensor-parallel stages.
 
-    ``contributes``: whether this rank adds its gradients (the first rank of its stage).
+    ``contributes``: whether this rank adds its gradients on the full-tensor path (the
+    first rank of its stage). ``shard_groups``: per bucket, the process group of this rank's
+    shard index (the per-shard path), or None (the full-tensor path); none given: every
+    bucket takes the full-tensor path.
     Same interface as :class:`~hetpilot.trainer.gradsync.GradSync` where the runtime uses it.
     """
 
     def __init__(self, buckets: Sequence[Bucket], tied: Sequence[tuple[torch.Tensor, Any]],
-                 *, contributes: bool) -> None:
+                 *, contributes: bool, shard_groups: Sequence[Any] | None = None) -> None:
         self.buckets = list(buckets)
         self.tied = [(p, g) for p, g in tied if p.requires_grad]
         self.contributes = contributes
+        self.shard_groups = (list(shard_groups) if shard_groups is not None
+                             else [None] * len(self.buckets))
+        if len(self.shard_groups) != len(self.buckets):
+            raise ValueError("shard_groups: one per bucket")
+
+    @property
+    def paths(self) -> list[str]:
+        """Per bucket: ``"shard"`` or ``"full"``, the path its gradients take."""
+        return ["full" if g is None else "shard" for g in self.shard_groups]
 
     def arm(self, roots: Sequence[torch.Tensor] = ()) -> None:
         """Nothing to arm: the sync starts after the backward."""
@@ -60,8 +77,11 @@ class TPGradSync:
         """Collective: sum every bucket's and tie's gradients over their holders."""
         stats = SyncStats()
         started = time.perf_counter()
-        for bucket in self.buckets:
-            n = self._all_reduce(list(bucket.params), bucket.group)
+        for bucket, shard_group in zip(self.buckets, self.shard_groups, strict=True):
+            if shard_group is None:
+                n = self._all_reduce(list(bucket.params), bucket.group)
+            else:
+                n = _all_reduce_shards(list(bucket.params), shard_group)
             stats.bucket_bytes += n
             stats.bucket_s.append(0.0)
             stats.chunks += 1
@@ -97,6 +117,47 @@ class TPGradSync:
             pos += f.numel()
             p.grad = shard_like(total.clone(), p) if used[i] > 0 else None
         return int(flat.numel() * flat.element_size())
+
+
+def _all_reduce_shards(params: list[torch.Tensor], group: Any) -> int:
+    """Sum each parameter's local gradient (its slice, or the whole replicated one) over
+    ``group`` (one rank per holding stage, all at the same shard index); returns the bytes."""
+    if not params:
+        return 0
+    locs: list[torch.Tensor] = []
+    flags: list[float] = []
+    for p in params:
+        g = _local(p.grad) if p.grad is not None else None
+        if g is None:
+            local = _local(p)
+            g = torch.zeros(tuple(local.shape), dtype=local.dtype, device=local.device)
+        flags.append(0.0 if p.grad is None else 1.0)
+        locs.append(g.reshape(-1))
+    dtype = locs[0].dtype
+    for g in locs[1:]:
+        dtype = torch.promote_types(dtype, g.dtype)
+    flat = torch.cat([*(g.to(dtype) for g in locs),
+                      torch.tensor(flags, dtype=dtype, device=locs[0].device)])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    used = flat[len(flat) - len(params):].tolist()
+    pos = 0
+    for i, (p, g) in enumerate(zip(params, locs, strict=True)):
+        shape = tuple(_local(p).shape)
+        total = flat[pos:pos + g.numel()].view(shape).to(g.dtype).clone()
+        pos += g.numel()
+        p.grad = _like(total, p) if used[i] > 0 else None
+    return int(flat.numel() * flat.element_size())
+
+
+def _like(local: torch.Tensor, param: Any) -> Any:
+    """``local`` (this rank's slice of ``param``'s gradient) as ``param`` is: a DTensor on its
+    mesh with its placements, or the plain tensor."""
+    if not _is_dtensor(param):
+        return local
+    from torch.distributed.tensor import DTensor
+
+    return DTensor.from_local(local, param.device_mesh, param.placements, run_check=False,
+                              shape=param.shape, stride=param.stride())
 
 
 def _is_dtensor(t: Any) -> bool:

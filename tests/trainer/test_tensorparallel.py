@@ -58,6 +58,18 @@ def test_random_plans_with_tensor_parallel_stages_are_valid(degrees: tuple[int, 
         assert sorted(d for g in plan.groups for d in g.devices) == DEVICES
 
 
+def test_the_sync_goes_per_shard_where_the_groups_split_a_layer_the_same_way() -> None:
+    from hetpilot.trainer.rankpart import shard_ranks
+    from hetpilot.trainer.testing.tp_ranks import EQUAL_PLAN
+
+    rank_of = {d: i for i, d in enumerate(DEVICES)}
+    equal = plan_from_dict(EQUAL_PLAN)  # local:1+local:0 and local:2+local:3, all layers
+    assert [shard_ranks(equal, rank_of, layer) for layer in range(5)] == [[(0, 2), (1, 3)]] * 5
+    mixed = plan_from_dict(TP)  # group 0: layers 0-2 split 2 ways, 3-5 whole; group 1 whole
+    assert shard_ranks(mixed, rank_of, 0) is None  # split differently: full tensors
+    assert shard_ranks(mixed, rank_of, 3) == [(2, 3)]  # whole in both: one shard
+
+
 def _degrees(job: dict, degrees: tuple[int, ...] = (2,)) -> tuple[list[int], list[str]]:
     ok, why, split = split_degrees(job, "--job: j()", 4, 0, torch.float64, degrees)
     assert split == [1, 2]  # the two blocks
@@ -170,6 +182,41 @@ def test_train_check_draws_tensor_parallel_plans_and_matches_one_process() -> No
     assert any(split[i] and not split[i + 1] for i in range(len(split) - 1)), text  # t -> 1
     assert any(re.search(r"(local:\d\+){3}local:\d", s) for s in summaries), text  # degree 4
     assert any(";" in s and "+" in s for s in summaries), text  # groups split differently
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_groups_splitting_the_same_layers_sync_per_shard_and_match_one_process(
+        tmp_path: Path) -> None:
+    """4 gloo ranks in float64: two groups each splitting every layer 2 ways (per-shard
+    sync, half the full path's bytes), then one split and one whole (full tensors)."""
+    from hetpilot.trainer.launch import spawn
+    from hetpilot.trainer.reference import ReferenceRun, build_layers
+    from hetpilot.trainer.testing.tp_ranks import SYNC_STEPS, shard_sync_rank
+
+    spawn(shard_sync_rank, 4, (str(tmp_path),), timeout_s=150)
+    got = [torch.load(tmp_path / f"sync{r}.pt", weights_only=True) for r in range(4)]
+    job = examples.gpt_tp()
+    ref = ReferenceRun(build_layers(list(job["layers"]), 0, torch.float64), job["loss"],
+                       job["optimizer"], job["dataset"], job["global_batch"], seed=0)
+    for i, (plan, iterations) in enumerate(SYNC_STEPS):
+        for _ in range(iterations):
+            ref.step(plan_from_dict(plan))
+        want = ref.states()
+        for r in range(4):
+            held = got[r][i]["states"]
+            assert held, f"rank {r} holds nothing under plan {i + 1}"
+            for layer, state in held.items():
+                for name, value in state.items():
+                    diff = float((value - want[layer][name]).abs().max())
+                    assert diff <= 1e-9, f"rank {r} plan {i + 1}: {layer} {name!r}: {diff:.3e}"
+    assert all(got[r][0]["paths"] == ["shard"] for r in range(4))
+    full_paths = [["full", "full"], ["full", "full"], ["full"], ["full"]]  # layers 0-1, 2-4
+    assert [got[r][1]["paths"] for r in range(4)] == full_paths
+    # the same layers, the same group sizes: a shard's bytes are half the full tensors'
+    # (the blocks' split weights halve; the replicated ones do not)
+    per_shard, full = got[0][0]["bytes"][0], got[0][1]["bytes"][0]
+    assert 0 < per_shard < full
 
 
 def test_profile_measures_the_all_reduces_of_the_layers_the_tp_plan_splits() -> None:

@@ -1,4 +1,5 @@
-"""Rank function of the tensor-parallel test: a live switch 2 -> 1 -> 2 with a checkpoint.
+"""Rank functions of the tensor-parallel tests: a live switch 2 -> 1 -> 2 with a checkpoint,
+and the per-shard gradient sync of two groups that split the same layers 2 ways.
 
 Two gloo ranks train :func:`~hetpilot.trainer.examples.gpt_tp` in float64: a plan whose
 one stage splits every block two ways, then a two-stage pipeline without tensor
@@ -31,6 +32,23 @@ PIPE_PLAN = {  # degree 1: a two-stage pipeline, cut inside the blocks
 }
 STEPS = [(TP_PLAN, 2), (PIPE_PLAN, 1), (TP_PLAN, 1)]
 """(plan, iterations) in order; the checkpoint is saved after the first."""
+
+
+EQUAL_PLAN = {  # two groups, each one stage splitting every block 2 ways: per-shard sync
+    "microbatch_size": 4, "schedule": "1f1b",
+    "groups": [{"samples": 20, "stages": [{"devices": ["local:1", "local:0"],
+                                           "layers": [0, 5]}]},
+               {"samples": 12, "stages": [{"devices": ["local:2", "local:3"],
+                                           "layers": [0, 5]}]}],
+}
+UNEQUAL_PLAN = {  # 2 ways in one group, whole in a 2-stage pipeline in the other: full sync
+    "microbatch_size": 4, "schedule": "1f1b",
+    "groups": [{"samples": 16, "stages": [{"devices": ["local:0", "local:1"],
+                                           "layers": [0, 5]}]},
+               {"samples": 16, "stages": [{"device": "local:2", "layers": [0, 2]},
+                                          {"device": "local:3", "layers": [2, 5]}]}],
+}
+SYNC_STEPS = [(EQUAL_PLAN, 2), (UNEQUAL_PLAN, 1)]
 
 
 def fixed_heads() -> dict[str, Any]:
@@ -90,3 +108,28 @@ def scaler_rank(rank: int, world: int, out: str) -> None:
     skipped = not scaler.update([grad], torch.device("cpu"))
     torch.save({"stepped": stepped, "unscaled": unscaled, "skipped": skipped,
                 "scale": scaler.scale}, Path(out) / f"scaler{rank}.pt")
+
+
+def shard_sync_rank(rank: int, world: int, out: str) -> None:
+    """4 ranks in float64 through :data:`SYNC_STEPS`: after each plan, what this rank holds
+    (full tensors), the sync path of each of its buckets and its bytes synced per iteration."""
+    from ..tpsync import TPGradSync
+
+    spec = gpt_tp()
+    trainer = Trainer(
+        spec["layers"], spec["loss"], spec["optimizer"], spec["dataset"],
+        TrainerConfig(global_batch=spec["global_batch"], device_id=f"local:{rank}", seed=0,
+                      dtype=torch.float64, tp_plan=spec["tp_plan"]),
+    )
+    result: list[dict[str, Any]] = []
+    for i, (plan, iterations) in enumerate(SYNC_STEPS):
+        trainer.switch(plan_from_dict(plan), i + 1)
+        sync = trainer._part.gradsync
+        assert isinstance(sync, TPGradSync)
+        sent = []
+        for _ in range(iterations):
+            stats, _ = trainer.train_step()
+            sent.append(stats.sync_bytes if stats is not None else 0.0)
+        result.append({"states": trainer.holdings.full_states(), "paths": sync.paths,
+                       "bytes": sent})
+    torch.save(result, Path(out) / f"sync{rank}.pt")
