@@ -92,61 +92,54 @@ class TPGradSync:
         return stats
 
     def _all_reduce(self, params: list[torch.Tensor], group: Any) -> int:
-        if not params:
-            return 0
-        fulls: list[torch.Tensor] = []
-        flags: list[float] = []
+        """The full-tensor path: gather, first ranks contribute, keep this rank's slice."""
+        grads: list[torch.Tensor | None] = []
         for p in params:  # every rank of a stage gathers, in the same order
             g = full_tensors(p.grad) if p.grad is not None else None
-            if g is None or not self.contributes:
-                g = torch.zeros(tuple(p.shape), dtype=p.dtype, device=_local(p).device)
-                flags.append(0.0)
-            else:
-                flags.append(1.0)
-            fulls.append(g.reshape(-1))
-        dtype = fulls[0].dtype
-        for f in fulls[1:]:
-            dtype = torch.promote_types(dtype, f.dtype)
-        flat = torch.cat([*(f.to(dtype) for f in fulls),
-                          torch.tensor(flags, dtype=dtype, device=fulls[0].device)])
-        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-        used = flat[len(flat) - len(params):].tolist()
-        pos = 0
-        for i, (p, f) in enumerate(zip(params, fulls, strict=True)):
-            total = flat[pos:pos + f.numel()].view(tuple(p.shape)).to(f.dtype)
-            pos += f.numel()
-            p.grad = shard_like(total.clone(), p) if used[i] > 0 else None
-        return int(flat.numel() * flat.element_size())
+            grads.append(g if self.contributes else None)
+        sums, n = _sum_flat(grads, [tuple(p.shape) for p in params], params, group)
+        for p, total in zip(params, sums, strict=True):
+            p.grad = shard_like(total, p) if total is not None else None
+        return n
 
 
 def _all_reduce_shards(params: list[torch.Tensor], group: Any) -> int:
-    """Sum each parameter's local gradient (its slice, or the whole replicated one) over
-    ``group`` (one rank per holding stage, all at the same shard index); returns the bytes."""
+    """The per-shard path: sum each parameter's local gradient (its slice, or the whole
+    replicated one) over ``group`` (one rank per holding stage, all at one shard index)."""
+    grads = [_local(p.grad) if p.grad is not None else None for p in params]
+    sums, n = _sum_flat(grads, [tuple(_local(p).shape) for p in params], params, group)
+    for p, total in zip(params, sums, strict=True):
+        p.grad = _like(total, p) if total is not None else None
+    return n
+
+
+def _sum_flat(grads: list[torch.Tensor | None], shapes: list[tuple[int, ...]],
+              params: list[torch.Tensor], group: Any
+              ) -> tuple[list[torch.Tensor | None], int]:
+    """One all-reduce of ``grads`` (None: zeros of its shape, no contribution) with a flag per
+    entry; returns each sum (None where no rank contributed) and the bytes all-reduced."""
     if not params:
-        return 0
-    locs: list[torch.Tensor] = []
-    flags: list[float] = []
-    for p in params:
-        g = _local(p.grad) if p.grad is not None else None
+        return [], 0
+    flat_grads: list[torch.Tensor] = []
+    for g, shape, p in zip(grads, shapes, params, strict=True):
         if g is None:
-            local = _local(p)
-            g = torch.zeros(tuple(local.shape), dtype=local.dtype, device=local.device)
-        flags.append(0.0 if p.grad is None else 1.0)
-        locs.append(g.reshape(-1))
-    dtype = locs[0].dtype
-    for g in locs[1:]:
+            g = torch.zeros(shape, dtype=p.dtype, device=_local(p).device)
+        flat_grads.append(g.reshape(-1))
+    dtype = flat_grads[0].dtype
+    for g in flat_grads[1:]:
         dtype = torch.promote_types(dtype, g.dtype)
-    flat = torch.cat([*(g.to(dtype) for g in locs),
-                      torch.tensor(flags, dtype=dtype, device=locs[0].device)])
+    flags = [0.0 if g is None else 1.0 for g in grads]
+    flat = torch.cat([*(g.to(dtype) for g in flat_grads),
+                      torch.tensor(flags, dtype=dtype, device=flat_grads[0].device)])
     dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
     used = flat[len(flat) - len(params):].tolist()
+    sums: list[torch.Tensor | None] = []
     pos = 0
-    for i, (p, g) in enumerate(zip(params, locs, strict=True)):
-        shape = tuple(_local(p).shape)
+    for i, (g, shape) in enumerate(zip(flat_grads, shapes, strict=True)):
         total = flat[pos:pos + g.numel()].view(shape).to(g.dtype).clone()
         pos += g.numel()
-        p.grad = _like(total, p) if used[i] > 0 else None
-    return int(flat.numel() * flat.element_size())
+        sums.append(total if used[i] > 0 else None)
+    return sums, int(flat.numel() * flat.element_size())
 
 
 def _like(local: torch.Tensor, param: Any) -> Any:
