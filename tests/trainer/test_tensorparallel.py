@@ -211,6 +211,9 @@ def test_groups_splitting_the_same_layers_sync_per_shard_and_match_one_process(
                     diff = float((value - want[layer][name]).abs().max())
                     assert diff <= 1e-9, f"rank {r} plan {i + 1}: {layer} {name!r}: {diff:.3e}"
     assert all(got[r][0]["paths"] == ["shard"] for r in range(4))
+    for a, b in ((0, 1), (2, 3)):  # a stage's replicated parameters stay bitwise the same
+        mine, theirs = got[a][0]["states"], got[b][0]["states"]
+        assert all(torch.equal(mine[la][n], theirs[la][n]) for la in mine for n in mine[la])
     full_paths = [["full", "full"], ["full", "full"], ["full"], ["full"]]  # layers 0-1, 2-4
     assert [got[r][1]["paths"] for r in range(4)] == full_paths
     # the same layers, the same group sizes: a shard's bytes are half the full tensors'
