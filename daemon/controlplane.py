@@ -465,16 +465,8 @@ class ControlPlane:
         if measured is not None:
             self.trainers.check_measurement(
                 measured, new_model or (self.trainers.model(rec) if rec.model_json else None))
-        changes: dict[str, Any] = {}
-        if new_model is not None:
-            changes.update(model_json=model_json, state=JOB_RUNNING)
-        if rec.state == JOB_FAILED:  # a restarted trainer: the job runs again
-            changes.update(state=JOB_RUNNING if rec.model_json or new_model else JOB_PENDING,
-                           ended_ms=0, reason="")
-        if not rec.started_ms:
-            changes.update(started_ms=_now_ms())
-        if tensor_parallel != rec.tensor_parallel:
-            changes.update(tensor_parallel=tensor_parallel)
+        changes = _attach_changes(rec, model_json if new_model is not None else "",
+                                  tensor_parallel)
         if changes:
             revived = rec.state == JOB_FAILED
             rec = rec.with_changes(**changes)
@@ -522,3 +514,21 @@ class ControlPlane:
             self.trainers.learn(rec, timings)
         except Exception:  # learning must never fail the trainer's report
             log.exception("estimator: timings not learnt")
+
+
+def _attach_changes(rec: JobRecord, new_model_json: str, tensor_parallel: bool
+                    ) -> dict[str, Any]:
+    """What an attach changes in the job's record: a first model profile runs the job, a
+    failed job runs again (a restarted trainer), the first attach starts its clock, and the
+    trainer says whether it runs tensor-parallel stages."""
+    changes: dict[str, Any] = {}
+    if new_model_json:
+        changes.update(model_json=new_model_json, state=JOB_RUNNING)
+    if rec.state == JOB_FAILED:
+        changes.update(state=JOB_RUNNING if rec.model_json or new_model_json else JOB_PENDING,
+                       ended_ms=0, reason="")
+    if not rec.started_ms:
+        changes.update(started_ms=_now_ms())
+    if tensor_parallel != rec.tensor_parallel:
+        changes.update(tensor_parallel=tensor_parallel)
+    return changes

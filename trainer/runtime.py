@@ -206,16 +206,9 @@ class Trainer:
         """Next iteration within ``epoch``."""
         self.step = 0
         """Optimizer steps taken (global iterations)."""
-        self._owners: Owners = [[] for _ in self._specs]
+        self._owners: Owners = _initial_owners(self._specs, self.holdings, self.rank,
+                                               len(self.ties))
         """The ranks holding each layer now; ``[]``: build it where needed."""
-        if any(isinstance(s, nn.Module) for s in self._specs):
-            # Modules built by user code may differ per rank: rank 0's are the truth.
-            self._owners = [[0] for _ in self._specs]
-            if self.rank == 0:
-                for layer in range(self.num_layers):
-                    self.holdings.install(layer)
-                for t in range(len(self.ties)):
-                    self.holdings.install_tie(t)
         self._part = RankPart()
         """This rank's stage, process groups and gradient sync under the running plan."""
         self._loss_sum = 0.0
@@ -589,3 +582,18 @@ class Trainer:
             self.holdings.ckpt_dir = None
         dist.barrier()
         return meta
+
+
+def _initial_owners(specs: Sequence[LayerSpec], holdings: Holdings, rank: int,
+                    ties: int) -> Owners:
+    """Who holds each layer before the first plan: nobody for layer factories (each rank
+    builds what it needs from the seed); rank 0 for modules built by user code, which may
+    differ per rank (rank 0's are the truth), installed there now with the ties."""
+    if not any(isinstance(s, nn.Module) for s in specs):
+        return [[] for _ in specs]
+    if rank == 0:
+        for layer in range(len(specs)):
+            holdings.install(layer)
+        for t in range(ties):
+            holdings.install_tie(t)
+    return [[0] for _ in specs]
