@@ -17,6 +17,11 @@ export never see a shard.
 
 Tied parameters are never split (a submodule holding one is replicated), since the tie's
 value lives in two layers that may sit on different stages.
+
+Dropout modules (``nn.Dropout`` and its kin) that see a sharded activation (after a
+column-parallel submodule) draw the FULL-shape mask, as one process draws it, and apply
+this rank's slice (:class:`FullMaskDropout`), so a split stage trains exactly like one
+process.
 """
 
 from __future__ import annotations
@@ -28,9 +33,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.dropout import _DropoutNd
+from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["full_tensors", "matched", "parallelize", "shard_like", "shared_parameters",
-           "split_problem"]
+__all__ = ["FullMaskDropout", "full_tensors", "matched", "parallelize", "shard_like",
+           "shared_parameters", "split_problem"]
 
 _SPLITTABLE = (nn.Linear, nn.Embedding)
 """The module kinds torch's ColwiseParallel and RowwiseParallel split."""
@@ -75,7 +82,128 @@ def parallelize(module: nn.Module, mesh: Any, styles: Mapping[str, str]) -> nn.M
 
     kinds = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
     plan = {name: kinds[style]() for name, style in styles.items()}
-    return parallelize_module(module, mesh, plan)  # type: ignore[arg-type]
+    probe = _meta_copy(module) if _dropouts(module) else None
+    split = parallelize_module(module, mesh, plan)  # type: ignore[arg-type]
+    if probe is not None:
+        _full_mask_dropouts(split, probe, mesh.get_local_rank(), mesh.size())
+    return split
+
+
+def _dropouts(module: nn.Module) -> list[str]:
+    return [n for n, m in module.named_modules() if n and isinstance(m, _DropoutNd)]
+
+
+def _meta_copy(module: nn.Module) -> nn.Module:
+    """``module`` unsplit on the meta device (no memory): run to learn full shapes."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+class _Shapes:
+    """The full input shape of each dropout in one unsplit forward of the layer, in call
+    order, learnt once per input shape by running the layer's meta copy (no RNG drawn)."""
+
+    def __init__(self, probe: nn.Module, names: list[str]) -> None:
+        self.probe = probe
+        self.names = names
+        self.cache: dict[tuple[Any, ...], dict[str, list[torch.Size]]] = {}
+        self.current: dict[str, list[torch.Size]] = {}
+        self.calls: dict[str, int] = {}
+
+    def before(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> None:
+        """Forward pre-hook of the split layer: the full shapes for this input."""
+        from torch.utils import _pytree as pytree
+
+        self.calls = {}
+        if not module.training:
+            self.current = {}
+            return
+        leaves = pytree.tree_leaves((args, kwargs))
+        key = tuple((tuple(t.shape), t.dtype) if isinstance(t, torch.Tensor) else repr(t)
+                    for t in leaves)
+        if key not in self.cache:
+            self.cache[key] = self._probe(args, kwargs)
+        self.current = self.cache[key]
+
+    def _probe(self, args: tuple[Any, ...], kwargs: dict[str, Any]
+               ) -> dict[str, list[torch.Size]]:
+        from torch.utils import _pytree as pytree
+
+        seen: dict[str, list[torch.Size]] = {n: [] for n in self.names}
+        hooks = [self.probe.get_submodule(n).register_forward_pre_hook(
+            lambda _m, a, n=n: seen[n].append(a[0].shape)) for n in self.names]
+        meta = pytree.tree_map(
+            lambda t: t.detach().to("meta") if isinstance(t, torch.Tensor) else t,
+            (args, kwargs))
+        self.probe.train()
+        try:
+            with torch.no_grad():
+                self.probe(*meta[0], **meta[1])
+        finally:
+            for h in hooks:
+                h.remove()
+        return seen
+
+    def full(self, name: str) -> torch.Size | None:
+        shapes = self.current.get(name)
+        i = self.calls.get(name, 0)
+        self.calls[name] = i + 1
+        return shapes[i] if shapes is not None and i < len(shapes) else None
+
+
+class FullMaskDropout(nn.Module):
+    """A dropout of a split layer: on a shard (its input's shape is the unsplit forward's
+    with one dim ``1/degree`` as long) it runs the dropout on the full shape, this rank's
+    values at its slice and zeros elsewhere, and keeps the slice, so the mask is drawn
+    from the same generator state with the same shape as in one process, and each rank
+    applies its own part of it; on a whole (replicated) input it is the dropout itself."""
+
+    def __init__(self, inner: nn.Module, name: str, shapes: _Shapes, rank: int,
+                 degree: int) -> None:
+        super().__init__()
+        self.inner = inner
+        self.name = name
+        self.shapes = shapes
+        self.rank = rank
+        self.degree = degree
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        full = self.shapes.full(self.name) if self.training else None
+        if full is None or tuple(full) == tuple(x.shape):
+            return self.inner(x)
+        dims = [d for d in range(x.dim()) if x.shape[d] != full[d]]
+        if len(full) != x.dim() or len(dims) != 1 or x.shape[dims[0]] * self.degree != full[
+                dims[0]]:
+            raise RuntimeError(
+                f"dropout {self.name!r} of a split layer sees shape {tuple(x.shape)}, not "
+                f"the unsplit {tuple(full)} cut {self.degree} ways along one dim")
+        d, n = dims[0], x.shape[dims[0]]
+        start = self.rank * n
+
+        def zeros(k: int) -> torch.Tensor:
+            shape = list(x.shape)
+            shape[d] = k
+            return x.new_zeros(shape)
+
+        whole = torch.cat([zeros(start), x, zeros(full[d] - start - n)], d)
+        return self.inner(whole).narrow(d, start, n)
+
+
+def _full_mask_dropouts(split: nn.Module, probe: nn.Module, rank: int, degree: int) -> None:
+    """Wrap each dropout of ``split`` in a :class:`FullMaskDropout` (in place)."""
+    names = _dropouts(split)
+    shapes = _Shapes(probe, names)
+    split.register_forward_pre_hook(shapes.before, with_kwargs=True)
+    for name in names:
+        parent_name, _, child = name.rpartition(".")
+        parent = split.get_submodule(parent_name) if parent_name else split
+        setattr(parent, child, FullMaskDropout(getattr(parent, child), name, shapes, rank,
+                                               degree))
 
 
 def full_tensors(value: Any) -> Any:
@@ -123,23 +251,66 @@ def split_problem(layer: nn.Module, x: Any, styles: Mapping[str, str], degree: i
                     f"{'outputs' if style == 'colwise' else 'inputs'}, not divisible by "
                     f"{degree}")
     with torch.no_grad():
+        drawn_whole, drawn_part = _RandomOps(), _RandomOps()
         try:
-            whole = copy.deepcopy(layer)(x)
+            with drawn_whole:
+                whole = _without_dropouts(copy.deepcopy(layer))(x)
         except Exception as exc:  # the preflight reports the unsplit forward's own errors
             return f"its forward raised {type(exc).__name__}: {exc}"
-        local = _local_copy(layer, styles, degree)
+        local = _without_dropouts(_local_copy(layer, styles, degree))
         try:
-            part = local(x)
+            with drawn_part:
+                part = local(x)
         except Exception as exc:
             return (f"its forward cannot run split {degree} ways ({type(exc).__name__}: "
                     f"{exc}); a reshape with a fixed head or feature count needs -1 there, "
                     "and each colwise submodule's output a rowwise one consuming it")
+    if drawn_part.ops != drawn_whole.ops:
+        op = next((p for p, w in zip(drawn_part.ops, drawn_whole.ops, strict=False) if p != w),
+                  (drawn_part.ops or drawn_whole.ops)[-1])
+        return (f"dropout inside a split region: its forward draws random numbers "
+                f"(aten.{op[0]}) on an activation split {degree} ways, which one process "
+                "draws whole (functional dropout, e.g. scaled_dot_product_attention's "
+                "dropout_p > 0 in training); use an nn.Dropout module there, whose mask a "
+                "split stage draws whole, or p = 0")
     got, want = _shapes(part), _shapes(whole)
     if got != want:
         return (f"split {degree} ways its output has shapes {got}, not {want}: the "
                 "plan leaves a column-parallel output unreduced (pair each colwise with a "
                 "rowwise after it)")
     return None
+
+
+_RANDOM = {"bernoulli", "bernoulli_", "native_dropout", "rand", "randn", "rand_like",
+           "randn_like", "randint", "randint_like", "normal", "normal_", "uniform_",
+           "exponential_", "multinomial", "randperm", "cauchy_", "log_normal_", "geometric_",
+           "random_"}
+"""aten ops that draw from a generator."""
+
+
+class _RandomOps(TorchDispatchMode):
+    """Records (op, input shapes) of each random op a forward runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[tuple[int, ...]]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        name = str(getattr(func, "__name__", func)).split(".")[0]
+        if name in _RANDOM:
+            self.ops.append((name, _shapes(args)))
+        return func(*args, **(kwargs or {}))
+
+
+def _without_dropouts(layer: nn.Module) -> nn.Module:
+    """``layer`` (a copy) with its dropout modules replaced by identities: a split stage
+    draws their masks whole (:class:`FullMaskDropout`), so they never differ."""
+    for name in _dropouts(layer):
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        setattr(parent, child, nn.Identity())
+    return layer
 
 
 def _split_size(sub: nn.Module, style: str) -> int:

@@ -93,6 +93,64 @@ def test_splits_that_do_not_divide_or_are_not_paired_cannot_run() -> None:
     assert ok == [] and "cannot run split 2 ways" in why[0] and "item 1 (TPBlock)" in why[0]
 
 
+class _SdpaDropAttention(examples.Attention):
+    """:class:`~hetpilot.trainer.examples.Attention` with functional dropout on its
+    probabilities (``dropout_p``), which no module can draw whole."""
+
+    def __init__(self, d_model: int, heads: int, p: float) -> None:
+        super().__init__(d_model, heads)
+        self.p = p
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        b, s, _ = x.shape
+        q, k, v = (m(x).view(b, s, -1, self.head_dim).transpose(1, 2)
+                   for m in (self.q, self.k, self.v))
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                             dropout_p=self.p if self.training else 0.0)
+        return self.out(att.transpose(1, 2).reshape(b, s, -1))
+
+
+def _with_sdpa_dropout(p: float) -> dict:
+    job = examples.gpt_tp()
+    for block in job["layers"][1:3]:
+        old = block.attn
+        block.attn = _SdpaDropAttention(32, 4, p)
+        block.attn.load_state_dict(old.state_dict())
+    return job
+
+
+def test_functional_dropout_on_a_split_activation_is_refused_only_when_it_drops() -> None:
+    ok, why = _degrees(_with_sdpa_dropout(0.1))
+    assert ok == [] and len(why) == 1, why
+    assert why[0].startswith("degree 2: item 1 (TPBlock)"), why
+    assert "dropout inside a split region" in why[0] and "aten.bernoulli" in why[0], why
+    assert _degrees(_with_sdpa_dropout(0.0)) == ([2], [])
+
+
+def test_dropout_modules_on_split_and_whole_activations_are_not_refused() -> None:
+    from hetpilot.trainer.testing.tp_jobs import gpt_tp_dropout
+
+    assert _degrees(gpt_tp_dropout(), (2, 4)) == ([2, 4], [])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_dropout_between_colwise_and_rowwise_trains_as_one_process() -> None:
+    """2 ranks: a stage split 2 ways whose blocks drop out attention probabilities (split
+    by heads) and the MLP's hidden activation (split by columns) draws each mask whole, as
+    one process does (a mask of the shard's shape drawn on each rank was off by ~0.1)."""
+    from hetpilot.trainer.traincheck import run_check
+
+    lines: list[str] = []
+    worst = run_check(2, job="hetpilot.trainer.testing.tp_jobs:gpt_tp_dropout", seed=0,
+                      timeout_s=150, log=lines.append)
+    text = "\n".join(lines)
+    assert "tensor-parallel stages checked: 1" in text, text
+    assert worst["float64"].value <= 1e-9, text
+
+
 def test_the_shipped_tensor_parallel_gpt_runs_split_two_and_four_ways() -> None:
     assert _degrees(examples.gpt_tp(), (2, 4)) == ([2, 4], [])
 
