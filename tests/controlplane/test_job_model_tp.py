@@ -4,7 +4,6 @@ Attach that it runs them (issues 38 (d) and 40; daemon/job_model.py)."""
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from hetpilot.v1 import agent_pb2_grpc, job_pb2, job_pb2_grpc, trainer_pb2, trai
 from hetpilot.channel import Endpoint, metadata
 
 from .conftest import CLUSTER_MD, OWNER_MD, start_daemon
-from .helpers import register_request, submit_request
+from .helpers import register_request, submit_request, wait_until
 
 # one host of four devices on fast links and one sample per iteration: a v1 plan runs
 # the layers one device after another, a 4-way split runs them on all four at once, so
@@ -93,13 +92,8 @@ def _has_tp_stage(plan: dict[str, object]) -> bool:
 
 
 def _wait_plan(ch: object, job_id: str, tp: bool, what: str) -> None:
-    deadline = time.monotonic() + 30.0
-    while True:
-        plan = _plan_json(ch, job_id)
-        if plan.get("groups") and _has_tp_stage(plan) == tp:
-            return
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: {plan}"
-        time.sleep(0.1)
+    wait_until(what, lambda: (plan := _plan_json(ch, job_id)).get("groups")
+               and _has_tp_stage(plan) == tp, timeout=90)
 
 
 def test_the_attach_says_whether_the_trainer_runs_tp(tmp_path: Path) -> None:

@@ -32,12 +32,13 @@ child = subprocess.Popen(sys.argv[1:], env=dict(os.environ, RANK="0"), start_new
 open("pids", "w").write(f"{os.getpid()} {child.pid}")
 print("torchrun: started", flush=True)
 if os.environ.get("EXIT_AT_ONCE"):
-    time.sleep(0.5)
+    while not os.path.exists("printed"):  # the rank has said hello
+        time.sleep(0.01)
     os.killpg(child.pid, 9)
     sys.exit(int(os.environ["EXIT_AT_ONCE"]))
 time.sleep(60)
 """
-RANK = "import time; print('hello', flush=True); time.sleep(60)"
+RANK = "import time; print('hello', flush=True); open('printed', 'w').close(); time.sleep(60)"
 
 
 class FakeTorchrun(Launcher):
