@@ -101,7 +101,9 @@ class Agent:
                 tls={"ca_file": config.ca_file, "cert_file": config.cert_file,
                      "key_file": config.key_file},
                 retention_s=config.launch_retention_s, run_as=config.launching.run_as,
-                output_bytes=config.launching.output_bytes)
+                output_bytes=config.launching.output_bytes,
+                limits=config.launching.limits(),
+                require_limits=config.launching.require_limits)
         self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]],
                           list[tuple[str, int]]] = ([], [], [])
         """Launch states, output chunks and busy-port refusals of the report awaiting

@@ -12,6 +12,8 @@ from typing import Any
 
 from hetpilot.tomlconfig import ConfigError, build, read_tables, table
 
+from .cgroups import Limits
+
 __all__ = ["AgentConfig", "ConfigError", "EmulatedDevice", "LaunchConfig", "load_agent_config",
            "parse_emulate"]
 
@@ -47,6 +49,33 @@ class EmulatedDevice:
             raise ConfigError(f"emulate.count: must be an integer in [1, 64], got {self.count!r}")
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)(?:i?B)?", re.IGNORECASE)
+MIN_MEMORY_MAX = 32 * 1024 * 1024
+MIN_TASKS_MAX = 8
+
+
+def parse_size(name: str, value: Any) -> int:
+    """Bytes from an integer or a string such as ``"64G"``, ``"512MiB"`` or ``"1.5G"``
+    (K, M, G, T: powers of 1024, as systemd's ``MemoryMax=``); 0 or ``"max"``: no limit.
+    ConfigError naming ``name`` otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ConfigError(f"{name}: must be bytes (an integer) or a size such as \"64G\", "
+                          f"got {value!r}")
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("max", "infinity", ""):
+            return 0
+        match = _SIZE.fullmatch(text)
+        if match is None:
+            raise ConfigError(f"{name}: not a size (bytes, or a number with K, M, G or T, "
+                              f"e.g. \"64G\"), got {value!r}")
+        scale = 1024 ** " KMGT".index(match.group(2).upper() or " ")
+        value = int(float(match.group(1)) * scale)
+    if value < 0:
+        raise ConfigError(f"{name}: must not be negative, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, kw_only=True)
 class LaunchConfig:
     """``[launch]``: how this host runs the ranks it launches."""
@@ -61,13 +90,44 @@ class LaunchConfig:
     """Output of one launch kept on this host; past it the oldest is dropped (a marker
     line says how much, where). The daemon keeps its own copy (``log_bytes_per_host``)."""
 
+    memory_max: int | str = 0
+    """Memory of one launch (every process of it, page cache included), enforced by the
+    kernel in a cgroup of its own: bytes, or ``"64G"``-style (1024-based); 0: none. A
+    launch past it has a process OOM-killed, and its job fails naming the limit."""
+    tasks_max: int = 0
+    """Processes and threads of one launch together (its runner, torchrun, the ranks and
+    all their threads), enforced in its cgroup; a fork past it fails. 0: none."""
+    require_limits: bool = False
+    """Refuse every launch (its job fails naming why) when the host has no usable
+    cgroup hierarchy for the limits set; false: launch without them, and say so once
+    at start."""
+
     def __post_init__(self) -> None:
+        memory = parse_size("launch.memory_max", self.memory_max)
+        if memory and memory < MIN_MEMORY_MAX:
+            raise ConfigError(f"launch.memory_max: must be at least 32M (or 0: none), got "
+                              f"{self.memory_max!r}")
+        object.__setattr__(self, "memory_max", memory)
+        if isinstance(self.tasks_max, bool) or not isinstance(self.tasks_max, int) or (
+                self.tasks_max and not MIN_TASKS_MAX <= self.tasks_max <= 4_194_304):
+            raise ConfigError(f"launch.tasks_max: must be an integer in [{MIN_TASKS_MAX}, "
+                              f"4194304] (or 0: none), got {self.tasks_max!r}")
+        if self.require_limits is not True and self.require_limits is not False:
+            raise ConfigError(f"launch.require_limits: must be true or false, got "
+                              f"{self.require_limits!r}")
+        if self.require_limits and not (memory or self.tasks_max):
+            raise ConfigError("launch.require_limits: set memory_max or tasks_max too (it "
+                              "requires the limits they set)")
         if self.run_as not in RUN_AS:
             raise ConfigError(f"launch.run_as: must be \"owner\" or \"agent\", got "
                               f"{self.run_as!r}")
         if not isinstance(self.output_bytes, int) or self.output_bytes < 65536:
             raise ConfigError(f"launch.output_bytes: must be an integer >= 65536, got "
                               f"{self.output_bytes!r}")
+
+    def limits(self) -> Limits:
+        """The per-launch limits (:mod:`hetpilot.agents.cgroups`)."""
+        return Limits(memory_max=int(self.memory_max), tasks_max=self.tasks_max)
 
 
 @dataclass(frozen=True, kw_only=True)

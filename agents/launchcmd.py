@@ -9,7 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import socket
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,12 +42,15 @@ def port_in_use(port: int) -> str | None:
 
 
 def runner_command(python: str, directory: Path, *, output_cap: int, grace_s: float,
-                   who: User | None) -> list[str]:
+                   who: User | None, cgroups: Sequence[Path] = ()) -> list[str]:
     """:mod:`hetpilot.agents.runner` for the launch whose record is in ``directory``,
-    switching to ``who`` (None: stay the agent's user); torchrun's command follows."""
+    switching to ``who`` (None: stay the agent's user), in the launch's ``cgroups``;
+    torchrun's command follows."""
     command = [python, "-m", "hetpilot.agents.runner", "--exit", str(directory / "exit"),
                "--output", str(directory / "output"), "--output-bytes", str(output_cap),
                "--parent", str(os.getpid()), "--grace", str(grace_s)]
+    for cgroup in cgroups:
+        command += ["--cgroup", str(cgroup)]
     if who is not None:
         command += ["--uid", str(who.uid), "--gid", str(who.gid),
                     "--groups", ",".join(map(str, who.groups))]

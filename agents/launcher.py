@@ -45,6 +45,14 @@ owner's user, her ``HOME``, ``USER`` and ``LOGNAME``. The job's ``env`` reaches
 the ranks only (rankio sets it), never the runner or torchrun, and cannot
 replace the variables above or torchrun's.
 
+Limits: each launch gets a cgroup of its own (:mod:`hetpilot.agents.cgroups`) with
+the agent's ``[launch]`` ``memory_max`` and ``tasks_max``; the runner joins it before
+it starts torchrun. When the launch ends, whatever is left in it is killed and it is
+removed; a launch that failed after a limit ended some of its processes says which
+(first line of its reason). Where no usable hierarchy exists the agent says so at
+start and launches without limits, or refuses every launch naming why when
+``require_limits`` is set.
+
 Tied to the agent: the runner gets a signal from the kernel when the agent ends
 and ends the launch's processes within a few seconds
 (:mod:`hetpilot.agents.runner`); a launch never outlives its agent.
@@ -101,6 +109,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from .cgroups import LaunchGroups, Limits
 from .config import RUN_AS
 from .launchcmd import (
     job_env,
@@ -140,7 +149,8 @@ class Launcher:
                  stop_grace_s: float = 10.0, local_addr: str = "",
                  tls: Mapping[str, str] | None = None,
                  retention_s: float = 86400.0, run_as: str = "owner",
-                 output_bytes: int = DEFAULT_CAP) -> None:
+                 output_bytes: int = DEFAULT_CAP, limits: Limits | None = None,
+                 require_limits: bool = False, cgroups: LaunchGroups | None = None) -> None:
         if run_as not in RUN_AS:
             raise ValueError(f"run_as: must be one of {', '.join(RUN_AS)}, got {run_as!r}")
         base = Path(state_dir).absolute()
@@ -162,7 +172,17 @@ class Launcher:
         """Launch ids not started for a busy rendezvous port: (job id, port, reason)."""
         self._scanned = 0.0
         self._cleaned = 0.0
+        self.require_limits = require_limits
+        self.cgroups = cgroups if cgroups is not None else LaunchGroups(base, limits or Limits())
+        """Each launch's cgroup and limits (:mod:`hetpilot.agents.cgroups`)."""
         self._load()
+        self.cgroups.sweep(s.launch_id for s in self.running())
+        said = self.cgroups.status()
+        if self.cgroups.why_not() and (self.cgroups.limits.controllers() or require_limits):
+            log.warning("%s: %s", said, "launches are refused" if require_limits
+                        else "launches run without them")
+        else:
+            log.info("%s", said)
 
     # -- state ------------------------------------------------------------------
 
@@ -323,9 +343,13 @@ class Launcher:
         if why:
             self._ended(state, CANNOT_START, f"workdir {cwd} on {self.host}: {why}")
             return True
+        cgroups = self._cgroup(state)
+        if isinstance(cgroups, str):
+            self._ended(state, CANNOT_START, f"not started on {self.host}: {cgroups}")
+            return True
         command = [*runner_command(self.python, directory, output_cap=self.output_cap,
                                    grace_s=min(self.stop_grace_s, AGENT_GONE_GRACE_S),
-                                   who=who), "--", *self.torchrun(order, work)]
+                                   who=who, cgroups=cgroups), "--", *self.torchrun(order, work)]
         env = runner_env(order, host=self.host, daemon=self.daemon, token=token,
                          devices=devices, device_kinds=device_kinds, tls=self.tls, who=who)
         try:
@@ -346,6 +370,25 @@ class Launcher:
                  order.rdzv_endpoint, " (hosting the store)" if order.rdzv_host else "",
                  state.pid)
         return True
+
+    def _cgroup(self, state: LaunchState) -> list[Path] | str:
+        """The launch's cgroup directories, made with the limits the hierarchy can hold
+        (none where there is no usable one); or why it cannot start (``require_limits``
+        and the limits cannot be had)."""
+        why = self.cgroups.why_not()
+        if why and self.require_limits:
+            return f"[launch] require_limits is set and {why}"
+        if not self.cgroups.hierarchy.bases:
+            return []
+        try:
+            return self.cgroups.create(state.launch_id)
+        except OSError as exc:
+            why = f"cannot make its cgroup: {exc.strerror or exc}"
+            if self.require_limits:
+                return f"[launch] require_limits is set and {why}"
+            log.warning("launch %s (job %s): %s: started without per-launch limits",
+                        state.launch_id, state.job_id, why)
+            return []
 
     def identity(self, order: Any) -> User | str | None:
         """Who the launch's ranks run as: the order's unix user (a :class:`User`), the
@@ -384,6 +427,8 @@ class Launcher:
         second)."""
         self._refresh_trees()
         self.clean()
+        if self.cgroups.pending():
+            self.cgroups.tidy()
         now = time.monotonic()
         for state in self.running():
             code: int | None = None
@@ -449,6 +494,7 @@ class Launcher:
         state.exit_code = code
         if state.proc is not None:
             state.proc = None
+        limit = self.cgroups.end(state.launch_id)  # what a limit did; nothing left in it
         leftover = {p: t for p, t in state.tree.items()
                     if (_proc_stat(p) or (0, -1))[1] == t}
         if leftover:  # ranks outliving their torchrun (killed, or wedged): not for long
@@ -460,6 +506,8 @@ class Launcher:
             said = state.reason  # the runner's (the agent that started it ended)
             state.reason = reason or ("stopped on the daemon's order" if state.stopped
                                       else "; ".join(x for x in (said, self._why(state)) if x))
+            if limit and not state.stopped:
+                state.reason = f"{limit}\n{state.reason}"
         for secret in ("trainer.token", "env.json"):
             with contextlib.suppress(OSError):
                 if state.work is not None:

@@ -1,13 +1,16 @@
 """``python -m hetpilot.agents.runner --exit FILE --output DIR [options] -- COMMAND...``:
 what an agent starts for each launch (:mod:`hetpilot.agents.launcher`).
 
-It runs COMMAND (torchrun) in its own process group and session, the one the agent
-started it in, as the launch's user (``--uid``/``--gid``/``--groups``, when the agent
-runs ranks as their owners; the runner itself stays the agent's user, so the ranks can
-neither signal it nor touch what it writes). It keeps everything COMMAND and the ranks
-print in one capped copy (:class:`~hetpilot.agents.output.OutputWriter`, ``--output``,
-``--output-bytes``), waits for COMMAND and writes its exit status to FILE before
-exiting with it: that file is how an agent that restarted learns how a launch ended.
+It joins the launch's cgroups (``--cgroup``, made by the agent with the launch's
+limits: :mod:`hetpilot.agents.cgroups`) before anything else, so COMMAND and the
+ranks are in them from their first instruction. It runs COMMAND (torchrun) in its
+own process group and session, the one the agent started it in, as the launch's user
+(``--uid``/``--gid``/``--groups``, when the agent runs ranks as their owners; the
+runner itself stays the agent's user, so the ranks can neither signal it nor touch
+what it writes). It keeps everything COMMAND and the ranks print in one capped copy
+(:class:`~hetpilot.agents.output.OutputWriter`, ``--output``, ``--output-bytes``),
+waits for COMMAND and writes its exit status to FILE before exiting with it: that
+file is how an agent that restarted learns how a launch ended.
 
 Tied to its agent. The kernel sends the runner SIGUSR2 when the agent ends
 (PR_SET_PDEATHSIG: kill -9, a crash, systemd stopping it); the runner then sends
@@ -71,6 +74,9 @@ def _args(argv: Sequence[str]) -> argparse.Namespace:
     parser.add_argument("--uid", type=int)
     parser.add_argument("--gid", type=int)
     parser.add_argument("--groups", default="", help="supplementary group ids, comma-separated")
+    parser.add_argument("--cgroup", action="append", default=[], metavar="DIR",
+                        help="a cgroup directory to join before starting anything (the "
+                             "launch's, with its limits; once per hierarchy)")
     parser.add_argument("--grace", type=float, default=3.0,
                         help="seconds between SIGTERM and SIGKILL once the agent is gone")
     parser.add_argument("command", nargs=argparse.REMAINDER)
@@ -197,6 +203,14 @@ def main(argv: Sequence[str]) -> int:
     if args.parent and os.getppid() != args.parent:  # the agent ended before we armed
         write_exit(args.exit, 127, "not started: the agent that ordered it had ended")
         return 127
+    for directory in args.cgroup:  # before anything starts: all of it inherits the cgroup
+        try:
+            with open(os.path.join(directory, "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+        except OSError as exc:
+            write_exit(args.exit, 127, f"not started: cannot join its cgroup {directory}: "
+                                       f"{exc.strerror or exc}")
+            return 127
     set_child_subreaper()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: None)  # COMMAND got it too: wait for it
