@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import pwd
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -29,9 +30,10 @@ from hetpilot.agents.cgroups import (
 from hetpilot.agents.config import ConfigError, load_agent_config
 from hetpilot.agents.launcher import Launcher
 from hetpilot.agents.procs import proc_stat
-from hetpilot.v1 import agent_pb2
+from hetpilot.v1 import agent_pb2, job_pb2, job_pb2_grpc
 
-from .helpers import wait_until
+from .conftest import CLUSTER_TOKEN, OWNER_MD, start_daemon
+from .helpers import submit_request, wait_until
 from .sandbox import shared_dir, unix_users, why_no_users
 
 pytestmark = pytest.mark.timeout(120)
@@ -218,6 +220,90 @@ def test_an_owners_rank_cannot_leave_its_launchs_cgroup() -> None:
         assert [x for x in lines if "LEFT" in x] == []
         assert len([x for x in lines if "DENIED PermissionError" in x]) == len(bases)
         assert pwd.getpwnam(alice).pw_uid != 0
+
+
+@needs_cgroups
+def test_a_job_whose_rank_forks_past_tasks_max_fails_naming_it(tmp_path: Path) -> None:
+    """With a real daemon, agent (its [launch] config) and torchrun: the job FAILS with
+    a reason naming the limit, and the agent said once at start where its launches'
+    cgroups go."""
+    d = start_daemon(tmp_path / "state", rdzv_port_min=29891, rdzv_port_max=29899)
+    token = tmp_path / "cluster.token"
+    token.write_text(CLUSTER_TOKEN + "\n")
+    token.chmod(0o600)
+    config = tmp_path / "agent.toml"
+    config.write_text('[launch]\nrun_as = "agent"\ntasks_max = 64\nmemory_max = "2G"\n')
+    log = tmp_path / "agent.log"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HETPILOT_")}
+    argv = [sys.executable, "-m", "hetpilot", "agent", "--daemon", d.address, "--host", "hosta",
+            "--probe-listen", "127.0.0.1:0", "--token-file", str(token), "--state-dir",
+            str(tmp_path / "agent"), "--emulate", "tflops=2,memory_gb=8,count=1",
+            "--config", str(config)]
+    with open(log, "wb") as out:
+        agent = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env)
+    try:
+        jobs = job_pb2_grpc.JobServiceStub(d.channel())
+        entry = job_pb2.JobEntry(command=[sys.executable, "-c", FORKER], ranks_per_host=1,
+                                 hosts=1, workdir=str(tmp_path))
+        job_id = jobs.SubmitJob(submit_request(entry=entry), metadata=OWNER_MD,
+                                timeout=10).job_id
+        info = wait_until("the job to end", lambda: (j := jobs.GetJob(
+            job_pb2.GetJobRequest(job_id=job_id), metadata=OWNER_MD, timeout=10)).state
+            not in (job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING) and j, timeout=90)
+        assert info.state == job_pb2.JOB_STATE_FAILED
+        assert info.reason.startswith("host hosta: ") and \
+            "launch reached tasks_max 64 (" in info.reason, info.reason
+        said = [line for line in log.read_text().splitlines() if "per-launch cgroups" in line]
+        assert len(said) == 1 and "(memory_max 2 GiB, tasks_max 64)" in said[0], said
+    finally:
+        agent.send_signal(signal.SIGTERM)
+        agent.wait(timeout=30)
+        d.stop()
+
+
+def _v2_only() -> Hierarchy:
+    """This machine's cgroup v2 hierarchy alone (with whatever controllers it offers)."""
+    mounts = Path("/proc/self/mountinfo").read_text().splitlines()
+    return find_hierarchy(None, "\n".join(m for m in mounts if " - cgroup2 " in m))
+
+
+def _why_no_v2() -> str:
+    if os.geteuid() != 0:
+        return "needs root to make cgroups"
+    h = _v2_only()
+    return "" if h.version == 2 and h.bases else f"no writable cgroup v2 here: {h.why_not}"
+
+
+@pytest.mark.skipif(bool(_why_no_v2()), reason=_why_no_v2() or "-")
+def test_in_cgroup_v2_a_launch_is_emptied_with_cgroup_kill_and_removed(tmp_path: Path) -> None:
+    """cgroup v2 (with controllers or not: where v1 holds memory and pids, as on hosts in
+    hybrid mode, it has none): the runner joins the launch's cgroup and whatever is in
+    it when the launch ends is killed and the cgroup removed."""
+    hierarchy = _v2_only()
+    groups = LaunchGroups(tmp_path / "agent", Limits(), hierarchy=hierarchy)
+    launcher = _launcher(tmp_path / "agent", cgroups=groups)
+    assert launcher.start(_order("L2", SLEEPER, workdir=str(tmp_path)), {})
+    state = launcher.get("L2")
+    wait_until("the rank", lambda: b"[rank0]:ready\n" in state.output.read_bytes())
+    [directory] = groups.dirs("L2")
+    members = [int(p) for p in (directory / "cgroup.procs").read_text().split()]
+    assert state.pid in members and len(members) >= 4
+    assert launcher.stop("L2")
+    wait_until("the launch to end", lambda: _ended(launcher, "L2"))
+    wait_until("its cgroup removed", lambda: (launcher.poll(), not directory.exists())[1])
+    assert _gone(members)
+    # what a launch left behind (here: a process put in its cgroup) is killed
+    [left] = groups.create("L3")
+    sleeper = subprocess.Popen(["sleep", "600"])
+    try:
+        (left / "cgroup.procs").write_text(str(sleeper.pid))
+        assert groups.end("L3") == ""
+        assert sleeper.wait(timeout=30) == -9
+        wait_until("its cgroup removed", lambda: (groups.tidy(), not left.exists())[1])
+        assert not left.parent.exists()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
 
 
 def test_require_limits_refuses_launches_where_no_hierarchy_is_usable(tmp_path: Path) -> None:
