@@ -4,13 +4,15 @@
 #
 #   sudo bash bench/shared_cluster_campaign.sh RESULTS_DIR
 #
-# In order: tenancy, agent death and output flood (bench/agent_tenancy.py), host
+# In order: tenancy, agent death and output flood (bench/agent_tenancy.py), per-launch
+# limits against one owner's memory hog and fork bomb (bench/launch_limits.py), host
 # take-over and agent death on the daemon's side (bench/host_campaign.py), full disk
 # (bench/full_disk_campaign.py), a short load run (bench/controlplane_load.py). Each
 # part's JSON and log go to RESULTS_DIR; summary.json says how each part ended.
 # Exit 0 when every part ran and found nothing; 1 when a part found a breach, failed
 # or was skipped (a campaign with a part missing is not a clean one); 2 on bad use.
-# Sizes: TRIALS, FLOOD_MIB, HOST_ROUNDS, DISK_ROUNDS, LOAD_AGENTS, LOAD_SECONDS.
+# Sizes: TRIALS, FLOOD_MIB, MEMORY_MAX, TASKS_MAX, HOST_ROUNDS, DISK_ROUNDS, LOAD_AGENTS,
+# LOAD_SECONDS.
 set -u
 
 usage="usage: bash bench/shared_cluster_campaign.sh RESULTS_DIR (as root)"
@@ -24,6 +26,7 @@ OUT=$(cd "$1" && pwd)
 cd "$ROOT" || exit 2
 
 TRIALS=${TRIALS:-2} FLOOD_MIB=${FLOOD_MIB:-16} HOST_ROUNDS=${HOST_ROUNDS:-1}
+MEMORY_MAX=${MEMORY_MAX:-1G} TASKS_MAX=${TASKS_MAX:-256}
 DISK_ROUNDS=${DISK_ROUNDS:-1} LOAD_AGENTS=${LOAD_AGENTS:-100,200} LOAD_SECONDS=${LOAD_SECONDS:-10}
 
 declare -A rc
@@ -38,6 +41,8 @@ part() {  # part NAME CMD...: run, log to OUT/NAME.log, keep its exit code
 
 part tenancy "$PY" bench/agent_tenancy.py --trials "$TRIALS" --flood-mib "$FLOOD_MIB" \
     --out "$OUT/agent_tenancy.json"
+part limits "$PY" bench/launch_limits.py --memory-max "$MEMORY_MAX" --tasks-max "$TASKS_MAX" \
+    --out "$OUT/launch_limits.json"
 part host_takeover "$PY" bench/host_campaign.py --rounds "$HOST_ROUNDS" \
     --out "$OUT/host_campaign.json" --keep "$OUT/host_campaign"
 part full_disk "$PY" bench/full_disk_campaign.py --rounds "$DISK_ROUNDS" \
@@ -48,12 +53,13 @@ part load "$PY" bench/controlplane_load.py --agents "$LOAD_AGENTS" --seconds "$L
 # What the scripts' exit codes do not say: a part skipped inside agent_tenancy.py
 # (exit 0), agent death slower than "a few seconds", and the load run (it exits 0
 # whatever it measured: a lost report or a refused registration is a breach here).
-"$PY" - "$OUT" "${rc[tenancy]}" "${rc[host_takeover]}" "${rc[full_disk]}" "${rc[load]}" <<'EOF'
+"$PY" - "$OUT" "${rc[tenancy]}" "${rc[limits]}" "${rc[host_takeover]}" "${rc[full_disk]}" \
+    "${rc[load]}" <<'EOF'
 import json, sys
 from pathlib import Path
 
 out, codes = Path(sys.argv[1]), dict(zip(
-    ("tenancy", "host_takeover", "full_disk", "load"), map(int, sys.argv[2:6])))
+    ("tenancy", "limits", "host_takeover", "full_disk", "load"), map(int, sys.argv[2:7])))
 findings = {name: ([] if code == 0 else [f"exit {code}: see {name}.log"])
             for name, code in codes.items()}
 FEW_S = 10.0  # "no process outlives its agent by more than a few seconds"
