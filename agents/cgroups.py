@@ -19,13 +19,13 @@ Hierarchies, found from ``/proc/self/cgroup`` and ``/proc/self/mountinfo``:
 - cgroup v1: the ``memory`` and ``pids`` hierarchies, each at the agent's own cgroup
   in it (``/proc/self/cgroup``), writable.
 
-The one offering more of ``memory`` and ``pids`` is used (v2 on a tie); a launch
-needs the controllers of the limits it sets. Limits: v2 ``memory.max`` (and
+The one offering more of ``memory`` and ``pids`` is used (v2 on a tie); a launch needs
+the controllers of the limits it sets. Limits: v2 ``memory.max`` (and
 ``memory.swap.max`` 0, so swap does not stretch it) and ``pids.max``; v1
-``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes``, when swap
-accounting is there) and ``pids.max``. What ended a launch: v2 ``memory.events``
-``oom_kill`` and ``pids.events`` ``max``; v1 ``memory.oom_control`` ``oom_kill``
-(``memory.failcnt`` on kernels without it) and ``pids.events`` ``max``.
+``memory.limit_in_bytes`` (and ``memory.memsw.limit_in_bytes`` when swap is accounted,
+else ``memory.swappiness`` 0) and ``pids.max``. What ended a launch: v2
+``memory.events`` ``oom_kill`` and ``pids.events`` ``max``; v1 ``memory.oom_control``
+``oom_kill`` (``memory.failcnt`` on kernels without it) and ``pids.events`` ``max``.
 
 Everything here is small file reads and writes in cgroupfs: it runs on the agent's
 event loop. No torch, no grpc.
@@ -337,6 +337,9 @@ class LaunchGroups:
                 (directory / "memory.limit_in_bytes").write_text(str(memory))
                 if (directory / "memory.memsw.limit_in_bytes").exists():
                     (directory / "memory.memsw.limit_in_bytes").write_text(str(memory))
+                elif (directory / "memory.swappiness").exists():  # no swap accounting
+                    with contextlib.suppress(OSError):
+                        (directory / "memory.swappiness").write_text("0")
         if tasks and "pids" in controllers:
             (directory / "pids.max").write_text(str(tasks))
 
