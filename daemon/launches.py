@@ -471,8 +471,10 @@ class Launches:
             else:
                 what = (f"killed by signal {-h.exit_code}" if h.exit_code < 0
                         else f"exited with code {h.exit_code}")
-                reason = (f"host {h.host}: torchrun {what} (restart budget {budget} spent)"
-                          + (f"; its last output:\n{h.reason}" if h.reason else ""))
+                limit, output = _limit_line(h.reason)
+                reason = (f"host {h.host}: {limit + '; ' if limit else ''}torchrun {what} "
+                          f"(restart budget {budget} spent)"
+                          + (f"; its last output:\n{output}" if output else ""))
             await self.plane.end_job(rec, JOB_FAILED, reason[:MAX_REASON])
         elif launch.exited and all(h.exit_code == 0 for h in launch.hosts):
             await self.plane.end_job(rec, JOB_SUCCEEDED,
@@ -597,3 +599,13 @@ class Launches:
                      "(log_retention_hours): %s", len(removed), hours,
                      ", ".join(removed[:10]) + (", ..." if len(removed) > 10 else ""))
         return removed
+
+
+def _limit_line(reason: str) -> tuple[str, str]:
+    """Split an agent's exit reason into the line naming a per-launch limit that ended
+    the launch (the agent puts it first: ``launch exceeded memory_max ...``, ``launch
+    reached tasks_max ...``), so the job's reason leads with it, and the output after."""
+    first, _, rest = reason.partition("\n")
+    if first.startswith(("launch exceeded ", "launch reached ")):
+        return first, rest
+    return "", reason

@@ -251,8 +251,8 @@ def test_a_job_whose_rank_forks_past_tasks_max_fails_naming_it(tmp_path: Path) -
             job_pb2.GetJobRequest(job_id=job_id), metadata=OWNER_MD, timeout=10)).state
             not in (job_pb2.JOB_STATE_PENDING, job_pb2.JOB_STATE_RUNNING) and j, timeout=90)
         assert info.state == job_pb2.JOB_STATE_FAILED
-        assert info.reason.startswith("host hosta: ") and \
-            "launch reached tasks_max 64 (" in info.reason, info.reason
+        assert info.reason.startswith("host hosta: launch reached tasks_max 64 ("), info.reason
+        assert "; torchrun exited with code " in info.reason.splitlines()[0], info.reason
         said = [line for line in log.read_text().splitlines() if "per-launch cgroups" in line]
         assert len(said) == 1 and "(memory_max 2 GiB, tasks_max 64)" in said[0], said
     finally:
