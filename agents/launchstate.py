@@ -5,8 +5,6 @@ were removed, and the lock that keeps a second agent off the state directory.
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import shutil
@@ -14,6 +12,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from hetpilot import pidlock
 
 from .output import OutputReader
 
@@ -106,32 +106,19 @@ class StateDirInUse(OSError):
 
 
 def lock_state_dir(state_dir: Path) -> Any:
-    """Hold ``<state_dir>/agent.lock`` (flock, released when this process ends) and
-    write our pid into it; :class:`StateDirInUse` if another process holds it.
+    """Hold ``<state_dir>/agent.lock`` for this process (:mod:`hetpilot.pidlock`);
+    :class:`StateDirInUse` if another process holds it.
 
     Two agents on one state directory would both start each ordered launch (each
     knows only the launch ids it read at its start) and report each other's as
-    unknown. The lock's file descriptor is not inherited by launches, which outlive
-    the agent and must not keep its successor out."""
+    unknown."""
     state_dir.mkdir(parents=True, exist_ok=True)
-    fd = os.open(state_dir / "agent.lock", os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o600)
-    handle = os.fdopen(fd, "a+")  # held for the process
     try:
-        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError as exc:
-        handle.seek(0)
-        holder = handle.read().strip()[:20] or "unknown"
-        handle.close()
-        if exc.errno not in (errno.EAGAIN, errno.EACCES):
-            raise
+        return pidlock.take(state_dir / "agent.lock")
+    except pidlock.LockHeld as held:
         raise StateDirInUse(
-            f"state dir {state_dir}: another hetpilot agent (pid {holder}) uses it; stop "
+            f"state dir {state_dir}: another hetpilot agent (pid {held.holder}) uses it; stop "
             "that agent, or give this one another --state-dir (and --host)") from None
-    handle.seek(0)
-    handle.truncate()
-    handle.write(f"{os.getpid()}\n")
-    handle.flush()
-    return handle
 
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import gc
 import json
 import logging
@@ -33,6 +32,8 @@ from hetpilot.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
+
+from hetpilot import pidlock
 
 from .auth import Authenticator, AuthInterceptor
 from .config import DaemonConfig, TlsConfig
@@ -108,33 +109,22 @@ def _split(addr: str) -> tuple[str, int]:
 
 @contextlib.contextmanager
 def _state_dir_lock(state_dir: Path) -> Iterator[None]:
-    """Hold ``state_dir/daemon.lock`` (``flock``, released when the process ends however it
-    ends) while serving; raise :class:`StateDirInUse`, naming the holder's pid, when another
-    daemon holds it."""
+    """Hold ``state_dir/daemon.lock`` (:mod:`hetpilot.pidlock`) while serving; raise
+    :class:`StateDirInUse`, naming the holder's pid, when another daemon holds it."""
     path = state_dir / "daemon.lock"
     try:
-        fh = open(path, "a+")  # noqa: SIM115 (closed below)
+        handle = pidlock.take(path)
+    except pidlock.LockHeld as held:
+        raise StateDirInUse(f"{state_dir} is in use by another daemon (pid {held.holder}; "
+                            f"{path} is locked): stop it, or give this one another "
+                            "--state-dir") from None
     except OSError:  # a read-only state dir: the store refuses it, naming state.db
         yield
         return
-    with fh:
-        try:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            fh.seek(0)
-            holder = fh.read().strip() or "unknown"
-            raise StateDirInUse(f"{state_dir} is in use by another daemon (pid {holder}; "
-                                f"{path} is locked): stop it, or give this one another "
-                                "--state-dir") from None
-        os.ftruncate(fh.fileno(), 0)
-        try:
-            os.pwrite(fh.fileno(), f"{os.getpid()}\n".encode(), 0)
-        except OSError as exc:  # a full disk: the lock holds without the pid in it
-            log.warning("%s: pid not written (%s); the lock holds", path, exc.strerror)
-        try:
-            yield
-        finally:
-            os.ftruncate(fh.fileno(), 0)
+    try:
+        yield
+    finally:
+        pidlock.release(handle)
 
 
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
