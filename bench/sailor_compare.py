@@ -58,6 +58,7 @@ AR_MB = SEQ * HIDDEN * FLOAT / 1e6
 #: Sailor's memory check: 8 (Adam) + 4 (fp32 copy) + 4 (gradients) + 4 (comm) + 4
 #: (DeepSpeed's copies) bytes per 4-byte parameter, i.e. 1 + 5 in hetpilot's terms.
 OPTIMIZER_FACTOR = 5.0
+INTRA_HOST = ("auto", "nvlink", "inter")
 REF_TFLOPS = 100.0  # A100-40's nominal rate in the converted cluster; only ratios matter
 
 
@@ -222,8 +223,13 @@ def _tp_comm_mb(prof_by_kind: dict[str, dict], mbs: int, gbps: float) -> float:
 
 def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
                     tensor_parallel: bool, memory_margin_gb: float = 0.0,
-                    link_scale: float = 1.0) -> tuple[Cluster, Model]:
-    """hetpilot's cluster and model for one trace row and microbatch size."""
+                    link_scale: float = 1.0, intra_host: str = "auto") -> tuple[Cluster, Model]:
+    """hetpilot's cluster and model for one trace row and microbatch size.
+
+    ``intra_host`` is what the links inside a node run at: ``"nvlink"`` Sailor's
+    intra-node fit (``intra_node_bandwidths.json``, the V100's, the slower, at four
+    GPUs), ``"inter"`` the V100's inter-node fit, ``"auto"`` the first with
+    ``tensor_parallel`` and the second without (bench/RESULTS-sailor.md says why)."""
     prof = sailor.profiles[MODEL]
     info = sailor.llm_info[MODEL]["1"]
     n_layers = len(info)
@@ -269,40 +275,54 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
             hosts.append(host)
             devices += [{"id": f"{host}:{g}", "host": host, "tflops": tflops,
                          "memory_gb": memory} for g in range(GPUS_PER_NODE)]
+    if intra_host not in INTRA_HOST:
+        raise ValueError(f"intra_host: {intra_host!r} is not one of {', '.join(INTRA_HOST)}")
+    if intra_host == "nvlink" or (intra_host == "auto" and tensor_parallel):
+        # the links a TP group's all-reduces and the scatter-gather's all-gather run on;
+        # Sailor's TP profiles measured them there, and its sends to a TP group have no gather
+        intra = link_scale * _bw_gbps(list(sailor.sim.intra_network_coeffs[(KINDS[1], 4)][0]),
+                                      mbs * AR_MB)
+    else:
+        intra = v100_gbps
     host_links = [{"a": x, "b": y, "gbps": a100_gbps}
                   for x, y in itertools.combinations(by_kind_hosts[KINDS[0]], 2)]
-    # Sailor times every stage-to-stage send with its inter-node fits, also within a node
-    # (the V100's, the slower, inside a node of either kind)
+    # Sailor times every stage-to-stage send with its inter-node fits, also within a node;
+    # inside a node "inter" takes the V100's (the slower) for either kind
     cluster = serde.cluster_from_dict({"devices": devices, "network": {
-        "intra_host_gbps": v100_gbps, "inter_host_gbps": v100_gbps, "latency_us": 0.0,
+        "intra_host_gbps": intra, "inter_host_gbps": v100_gbps, "latency_us": 0.0,
         "host_links": host_links}})
     if tensor_parallel:
-        comm = _tp_comm_mb({k: prof[k].get(str(mbs), {}) for k in KINDS}, mbs, v100_gbps)
+        comm = _tp_comm_mb({k: prof[k].get(str(mbs), {}) for k in KINDS}, mbs, intra)
         model = serde.model_from_dict({"name": MODEL, "optimizer_factor": OPTIMIZER_FACTOR,
                                        "layers": [{**layer, "tp_comm_mb": comm}
                                                   for layer in layers]})
     return cluster, model
 
 
-def sailor_plan(plan: Plan, cluster: Cluster, *, merge: bool) -> tuple[dict, list[int]]:
+def sailor_plan(plan: Plan, cluster: Cluster, *, merge: str) -> tuple[dict, list[int]]:
     """A hetpilot plan in Sailor's plan form, and each Sailor pipeline's microbatch count.
 
     A Sailor plan is a list of pipelines, each with data-parallel replicas per stage.
-    Without ``merge`` each hetpilot group is a pipeline of its own (dp 1), the form of
-    Sailor's FlashFlex and Oobleck ports; with ``merge``, groups with the same layer
-    cuts and the same samples are replicas of one pipeline, the form of Sailor's own
-    plans. Sailor's simulator times the two forms' gradient sync differently (one
-    ring over all pipelines, without dividing by the TP degree; or a ring per stage
-    over its replicas, divided by the smallest degree, plus one over the pipelines).
+    With ``merge="none"`` each hetpilot group is a pipeline of its own (dp 1), the form
+    of Sailor's FlashFlex and Oobleck ports; with ``"samples"``, groups with the same
+    layer cuts and the same samples are replicas of one pipeline, the form of Sailor's
+    own plans; with ``"cuts"``, groups with the same cuts are replicas of one pipeline
+    whatever their samples, each pipeline running the most microbatches of its groups
+    (Sailor's own rounding: its plans give every replica ``ceil(batch / (mbs * dp))``,
+    so a replica may run a microbatch more than its share). Sailor's simulator times
+    the forms' gradient sync differently (one ring over all pipelines, without dividing
+    by the TP degree; or a ring per stage over its replicas, divided by the smallest
+    degree, plus one over the pipelines).
     A stage of t devices is a replica of degree t.
     """
     merged: dict[tuple[object, ...], list[Any]] = {}
     used = dict.fromkeys(KINDS, 0)
     for gi, group in enumerate(plan.groups):
-        key = (tuple(s.layers for s in group.stages), group.samples, 0 if merge else gi)
+        key = (tuple(s.layers for s in group.stages),
+               0 if merge == "cuts" else group.samples, gi if merge == "none" else 0)
         merged.setdefault(key, []).append(group)
     pipelines, micro = [], []
-    for (cuts, samples, _), groups in merged.items():
+    for (cuts, _, _), groups in merged.items():
         replicas = []
         for j in range(len(cuts)):
             stage_replicas = []
@@ -315,7 +335,7 @@ def sailor_plan(plan: Plan, cluster: Cluster, *, merge: bool) -> tuple[dict, lis
         pipelines.append({"num_stages": len(cuts),
                           "layers_per_stage": [list(range(*c)) for c in cuts],
                           "tmp_per_stage": replicas, "dp": [len(groups)] * len(cuts)})
-        micro.append(samples // plan.microbatch_size)
+        micro.append(max(g.samples for g in groups) // plan.microbatch_size)
     return {"pipeline_list": pipelines, "mbs": plan.microbatch_size,
             "used_gpus": {k: v for k, v in used.items() if v}}, micro
 
@@ -361,7 +381,8 @@ def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
 
 
 def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
-                  tensor_parallel: bool, link_scale: float = 1.0) -> dict[str, Any]:
+                  tensor_parallel: bool, link_scale: float = 1.0,
+                  intra_host: str = "auto") -> dict[str, Any]:
     from hetpilot.planner.tpsearch import make_tp_plan
 
     best: dict[str, Any] = {}
@@ -370,7 +391,8 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
     for mbs in micros:
         for margin in (0.0, 1.0, 2.0):  # replan with less memory if Sailor's check refuses
             cluster, model = hetpilot_inputs(sailor, row, mbs, tensor_parallel=tensor_parallel,
-                                             memory_margin_gb=margin, link_scale=link_scale)
+                                             memory_margin_gb=margin, link_scale=link_scale,
+                                             intra_host=intra_host)
             job = Job(global_batch=BATCH, microbatch_size=mbs, schedules=("1f1b",),
                       tensor_parallel=tensor_parallel)
             start = time.process_time()
@@ -382,7 +404,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
             finally:
                 plan_s += time.process_time() - start
             own = evaluate(cluster, model, plan, BATCH).iteration_s
-            as_sailor, micro = sailor_plan(plan, cluster, merge=False)
+            as_sailor, micro = sailor_plan(plan, cluster, merge="none")
             if not _profiled(sailor, plan, cluster):
                 tried.append({"mbs": mbs, "margin_gb": margin, "error": "unprofiled TP degree"})
                 break
@@ -394,10 +416,12 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                     break
                 continue
             per_group = sailor.sailor_time(as_sailor, micro)
-            merged = sailor.sailor_time(*sailor_plan(plan, cluster, merge=True))
-            t = min(per_group, merged)
+            merged = sailor.sailor_time(*sailor_plan(plan, cluster, merge="samples"))
+            by_cuts = sailor.sailor_time(*sailor_plan(plan, cluster, merge="cuts"))
+            t = min(per_group, merged, by_cuts)
             tried.append({"mbs": mbs, "margin_gb": margin, "sailor_s": t, "hetpilot_s": own,
                           "sailor_per_group_s": per_group, "sailor_merged_s": merged,
+                          "sailor_by_cuts_s": by_cuts,
                           "groups": len(plan.groups),
                           "stages": sorted({len(g.stages) for g in plan.groups}),
                           "tp": sorted({s.tp for g in plan.groups for s in g.stages})})
@@ -423,6 +447,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="build Sailor's C++ planner first if it is not built (minutes)")
     ap.add_argument("--link-scale", type=float, default=1.0,
                     help="multiply the converted link speeds (the robustness check)")
+    ap.add_argument("--intra-host", choices=INTRA_HOST, default="auto",
+                    help="the links inside a node: Sailor's intra-node fit (nvlink), its "
+                         "inter-node fit (inter), or nvlink with TP and inter without (auto)")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not args.sailor:
@@ -453,7 +480,7 @@ def main(argv: list[str] | None = None) -> int:
                              "stages": stages["num_stages"], "dp": stages["dp"],
                              "tp": sorted({c[1] for s in stages["tmp_per_stage"] for c in s})}
         out["hetpilot"] = hetpilot_best(sailor, row, micros, tensor_parallel=not args.no_tp,
-                                        link_scale=args.link_scale)
+                                        link_scale=args.link_scale, intra_host=args.intra_host)
         if "sailor" in out and "sailor_s" in out["hetpilot"]:
             out["ratio"] = out["hetpilot"]["sailor_s"] / out["sailor"]["iteration_s"]
         results["rows"].append(out)
