@@ -12,9 +12,12 @@ zone). For each row this script
    (:func:`hetpilot_inputs`; every assumption is listed in
    bench/RESULTS-sailor.md),
 2. plans with hetpilot for microbatch 1, 2, 4 and 8,
-3. writes each plan in Sailor's plan form, one Sailor pipeline per hetpilot
-   group (:func:`sailor_plan`), checks it with Sailor's memory check and times
-   it with Sailor's own functions (:func:`sailor_time`), and keeps the best,
+3. writes each plan in Sailor's plan form (:func:`sailor_plan`: one Sailor
+   pipeline per hetpilot group, or groups of equal cuts merged as replicas),
+   checks it with Sailor's memory check, times each form with Sailor's own
+   functions (:func:`sailor_time`) and keeps the fastest form; over the
+   microbatch sizes it reports the best in Sailor's simulator and, as
+   ``own_choice``, the one hetpilot's own model rates best,
 4. runs Sailor's planner on the same row and scores its plan the same way, as
    the artifact's ``simulator.py`` does.
 
@@ -431,6 +434,11 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
             break
     best["tried"] = tried
     best["plan_cpu_s"] = plan_s
+    scored = [t for t in tried if "sailor_s" in t]
+    if scored:  # without the oracle over microbatch sizes: the one hetpilot's model rates best
+        own_choice = min(scored, key=lambda t: t["hetpilot_s"])
+        best["own_choice"] = {"mbs": own_choice["mbs"], "sailor_s": own_choice["sailor_s"],
+                              "hetpilot_s": own_choice["hetpilot_s"]}
     return best
 
 
@@ -483,13 +491,19 @@ def main(argv: list[str] | None = None) -> int:
                                         link_scale=args.link_scale, intra_host=args.intra_host)
         if "sailor" in out and "sailor_s" in out["hetpilot"]:
             out["ratio"] = out["hetpilot"]["sailor_s"] / out["sailor"]["iteration_s"]
+            out["own_choice_ratio"] = (out["hetpilot"]["own_choice"]["sailor_s"]
+                                       / out["sailor"]["iteration_s"])
         results["rows"].append(out)
         h = out["hetpilot"]
         print(json.dumps({"row": r, "gpus": list(row.values()),
                           "sailor_s": out.get("sailor", {}).get("iteration_s"),
                           "hetpilot_s_in_sailor": h.get("sailor_s"),
                           "hetpilot_s_own": h.get("hetpilot_s"), "mbs": h.get("mbs"),
-                          "ratio": out.get("ratio"), "plan_cpu_s": round(h["plan_cpu_s"], 2)}),
+                          "ratio": out.get("ratio"),
+                          "own_choice_in_sailor": h.get("own_choice", {}).get("sailor_s"),
+                          "own_choice_mbs": h.get("own_choice", {}).get("mbs"),
+                          "own_choice_ratio": out.get("own_choice_ratio"),
+                          "plan_cpu_s": round(h["plan_cpu_s"], 2)}),
               flush=True)
     if args.out:
         rows = ",\n".join(json.dumps(r, separators=(",", ":")) for r in results["rows"])
