@@ -249,8 +249,65 @@ def make_tp_plan(cluster: Cluster, model: Model, job: Job, planner: Planner = ma
         if best is not None:  # pragma: no cover - v1's plans are valid by construction
             return best
         raise InfeasibleError("no plan fits in memory, with or without tensor parallelism")
-    chosen = _choose(pool)
+    chosen = refine_cuts(cluster, model, job, _choose(pool))
     return replace(chosen.plan, predicted_iteration_s=chosen.seconds)
+
+
+REFINE_EVALUATIONS = 24
+"""Plans :func:`refine_cuts` judges at most."""
+
+
+def _move_cut(plan: Plan, cuts: tuple[tuple[int, int], ...], j: int, at: int) -> Plan:
+    """``plan`` with the boundary between stages j and j + 1 moved to layer ``at`` in
+    every group whose stages cover ``cuts``."""
+    groups = []
+    for g in plan.groups:
+        if tuple(st.layers for st in g.stages) != cuts:
+            groups.append(g)
+            continue
+        stages = list(g.stages)
+        stages[j] = replace(stages[j], layers=(stages[j].layers[0], at))
+        stages[j + 1] = replace(stages[j + 1], layers=(at, stages[j + 1].layers[1]))
+        groups.append(replace(g, stages=tuple(stages)))
+    return replace(plan, groups=tuple(groups))
+
+
+def refine_cuts(cluster: Cluster, model: Model, job: Job, start: _Judged) -> _Judged:
+    """The chosen plan with its layer cuts moved one layer at a time while the
+    reference model rates it faster and its robust time (:class:`_Judged`) no worse.
+
+    A plan with tensor-parallel stages was cut on a virtual cluster whose devices
+    run every layer at one rate (:func:`virtual_cluster`); a TP stage's real time
+    per layer is not uniform (layers with fewer all-reduces, unsplit layers), so
+    the virtual cut can be a layer off the reference model's best, and which layer
+    flips with small changes in the inputs. Groups with the same cuts move together
+    (they are replicas of one pipeline); each move is judged by :func:`evaluate`,
+    first improvement kept, at most :data:`REFINE_EVALUATIONS` plans. A v1 plan is
+    returned as it is (its cuts were planned on the real devices)."""
+    if not start.plan.tensor_parallel:
+        return start
+    best, budget = start, REFINE_EVALUATIONS
+    while budget > 0:
+        moved = False
+        classes = dict.fromkeys(tuple(st.layers for st in g.stages) for g in best.plan.groups)
+        for cuts in classes:
+            for j in range(len(cuts) - 1):
+                for at in (cuts[j][1] - 1, cuts[j][1] + 1):
+                    if not cuts[j][0] < at < cuts[j + 1][1] or budget <= 0:
+                        continue
+                    budget -= 1
+                    trial = _judged(cluster, model, job, _move_cut(best.plan, cuts, j, at))
+                    if trial is not None and trial.seconds < best.seconds \
+                            and trial.robust <= best.robust:
+                        best, moved = trial, True
+                        break
+                if moved:
+                    break
+            if moved:
+                break
+        if not moved:
+            break
+    return best
 
 
 MIXED_STAGES = (2, 3, 4, 5, 6, 7, 8)
