@@ -12,7 +12,7 @@ from hetpilot.planner.errors import InfeasibleError
 from hetpilot.planner.refmodel import evaluate
 from hetpilot.planner.search import make_plan
 from hetpilot.planner.tpsearch import degrees, make_tp_plan, virtual_cluster
-from hetpilot.planner.types import Cluster, Device, Job, Layer, Model, Network
+from hetpilot.planner.types import Cluster, Device, Job, Layer, Model, Network, Plan
 
 
 def _cluster(intra_gbps: float, hosts: int = 1, per_host: int = 4) -> Cluster:
@@ -228,3 +228,63 @@ def test_least_regret_is_never_slower_than_a_plan_without_split_layers() -> None
         rng.shuffle(pool)
         chosen = _choose(pool)
         assert chosen.seconds <= min(j.seconds for j in pool if j.robust == j.seconds)
+
+
+def _tp_then_one() -> tuple[Cluster, Model]:
+    """Host h: two 10-TFLOP/s devices (a TP group); host g: one; 10 Gbit/s between hosts."""
+    cluster = Cluster(
+        devices=(Device(id="h:0", host="h", tflops=10.0, memory_gb=16.0),
+                 Device(id="h:1", host="h", tflops=10.0, memory_gb=16.0),
+                 Device(id="g:0", host="g", tflops=10.0, memory_gb=16.0)),
+        network=Network(intra_host_gbps=2400.0, inter_host_gbps=10.0, latency_us=0.0))
+    model = Model(name="blocks", layers=tuple(
+        Layer(name=f"b{i}", fwd_gflop=10.0, bwd_gflop=20.0, out_mb=1.0, act_mb=10.0,
+              param_mb=10.0, tp_comm_mb=0.3, tp_allreduces=2) for i in range(4)))
+    return cluster, model
+
+
+def _two_stage_plan(cut: int) -> Plan:
+    from hetpilot.planner.types import Group, Stage
+
+    return Plan(microbatch_size=1, schedule="1f1b", groups=(Group(samples=1, stages=(
+        Stage(device="h:0", devices=("h:0", "h:1"), layers=(0, cut)),
+        Stage(device="g:0", layers=(cut, 4)))),))
+
+
+def test_refine_cuts_moves_a_layer_to_the_faster_tp_stage_by_hand() -> None:
+    from hetpilot.planner.tpsearch import _judged, refine_cuts
+
+    cluster, model = _tp_then_one()
+    job = Job(global_batch=1, microbatch_size=1, tensor_parallel=True)
+    # one microbatch: T = F0 + C + F1 + B1 + C + B0. A layer on the TP stage: F 10 / 20000
+    # = 0.0005 s, B 0.001, plus 2 all-reduces each way of 0.3 MB on 2400 Gbit/s (1e-6 s
+    # each); on g:0 F 0.001, B 0.002. C: 1 MB over h:0 -> g:0 at 10 Gbit/s (0.0008) plus
+    # the TP stage's gather, 1/2 * 1 MB on 2400 Gbit/s (1/600000).
+    c = 0.0008 + 1 / 600000
+    cut2 = 2 * 0.0005 + 4e-6 + 2 * 0.001 + 2 * 0.002 + 2 * 0.001 + 4e-6 + 2 * c
+    cut3 = 3 * 0.0005 + 6e-6 + 0.001 + 0.002 + 3 * 0.001 + 6e-6 + 2 * c
+    start = _judged(cluster, model, job, _two_stage_plan(2))
+    assert start is not None and start.seconds == pytest.approx(cut2)
+    got = refine_cuts(cluster, model, job, start)
+    assert [s.layers for s in got.plan.groups[0].stages] == [(0, 3), (3, 4)]
+    assert got.seconds == pytest.approx(cut3) and got.seconds < start.seconds
+    assert evaluate(cluster, model, got.plan, 1).iteration_s == pytest.approx(cut3)
+
+
+def test_refine_cuts_leaves_v1_plans_and_moves_groups_of_one_cut_together() -> None:
+    from hetpilot.planner.tpsearch import _judged, _move_cut, refine_cuts
+    from hetpilot.planner.types import Group, Stage
+
+    cluster, model = _tp_then_one()
+    job = Job(global_batch=2, microbatch_size=1, tensor_parallel=True)
+    v1 = Plan(microbatch_size=1, schedule="1f1b", groups=(Group(samples=2, stages=(
+        Stage(device="h:0", layers=(0, 2)), Stage(device="g:0", layers=(2, 4)))),))
+    judged = _judged(cluster, model, job, v1)
+    assert judged is not None and refine_cuts(cluster, model, job, judged) is judged
+    a = (Stage(device="h:0", layers=(0, 2)), Stage(device="g:0", layers=(2, 4)))
+    b = (Stage(device="h:1", layers=(0, 1)), Stage(device="g:0", layers=(1, 4)))
+    plan = Plan(microbatch_size=1, schedule="1f1b", groups=(
+        Group(samples=1, stages=a), Group(samples=1, stages=b), Group(samples=1, stages=a)))
+    moved = _move_cut(plan, ((0, 2), (2, 4)), 0, 3)
+    assert [[s.layers for s in g.stages] for g in moved.groups] == [
+        [(0, 3), (3, 4)], [(0, 1), (1, 4)], [(0, 3), (3, 4)]]
