@@ -318,7 +318,7 @@ def sailor_plan(plan: Plan, cluster: Cluster, *, merge: str) -> tuple[dict, list
     degree, plus one over the pipelines).
     A stage of t devices is a replica of degree t.
     """
-    merged: dict[tuple[object, ...], list[Any]] = {}
+    merged: dict[tuple[Any, ...], list[Any]] = {}
     used = dict.fromkeys(KINDS, 0)
     for gi, group in enumerate(plan.groups):
         key = (tuple(s.layers for s in group.stages),
@@ -389,7 +389,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
     from hetpilot.planner.tpsearch import make_tp_plan
 
     best: dict[str, Any] = {}
-    tried = []
+    tried: list[dict[str, Any]] = []
     plan_s = 0.0
     for mbs in micros:
         for margin in (0.0, 1.0, 2.0):  # replan with less memory if Sailor's check refuses
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
                if args.sailor_planner or args.build_sailor_planner else None)
     if (args.sailor_planner or args.build_sailor_planner) and planner is None:
         raise SystemExit("Sailor's planner library is not built: add --build-sailor-planner")
-    results = {"sailor_commit": sailor.commit(), "rows": []}
+    results: dict[str, Any] = {"sailor_commit": sailor.commit(), "rows": []}
     micros = [int(m) for m in args.micro.split(",")]
     for r in (int(x) for x in args.rows.split(",")):
         row = sailor.rows[r]
