@@ -447,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sailor", default=os.environ.get("SAILOR_CHECKOUT"),
                     help="a Sailor checkout (a folder named sailor); or $SAILOR_CHECKOUT")
     ap.add_argument("--rows", default="0,1,2", help="trace rows (0: 32+96, 1: 80+240, 2: 128+384)")
+    ap.add_argument("--gpus", help="clusters off the trace instead of --rows: A100+V100 counts, "
+                                   "multiples of 4, comma-separated (e.g. 64+64,48+176)")
     ap.add_argument("--micro", default="1,2,4,8", help="microbatch sizes hetpilot tries")
     ap.add_argument("--no-tp", action="store_true", help="plan hetpilot without tensor parallelism")
     ap.add_argument("--sailor-planner", action="store_true",
@@ -471,8 +473,19 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit("Sailor's planner library is not built: add --build-sailor-planner")
     results: dict[str, Any] = {"sailor_commit": sailor.commit(), "rows": []}
     micros = [int(m) for m in args.micro.split(",")]
-    for r in (int(x) for x in args.rows.split(",")):
-        row = sailor.rows[r]
+    if args.gpus:
+        cases: list[tuple[int | str, dict[str, int]]] = []
+        for i, pair in enumerate(args.gpus.split(",")):
+            counts = pair.split("+")
+            if len(counts) != 2 or not all(c.isdigit() and int(c) % GPUS_PER_NODE == 0
+                                           for c in counts):
+                ap.error(f"--gpus: {pair!r} is not A100+V100 counts in multiples of "
+                         f"{GPUS_PER_NODE}")
+            cases.append((f"gpus{i}", {f"{k}_{ZONE}": int(c)
+                                       for k, c in zip(KINDS, counts, strict=True)}))
+    else:
+        cases = [(r, sailor.rows[r]) for r in (int(x) for x in args.rows.split(","))]
+    for r, row in cases:
         out: dict[str, Any] = {"row": r, "gpus": row}
         if planner is not None:
             splan, st, search_s = sailor.sailor_best(planner, dict(row))
