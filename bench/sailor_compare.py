@@ -493,7 +493,8 @@ def main(argv: list[str] | None = None) -> int:
             micro = [math.ceil(BATCH / (splan["mbs"] * stages["dp"][0]))]
             again = sailor.sailor_time(splan, micro)  # our per-pipeline timing agrees
             assert math.isclose(again, st, rel_tol=1e-9), (again, st)
-            cluster, model = hetpilot_inputs(sailor, row, splan["mbs"], tensor_parallel=True)
+            cluster, model = hetpilot_inputs(sailor, row, splan["mbs"], tensor_parallel=True,
+                                             intra_host=args.intra_host)
             own = evaluate(cluster, model, from_sailor(splan, cluster), BATCH)
             out["sailor"] = {"iteration_s": st, "search_s": search_s, "mbs": splan["mbs"],
                              "in_hetpilot_model_s": own.iteration_s, "valid": own.valid,
