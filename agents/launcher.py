@@ -363,7 +363,7 @@ class Launcher:
         state.pid = state.proc.pid
         stat_ = _proc_stat(state.pid)
         state.start_ticks = stat_[1] if stat_ is not None else 0
-        state.save()
+        self._save(state)  # it runs: a full disk does not undo that
         log.info("launch %s (job %s): started %d rank(s) on device(s) %s as %s, rendezvous "
                  "%s%s (pid %d)", launch_id, order.job_id, len(devices), ",".join(devices),
                  f"user {who.name}" if who is not None else "the agent's user",
@@ -410,10 +410,10 @@ class Launcher:
             return False
         state.stopped = True
         self._refresh_trees(force=True)
-        state.save()
         for pid, ticks in [(state.pid, state.start_ticks), *state.tree.items()]:
             _signal(pid, ticks, signal.SIGTERM)
         state.kill_at = time.monotonic() + self.stop_grace_s
+        self._save(state)  # after the signals: a full disk never keeps a launch running
         log.info("launch %s (job %s): stopping on the daemon's order: SIGTERM to %d "
                  "process(es), SIGKILL in %g s", launch_id, state.job_id, 1 + len(state.tree),
                  self.stop_grace_s)
@@ -426,6 +426,8 @@ class Launcher:
         of those running and remove the directories past their retention (once a
         second)."""
         self._refresh_trees()
+        for state in [s for s in self._launches.values() if s.unsaved and not s.running]:
+            self._save(state)  # an ended launch's record the disk refused
         self.clean()
         if self.cgroups.pending():
             self.cgroups.tidy()
@@ -458,9 +460,24 @@ class Launcher:
         table = process_table()
         for state in running:
             found = descendants({state.pid: state.start_ticks}, table)
-            if set(found) - set(state.tree):
+            if set(found) - set(state.tree) or state.unsaved:
                 state.tree.update(found)
-                state.save()
+                self._save(state)
+
+    @staticmethod
+    def _save(state: LaunchState) -> None:
+        """Write the launch's record; on a disk that refuses it (full: another owner's
+        files may fill it), keep going and write it again at the next scan."""
+        try:
+            state.save()
+        except OSError as exc:
+            if not state.unsaved:
+                log.warning("launch %s (job %s): cannot write its record (%s): kept in "
+                            "memory, written again once the disk takes it", state.launch_id,
+                            state.job_id, exc.strerror or exc)
+            state.unsaved = True
+        else:
+            state.unsaved = False
 
     def clean(self, force: bool = False) -> list[str]:
         """Remove the directories of launches done ``retention_s`` ago (at most once a
@@ -512,8 +529,7 @@ class Launcher:
             with contextlib.suppress(OSError):
                 if state.work is not None:
                     (state.work / secret).unlink(missing_ok=True)
-        with contextlib.suppress(OSError):
-            state.save()
+        self._save(state)
         log.info("launch %s (job %s): exited with code %d%s", state.launch_id, state.job_id,
                  code, " (stopped on order)" if state.stopped else "")
 
@@ -566,5 +582,4 @@ class Launcher:
                     and state.shipped >= state.output_bytes():
                 state.done = True
                 state.done_unix = time.time()
-                with contextlib.suppress(OSError):
-                    state.save()
+                self._save(state)

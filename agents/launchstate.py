@@ -66,6 +66,8 @@ class LaunchState:
     kill_at: float | None = None
     tree: dict[int, int] = field(default_factory=dict)
     """Descendants seen (pid -> start ticks): the ranks, to stop even without torchrun."""
+    unsaved: bool = False
+    """A change not yet in ``launch.json`` (the disk refused it): saved again later."""
 
     _PERSISTED = ("launch_id", "job_id", "user", "pid", "start_ticks", "exit_code", "reason",
                   "stopped", "done", "done_unix")
