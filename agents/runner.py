@@ -5,9 +5,9 @@ It joins the launch's cgroups (``--cgroup``, made by the agent with the launch's
 limits: :mod:`hetpilot.agents.cgroups`) before anything else, so COMMAND and the
 ranks are in them from their first instruction. It runs COMMAND (torchrun) in its
 own process group and session, the one the agent started it in, as the launch's user
-(``--uid``/``--gid``/``--groups``, when the agent runs ranks as their owners; the
-runner itself stays the agent's user, so the ranks can neither signal it nor touch
-what it writes). It keeps everything COMMAND and the ranks print in one capped copy
+(``--uid``/``--gid``/``--groups``, when the agent runs ranks as their owners, with
+umask 0077; the runner itself stays the agent's user, so the ranks can neither
+signal it nor touch what it writes). It keeps everything COMMAND and the ranks print in one capped copy
 (:class:`~hetpilot.agents.output.OutputWriter`, ``--output``, ``--output-bytes``),
 waits for COMMAND and writes its exit status to FILE before exiting with it: that
 file is how an agent that restarted learns how a launch ended.
@@ -49,10 +49,12 @@ from .procs import (
     signal_process,
 )
 
-__all__ = ["AGENT_GONE", "main", "write_exit"]
+__all__ = ["AGENT_GONE", "PRIVATE_UMASK", "main", "write_exit"]
 
 AGENT_GONE = signal.SIGUSR2
 """The signal the kernel sends the runner when its agent ends."""
+PRIVATE_UMASK = 0o077
+"""The umask of a launch run as its owner's user (a job wanting more sets its own)."""
 LINGER_S = 2.0
 """How long ranks may outlive their torchrun (printing their last lines)."""
 
@@ -100,8 +102,9 @@ class _Runner:
         a = self.args
         read, write = os.pipe()
         kw: dict[str, object] = {}
-        if a.uid is not None:
-            kw.update(user=a.uid, group=a.gid,
+        if a.uid is not None:  # files the ranks make are their owner's only (umask
+            # 0077), wherever they make them: /tmp and /dev/shm are shared by every owner
+            kw.update(user=a.uid, group=a.gid, umask=PRIVATE_UMASK,
                       extra_groups=[int(g) for g in a.groups.split(",") if g])
         try:
             # preexec_fn runs after the change of user, which would clear the setting
