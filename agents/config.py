@@ -183,7 +183,7 @@ class AgentConfig:
     ``$STATE_DIRECTORY`` (systemd's StateDirectory=), else
     ``$XDG_STATE_HOME/hetpilot/agent-<host>`` (``~/.local/state/...``)."""
     launch_python: str = ""
-    """Interpreter that runs the launch runner, torchrun (``-m torch.distributed.run``)
+    """Interpreter that runs the launch runner, torchrun (``-m hetpilot.agents.torchrun``)
     and module entry points (it needs hetpilot and torch); default: the agent's own."""
     stop_grace_s: float = 10.0
     """A stopped launch gets SIGTERM, then SIGKILL after this many seconds."""

@@ -60,7 +60,7 @@ def runner_command(python: str, directory: Path, *, output_cap: int, grace_s: fl
 def torchrun_command(python: str, order: Any, work: Path, local_addr: str,
                      ranks: list[str]) -> list[str]:
     """torchrun for ``order``, starting ``ranks`` (a command line) for each local rank."""
-    cmd = [python, "-m", "torch.distributed.run", "--nnodes", str(order.nnodes),
+    cmd = [python, "-m", "hetpilot.agents.torchrun", "--nnodes", str(order.nnodes),
            "--nproc-per-node", str(len(order.devices)), "--rdzv-backend", "c10d",
            "--rdzv-endpoint", order.rdzv_endpoint, "--rdzv-id", order.launch_id,
            "--rdzv-conf", f"is_host={'true' if order.rdzv_host else 'false'}",

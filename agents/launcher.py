@@ -5,7 +5,7 @@ one process tree in its own session::
 
     python -m hetpilot.agents.runner --exit <dir>/exit --output <dir>/output \\
         --output-bytes CAP --parent AGENT_PID [--uid U --gid G --groups ...] -- \\
-      python -m torch.distributed.run --nnodes N --nproc-per-node P \\
+      python -m hetpilot.agents.torchrun --nnodes N --nproc-per-node P \\
         --rdzv-backend c10d --rdzv-endpoint HOST:PORT --rdzv-id LAUNCH \\
         --rdzv-conf is_host=true|false --max-restarts R \\
         --log-dir <work>/ranks [--local-addr ADDR] --no-python \\
@@ -85,6 +85,10 @@ own sessions); after ``stop_grace_s``, SIGKILL to all of them. The ranks are
 found as the launch's descendants in ``/proc`` and remembered with their start
 time, so they are killed even after torchrun is gone, and a reused pid never is.
 A launch's ranks that outlive its torchrun are killed too.
+
+torchrun is torch's own, under :mod:`hetpilot.agents.torchrun`: its rendezvous loads
+no pickle but a rendezvous state, so whoever reaches the c10d store's port cannot run
+code as the launch's user through it.
 
 The records, tombstones and lock are :mod:`hetpilot.agents.launchstate`'s; the
 command lines and environments :mod:`hetpilot.agents.launchcmd`'s.

@@ -97,7 +97,7 @@ def test_a_launch_starts_once_and_a_restarted_agent_watches_it(tmp_path: Path) -
     assert b"hpj_secret" not in cmdline  # never on a command line
     real = Launcher(tmp_path / "x", host="h", daemon="d:1").torchrun(_order(rdzv_host=True),
                                                                        tmp_path)
-    assert real[1:4] == ["-m", "torch.distributed.run", "--nnodes"]
+    assert real[1:4] == ["-m", "hetpilot.agents.torchrun", "--nnodes"]
     assert "is_host=true" in real and real[-4:] == ["-u", "-m", "hetpilot", "train"]
     assert "--tee" not in real and "--redirects" not in real  # one copy of the output
     wait_until("output", lambda: b"[rank0]:hello\n" in state.output.read_bytes())

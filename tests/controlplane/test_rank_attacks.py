@@ -12,6 +12,7 @@ import asyncio
 import json
 import os
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -166,3 +167,65 @@ def test_a_probe_connection_is_served_for_connection_s_at_most() -> None:
         server.close()
 
     asyncio.run(run())
+
+
+def test_a_pickle_written_into_a_launchs_rendezvous_store_runs_no_code(
+        tmp_path: Path) -> None:
+    """torch's c10d store has no authentication and torchrun loads its rendezvous state
+    from it with pickle: whoever reaches the port (another owner's rank) and reads the
+    run id (the launch id, on torchrun's public command line) ran code as the job's
+    owner. With real torchrun: the launch's torchrun refuses the pickle and ends."""
+    import base64
+    import pickle
+    import socket
+    from datetime import timedelta
+
+    from torch.distributed import TCPStore
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launcher = Launcher(tmp_path / "agent", host="h", daemon="127.0.0.1:1", run_as="agent",
+                        stop_grace_s=2.0)
+    assert launcher.start(agent_order(nnodes=1, devices=["0"], rdzv_host=True,
+                                      rdzv_endpoint=f"127.0.0.1:{port}", module="",
+                                      args=[], command=[sys.executable, "-c", SLEEPS]), {})
+    state = launcher.get("L1")
+    assert state is not None
+    wait_until("the rank", lambda: b"[rank0]:ready" in state.output.read_bytes(), timeout=90)
+    marker = tmp_path / "ran"
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, tuple[str]]:
+            return (os.system, (f"touch {marker}",))
+
+    store = TCPStore("127.0.0.1", port, is_master=False, wait_for_workers=False,
+                     timeout=timedelta(seconds=10))
+    store.set("torch.rendezvous.L1", base64.b64encode(pickle.dumps(Payload())))
+    ended = wait_until("torchrun to load it", lambda: marker.exists() or
+                       _ended(launcher, "L1"), timeout=60)
+    assert not marker.exists(), "the pickle ran code in the launch's torchrun"
+    assert ended.exit_code != 0
+    assert b"posix.system is not part of a rendezvous state" in ended.output.read_bytes()
+
+
+SLEEPS = "import time; print('ready', flush=True); time.sleep(120)"
+
+
+def test_torchruns_own_rendezvous_state_still_loads() -> None:
+    import datetime
+    import pickle
+
+    from hetpilot.agents.torchrun import load_state
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous as rdzv
+
+    state = rdzv._RendezvousState()
+    node = rdzv._NodeDesc("h", 1, 0)
+    state.round, state.complete, state.deadline = 2, True, datetime.datetime.now()
+    state.participants[node] = 0
+    state.wait_list.add(node)
+    state.last_heartbeats[node] = datetime.datetime.now(datetime.UTC)
+    loaded = load_state(pickle.dumps(state))
+    assert vars(loaded) == vars(state)
+    with pytest.raises(pickle.UnpicklingError, match=r"builtins\.eval is not part"):
+        load_state(pickle.dumps(eval))  # a global no state names
