@@ -4,8 +4,9 @@
 #
 #   sudo bash bench/shared_cluster_campaign.sh RESULTS_DIR
 #
-# In order: tenancy, agent death and output flood (bench/agent_tenancy.py), per-launch
-# limits against one owner's memory hog and fork bomb (bench/launch_limits.py), host
+# In order: tenancy, agent death and output flood (bench/agent_tenancy.py), owner B's rank
+# attacking owner A's launch, the agent and the daemon from inside (bench/rank_attacks.py),
+# per-launch limits against one owner's memory hog and fork bomb (bench/launch_limits.py), host
 # take-over and agent death on the daemon's side (bench/host_campaign.py), full disk
 # (bench/full_disk_campaign.py), a short load run (bench/controlplane_load.py). Each
 # part's JSON and log go to RESULTS_DIR; summary.json says how each part ended.
@@ -41,6 +42,7 @@ part() {  # part NAME CMD...: run, log to OUT/NAME.log, keep its exit code
 
 part tenancy "$PY" bench/agent_tenancy.py --trials "$TRIALS" --flood-mib "$FLOOD_MIB" \
     --out "$OUT/agent_tenancy.json"
+part rank_attacks "$PY" bench/rank_attacks.py --out "$OUT/rank_attacks.json"
 part limits "$PY" bench/launch_limits.py --memory-max "$MEMORY_MAX" --tasks-max "$TASKS_MAX" \
     --out "$OUT/launch_limits.json"
 part host_takeover "$PY" bench/host_campaign.py --rounds "$HOST_ROUNDS" \
@@ -53,13 +55,14 @@ part load "$PY" bench/controlplane_load.py --agents "$LOAD_AGENTS" --seconds "$L
 # What the scripts' exit codes do not say: a part skipped inside agent_tenancy.py
 # (exit 0), agent death slower than "a few seconds", and the load run (it exits 0
 # whatever it measured: a lost report or a refused registration is a breach here).
-"$PY" - "$OUT" "${rc[tenancy]}" "${rc[limits]}" "${rc[host_takeover]}" "${rc[full_disk]}" \
-    "${rc[load]}" <<'EOF'
+"$PY" - "$OUT" "${rc[tenancy]}" "${rc[rank_attacks]}" "${rc[limits]}" "${rc[host_takeover]}" \
+    "${rc[full_disk]}" "${rc[load]}" <<'EOF'
 import json, sys
 from pathlib import Path
 
 out, codes = Path(sys.argv[1]), dict(zip(
-    ("tenancy", "limits", "host_takeover", "full_disk", "load"), map(int, sys.argv[2:7])))
+    ("tenancy", "rank_attacks", "limits", "host_takeover", "full_disk", "load"),
+    map(int, sys.argv[2:8])))
 findings = {name: ([] if code == 0 else [f"exit {code}: see {name}.log"])
             for name, code in codes.items()}
 FEW_S = 10.0  # "no process outlives its agent by more than a few seconds"
