@@ -140,6 +140,8 @@ MAX_CHUNK = 512 * 1024
 """Output bytes of one launch per report."""
 MAX_REPORT_BYTES = 1024 * 1024
 """Output bytes of all launches per report."""
+MIN_SHARE = 64 * 1024
+"""The least one launch's share of a report's output (when many launches have output)."""
 _SAFE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._\-]{0,127}")
 AGENT_GONE_GRACE_S = 3.0
 """Once its agent is gone, a launch's processes get SIGTERM, then SIGKILL this much later
@@ -176,6 +178,8 @@ class Launcher:
         """Launch ids not started for a busy rendezvous port: (job id, port, reason)."""
         self._scanned = 0.0
         self._cleaned = 0.0
+        self._rotation = 0
+        """Which launch with output waiting the next report starts with."""
         self.require_limits = require_limits
         self.cgroups = cgroups if cgroups is not None else LaunchGroups(base, limits or Limits())
         """Each launch's cgroup and limits (:mod:`hetpilot.agents.cgroups`)."""
@@ -554,13 +558,22 @@ class Launcher:
         return [s for s in self._launches.values() if not s.done]
 
     def chunks(self) -> list[tuple[str, int, bytes]]:
-        """New output to ship: (launch id, offset, bytes), at most MAX_REPORT_BYTES."""
+        """New output to ship: (launch id, offset, bytes), at most MAX_REPORT_BYTES. Each
+        launch with output waiting gets an even share of the report (MIN_SHARE at
+        least), and each report starts one launch further: however much other owners'
+        launches print, a launch's output leaves with the next reports."""
+        pending = [s for s in self.statuses() if s.output_bytes() > s.shipped]
+        if not pending:
+            return []
+        start = self._rotation % len(pending)
+        self._rotation += 1
+        share = max(MIN_SHARE, min(MAX_CHUNK, MAX_REPORT_BYTES // len(pending)))
         out: list[tuple[str, int, bytes]] = []
         budget = MAX_REPORT_BYTES
-        for state in self.statuses():
+        for state in pending[start:] + pending[:start]:
             if budget <= 0:
                 break
-            offset, data = state.output.read(state.shipped, min(MAX_CHUNK, budget),
+            offset, data = state.output.read(state.shipped, min(share, budget),
                                              self.output_cap)
             if data:
                 out.append((state.launch_id, offset, data))

@@ -229,3 +229,26 @@ def test_torchruns_own_rendezvous_state_still_loads() -> None:
     assert vars(loaded) == vars(state)
     with pytest.raises(pickle.UnpicklingError, match=r"builtins\.eval is not part"):
         load_state(pickle.dumps(eval))  # a global no state names
+
+
+FLOODS = "import sys\nfor _ in range(2048):\n    sys.stdout.write('x' * 1023 + '\\n')\n"
+
+
+def test_other_launches_floods_never_hold_back_a_launchs_output(tmp_path: Path) -> None:
+    """Two launches (another owner's jobs) with megabytes of output waiting and one with
+    a line: that line leaves with the next report, not after theirs."""
+    launcher = StandIn(tmp_path / "agent", host="h", daemon="127.0.0.1:1", run_as="agent")
+    for launch_id, code in (("F1", FLOODS), ("F2", FLOODS), ("Q", "print('hello')")):
+        assert launcher.start(owner_order(launch_id, "", code), {})
+    for launch_id in ("F1", "F2", "Q"):
+        ended = wait_until(f"{launch_id} to end", lambda i=launch_id: _ended(launcher, i))
+        assert ended.exit_code == 0, ended.reason
+    reports = 0
+    while True:
+        reports += 1
+        chunks = launcher.chunks()
+        assert sum(len(c[2]) for c in chunks) <= 1024 * 1024
+        if any(launch_id == "Q" for launch_id, _, _ in chunks):
+            break
+        launcher.acked([], chunks)
+    assert reports == 1, f"the quiet launch's line waited {reports} reports"
