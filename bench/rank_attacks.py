@@ -31,7 +31,10 @@ c10d store serves A's rendezvous). Owner B's rank then tries, one attempt each:
   * with B's trainer token (what her rank reads from ``HETPILOT_TOKEN_FILE``) and her
     owner token, against A's job on a live ``hetpilot daemon``: FinishJob, Attach,
     ReportStageTimings, WatchPlans, a token forged from hers, CancelJob, GetJob,
-    DrainHost, Register.
+    DrainHost, Register;
+  * hold 1500 idle connections (HTTP/2's preface, then nothing) to the daemon's port,
+    which ranks reach (their trainers call it), with the daemon's soft file limit at
+    1024, and ask the daemon's health meanwhile.
 
 Each attempt is ``held`` (docs/operating.md says it cannot be done: a success is a
 breach and the run FAILS) or ``open`` (docs/operating.md says it can, with the
@@ -536,6 +539,80 @@ def tokens(failures: list[str], out: dict[str, Any]) -> None:
             daemon.wait(timeout=30)
 
 
+DAEMON_FLOOD = """
+import socket, sys, time
+port, count, ready = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+held = []
+for _ in range(count):
+    try:
+        c = socket.create_connection(("127.0.0.1", port), timeout=2)
+        c.sendall(b"PRI * HTTP/2.0\\r\\n\\r\\nSM\\r\\n\\r\\n")  # HTTP/2's preface, then nothing
+        held.append(c)
+    except OSError:
+        break
+open(ready, "w").write(str(len(held)))
+time.sleep(600)
+"""
+
+
+def daemon_fds(failures: list[str], out: dict[str, Any]) -> None:
+    """A rank reaches the daemon's port (its trainers must): idle connections against
+    the daemon's file descriptors. The daemon runs with a soft limit of 1024 here (the
+    unit's LimitNOFILE=65536 takes 64 times the connections, from several addresses)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    sys.path.insert(0, str(ROOT / "bench"))
+    from _daemon import write_config  # type: ignore[import-not-found]
+
+    def health(port: int) -> str:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                          timeout=5)
+                return "SERVING"
+            except grpc.RpcError as exc:
+                return f"no answer ({exc.code().name})"
+
+    with tempfile.TemporaryDirectory() as tmp:
+        port = _port()
+        config = write_config(Path(tmp) / "daemon.toml", cluster_token="rt-cluster-token")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HETPILOT_")}
+        ends = Path(tmp) / "state" / "endpoints.json"
+
+        def limit() -> None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (SERVICE_NOFILE, SERVICE_NOFILE))
+
+        with open(Path(tmp) / "daemon.log", "wb") as log:
+            daemon = subprocess.Popen(
+                [sys.executable, "-m", "hetpilot", "daemon", "--listen", f"127.0.0.1:{port}",
+                 "--state-dir", str(Path(tmp) / "state"), "--config", str(config),
+                 "--metrics-listen", ""], stdout=subprocess.DEVNULL, stderr=log, env=env,
+                preexec_fn=limit)
+        flood = None
+        try:
+            wait_until("the daemon", ends.exists, timeout=60)
+            out["health before"] = health(port)
+            ready = Path(tmp) / "held"
+            flood = subprocess.Popen([sys.executable, "-c", DAEMON_FLOOD, str(port), "1500",
+                                      str(ready)])
+            wait_until("the connections", ready.exists, timeout=120)
+            out["connections held"] = ready.read_text()
+            out["daemon fds (soft limit 1024)"] = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+            out["health while held"] = health(port)
+            flood.kill()
+            flood.wait()
+            out["health once they close"] = wait_until(
+                "the daemon to answer again", lambda: health(port) == "SERVING" and "SERVING",
+                timeout=60)
+        finally:
+            if flood is not None and flood.poll() is None:
+                flood.kill()
+                flood.wait()
+            daemon.terminate()
+            daemon.wait(timeout=30)
+
+
 HELD = {
     "A's /tmp file": "denied", "A's /dev/shm file": "denied", "ptrace A's rank": "denied",
     "signal A's rank (kill -0)": "denied",
@@ -573,7 +650,8 @@ def main() -> int:
         return 2
     failures: list[str] = []
     report: dict[str, Any] = {}
-    for name, part in (("attacks", attacks), ("disk", disk), ("tokens", tokens)):
+    for name, part in (("attacks", attacks), ("disk", disk), ("tokens", tokens),
+                       ("daemon_fds", daemon_fds)):
         report[name] = {}
         try:
             part(failures, report[name])
