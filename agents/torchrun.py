@@ -51,7 +51,7 @@ def guard_rendezvous() -> None:
     """Make torch's dynamic rendezvous load its state with :func:`load_state`."""
     from torch.distributed.elastic.rendezvous import dynamic_rendezvous
 
-    dynamic_rendezvous.pickle = types.SimpleNamespace(  # type: ignore[attr-defined]
+    dynamic_rendezvous.pickle = types.SimpleNamespace(  # type: ignore[assignment]
         dumps=pickle.dumps, loads=load_state, PickleError=pickle.PickleError)
 
 
