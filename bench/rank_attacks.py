@@ -308,7 +308,10 @@ def attacks(failures: list[str], result: dict[str, Any]) -> None:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(SERVICE_NOFILE, hard), hard))
     try:
         with shared_dir() as base, unix_users(2) as (alice, bob), _probe_server() as (probe, _):
-            _attacks(base, alice, bob, probe, result)
+            try:
+                _attacks(base, alice, bob, probe, result)
+            finally:  # room to end the launches and remove the users (a breach took it)
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
@@ -389,6 +392,11 @@ def _attacks(base: Path, alice: str, bob: str, probe: int, result: dict[str, Any
         _stop(launcher, "LB2")
         _stop(launcher, "LA")
     finally:
+        for state in launcher.running():  # a part that broke left them: end them first
+            launcher.stop(state.launch_id)
+        with contextlib.suppress(AssertionError):
+            wait_until("the launches to end", lambda: not (launcher.poll() or
+                                                          launcher.running()), timeout=30)
         for path in (f"/tmp/hp-redteam-{tag}", f"/dev/shm/hp-redteam-{tag}", targets["pwned"],
                      targets["shm_left"]):
             with contextlib.suppress(OSError):
