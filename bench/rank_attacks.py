@@ -346,6 +346,13 @@ def _attacks(base: Path, alice: str, bob: str, probe: int, result: dict[str, Any
         seen["code run as A through her rendezvous store"] = (
             f"DONE: ran as uid {pwned.read_text().strip()} (A is uid "
             f"{pwd.getpwnam(alice).pw_uid})" if pwned.exists() else "not run")
+        with contextlib.suppress(AssertionError):
+            wait_until("A's launch", lambda: _ended(launcher, "LA"), timeout=30)
+        seen["A's launch after B wrote into her store"] = (
+            "running" if a.running else
+            f"ended, exit {a.exit_code}: " + ("the rendezvous state is corrupt" if
+                                              b"rendezvous state is corrupt" in
+                                              a.output.read_bytes() else a.reason[-120:]))
         # the agent ships B's output, the daemon acknowledges it: retention 0 removes it
         launcher.acked([("LB", False)], launcher.chunks())
         launcher.clean(force=True)
