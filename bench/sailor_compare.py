@@ -139,8 +139,24 @@ class Sailor:
             True, False, str(quotas), "throughput")
         return planner
 
-    def sailor_best(self, planner: Any, row: dict[str, int]) -> tuple[dict, float, float]:
-        """Sailor's first plan that passes the memory check, as simulator.py picks it."""
+    def sailor_best(self, planner: Any, row: dict[str, int],
+                    cache: Path | None = None) -> tuple[dict, float, float]:
+        """Sailor's first plan that passes the memory check, as simulator.py picks it.
+
+        With ``cache`` (a folder), the plan is read from and written to a file named by
+        Sailor's commit and the row, so reruns skip Sailor's planner (minutes on big
+        clusters); the plan is timed again either way."""
+        path = None
+        if cache is not None:
+            name = "_".join(f"{k.split('_')[0]}-{v}" for k, v in sorted(row.items()))
+            path = cache / f"sailor-{self.commit()[:12]}-{name}.json"
+            if path.exists():
+                saved = json.loads(path.read_text())
+                iteration, _, _ = self.sim.simulate_iteration_time(saved["plan"])
+                return saved["plan"], iteration, saved["search_s"]
+        if planner is None:
+            raise SystemExit("Sailor's planner library is not built and no cached plan: "
+                             "add --build-sailor-planner")
         start = time.perf_counter()
         plans = planner.get_sorted_plans(
             cluster_config={**row, "max_cost": 0.0, "min_throughput": 0.0},
@@ -148,7 +164,18 @@ class Sailor:
         search_s = time.perf_counter() - start
         for plan in plans:
             if self.sim.check_config_fits(plan):
+                # Sailor's planner object, reused across clusters in one process, was seen
+                # to return a plan for the previous cluster (156 A100s on 48 + 272)
+                over = {k: n for k, n in plan["used_gpus"].items()
+                        if n > row.get(f"{k}_{ZONE}", 0)}
+                if over:
+                    raise SystemExit(f"Sailor's planner returned a plan using {over} GPUs on "
+                                     f"{row}: run this cluster in a process of its own")
                 iteration, _, _ = self.sim.simulate_iteration_time(plan)
+                if path is not None:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    path.write_text(json.dumps({"plan": plan, "search_s": search_s},
+                                               default=list))  # pybind11's vectors
                 return plan, iteration, search_s
         raise RuntimeError("no plan of Sailor's planner fits")
 
@@ -460,6 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-host", choices=INTRA_HOST, default="auto",
                     help="the links inside a node: Sailor's intra-node fit (nvlink), its "
                          "inter-node fit (inter), or nvlink with TP and inter without (auto)")
+    ap.add_argument("--sailor-cache", type=Path,
+                    help="a folder keeping Sailor's plans by commit and cluster, so reruns "
+                         "skip Sailor's planner")
     ap.add_argument("--out", help="write the results as JSON here")
     args = ap.parse_args(argv)
     if not args.sailor:
@@ -469,7 +499,8 @@ def main(argv: list[str] | None = None) -> int:
     sailor = Sailor(Path(args.sailor))
     planner = (sailor.planner(args.build_sailor_planner)
                if args.sailor_planner or args.build_sailor_planner else None)
-    if (args.sailor_planner or args.build_sailor_planner) and planner is None:
+    if (args.sailor_planner or args.build_sailor_planner) and planner is None \
+            and args.sailor_cache is None:
         raise SystemExit("Sailor's planner library is not built: add --build-sailor-planner")
     results: dict[str, Any] = {"sailor_commit": sailor.commit(), "rows": []}
     micros = [int(m) for m in args.micro.split(",")]
@@ -487,8 +518,8 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(r, sailor.rows[r]) for r in (int(x) for x in args.rows.split(","))]
     for r, row in cases:
         out: dict[str, Any] = {"row": r, "gpus": row}
-        if planner is not None:
-            splan, st, search_s = sailor.sailor_best(planner, dict(row))
+        if args.sailor_planner or args.build_sailor_planner:
+            splan, st, search_s = sailor.sailor_best(planner, dict(row), args.sailor_cache)
             stages = splan["pipeline_list"][0]
             micro = [math.ceil(BATCH / (splan["mbs"] * stages["dp"][0]))]
             again = sailor.sailor_time(splan, micro)  # our per-pipeline timing agrees

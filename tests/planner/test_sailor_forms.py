@@ -56,3 +56,57 @@ def test_sailor_forms(merge: str, dps: list[int], micro: list[int]) -> None:
     assert first["tmp_per_stage"][0][0] == [[("V100-16", 2, bench.ZONE)], 2]
     assert first["tmp_per_stage"][1][0] == [[("A100-40", 1, bench.ZONE)], 1]
     assert form["used_gpus"] == {"A100-40": 3, "V100-16": 6}
+
+
+class _Sim:
+    """Sailor's simulator where the test needs only its check and its iteration time
+    (no Sailor checkout on CI): a plan fits, and takes 1 s per pipeline."""
+
+    def check_config_fits(self, plan: dict) -> bool:
+        return True
+
+    def simulate_iteration_time(self, plan: dict) -> tuple[float, None, None]:
+        return float(len(plan["pipeline_list"])), None, None
+
+
+class _Planner:
+    """Sailor's planner as the bench calls it, returning the plans it is given."""
+
+    def __init__(self, plans: list[dict]) -> None:
+        self.plans, self.calls = plans, 0
+
+    def get_sorted_plans(self, cluster_config: dict, training_config: dict) -> list[dict]:
+        self.calls += 1
+        return self.plans
+
+
+def _sailor(bench: ModuleType, tmp_path: Path) -> object:
+    sailor = bench.Sailor.__new__(bench.Sailor)
+    sailor.checkout, sailor.sim, sailor.training_config = tmp_path, _Sim(), {}
+    return sailor
+
+
+def test_sailor_plans_are_cached_by_cluster_and_replayed(tmp_path: Path) -> None:
+    bench = _bench()
+    sailor = _sailor(bench, tmp_path)
+    row = {f"A100-40_{bench.ZONE}": 8, f"V100-16_{bench.ZONE}": 16}
+    plan = {"pipeline_list": [{"dp": [2]}], "mbs": 1, "used_gpus": {"A100-40": 8}}
+    planner = _Planner([plan])
+    first = bench.Sailor.sailor_best(sailor, planner, row, tmp_path / "cache")
+    assert first[0] == plan and first[1] == 1.0 and planner.calls == 1
+    again = bench.Sailor.sailor_best(sailor, planner, row, tmp_path / "cache")
+    assert again[0] == plan and again[1] == 1.0 and planner.calls == 1  # from the file
+    other = {**row, f"V100-16_{bench.ZONE}": 32}  # another cluster: its own file
+    bench.Sailor.sailor_best(sailor, planner, other, tmp_path / "cache")
+    assert planner.calls == 2 and len(list((tmp_path / "cache").iterdir())) == 2
+
+
+def test_a_sailor_plan_using_gpus_the_cluster_lacks_is_refused(tmp_path: Path) -> None:
+    bench = _bench()
+    sailor = _sailor(bench, tmp_path)
+    row = {f"A100-40_{bench.ZONE}": 48, f"V100-16_{bench.ZONE}": 272}
+    stale = {"pipeline_list": [{"dp": [2]}], "mbs": 1,
+             "used_gpus": {"A100-40": 156, "V100-16": 96}}  # 160 + 96's plan
+    with pytest.raises(SystemExit, match=r"A100-40.*156"):
+        bench.Sailor.sailor_best(sailor, _Planner([stale]), row, tmp_path / "cache")
+    assert not (tmp_path / "cache").exists()  # nothing cached
