@@ -120,6 +120,8 @@ def main(argv: list[str] | None = None) -> int:
         a, v = (int(x) for x in args.gpus.split("+"))
     except ValueError:
         ap.error(f"--gpus: {args.gpus!r} is not A100+V100 counts")
+    if a % sc.GPUS_PER_NODE or v % sc.GPUS_PER_NODE or a < 0 or v < 0:
+        ap.error(f"--gpus: {args.gpus!r}: counts must be multiples of {sc.GPUS_PER_NODE}")
     sailor = sc.Sailor(Path(args.sailor))
     row = {f"{sc.KINDS[0]}_{sc.ZONE}": a, f"{sc.KINDS[1]}_{sc.ZONE}": v}
     rows = []
@@ -148,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
     for r in sorted(rows, key=lambda r: r[9])[:args.top]:
         print(f"{r[0]} {r[1]} {r[2]:>14} {r[3]:>3} | {r[4]:.3f} + {r[5]:.3f} = {r[6]:.3f}, "
               f"{r[7]:.3f}, {r[8]:.3f} | {r[9]:.3f} ({r[10]}: {r[11]:.3f} + {r[12]:.3f})")
+    if not rows:
+        print("no plan that Sailor's check accepts")
+        return 1
     best = min(rows, key=lambda r: r[6])
     print(f"spec 5's fastest: {best[0]} {best[1]} {best[2]}: {best[6]:.3f} in spec 5, "
           f"{best[9]:.3f} in Sailor")
