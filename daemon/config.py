@@ -166,6 +166,13 @@ class DaemonConfig:
     max_message_bytes: int = 4 * 1024 * 1024
     """Larger requests are refused with RESOURCE_EXHAUSTED."""
     max_concurrent_streams: int = 10000
+    handshake_timeout_s: float = 10.0
+    """A connection that has not finished its TLS and HTTP/2 handshake this long after it
+    was accepted is closed (grpc's default, 120 s, let idle sockets hold the daemon's
+    file descriptors: 1500 kept one with 1024 from answering)."""
+    idle_connection_s: float = 300.0
+    """A connection with no call in flight this long is closed (clients reconnect on their
+    next call; agents' report streams keep theirs busy); 0: never."""
     intra_host_gbps: float = 2400.0
     """Network defaults for pairs no probe has measured (spec v1 section 1)."""
     inter_host_gbps: float = 25.0
@@ -234,6 +241,13 @@ class DaemonConfig:
                               f"(0: keep forever), got {self.log_retention_hours!r}")
         if not 1024 <= self.max_message_bytes <= 256 * 1024 * 1024:
             raise ConfigError("max_message_bytes: must be in [1 KiB, 256 MiB]")
+        if not (math.isfinite(self.handshake_timeout_s) and 1 <= self.handshake_timeout_s <= 600):
+            raise ConfigError("handshake_timeout_s: must be in [1, 600] seconds, got "
+                              f"{self.handshake_timeout_s!r}")
+        if not (math.isfinite(self.idle_connection_s)
+                and (self.idle_connection_s == 0 or 10 <= self.idle_connection_s <= 86400)):
+            raise ConfigError("idle_connection_s: must be 0 (never) or in [10, 86400] seconds, "
+                              f"got {self.idle_connection_s!r}")
         if not 1 <= self.max_concurrent_streams <= 2**31 - 1:
             raise ConfigError("max_concurrent_streams: must be in [1, 2147483647], got "
                               f"{self.max_concurrent_streams!r}")

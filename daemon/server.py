@@ -13,6 +13,7 @@ import gc
 import json
 import logging
 import os
+import resource
 import secrets
 import signal
 from collections.abc import Iterator
@@ -127,12 +128,27 @@ def _state_dir_lock(state_dir: Path) -> Iterator[None]:
         pidlock.release(handle)
 
 
+def raise_open_files_limit(ceiling: int = 65536) -> tuple[int, int]:
+    """Raise this process's soft limit of open files to its hard limit (at most
+    ``ceiling``), as the unit's ``LimitNOFILE=`` does: a daemon started by hand keeps the
+    shell's 1024, which a few thousand agents and clients use up. (before, after)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = ceiling if hard == resource.RLIM_INFINITY else min(hard, ceiling)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+    return soft, resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+
+
 async def serve(config: DaemonConfig, stop: asyncio.Event | None = None) -> None:
     """Run until ``stop`` (SIGTERM, SIGINT). Raises StorageError when the state store is
     damaged or another daemon holds the state directory, OSError when the address is
     taken."""
     state_dir = Path(config.state_dir)
     state_dir.mkdir(parents=True, exist_ok=True)
+    before, after = raise_open_files_limit()
+    if after != before:
+        log.info("open files limit raised from %d to %d", before, after)
     with _state_dir_lock(state_dir):
         await _serve(config, stop or asyncio.Event(), state_dir)
 
@@ -175,6 +191,11 @@ async def _serve(config: DaemonConfig, stop: asyncio.Event, state_dir: Path) -> 
             # registering at once after a daemon restart
             ("grpc.server.max_pending_requests", 20000),
             ("grpc.server.max_pending_requests_hard_limit", 40000),
+            # sockets that never finish a handshake, or stay without calls, give back
+            # their descriptors (docs/operating.md, "Security")
+            ("grpc.server_handshake_timeout_ms", int(config.handshake_timeout_s * 1000)),
+            *([("grpc.max_connection_idle_ms", int(config.idle_connection_s * 1000))]
+              if config.idle_connection_s else []),
         ])
     job_pb2_grpc.add_JobServiceServicer_to_server(JobServicer(plane, auth), server)
     agent_pb2_grpc.add_AgentServiceServicer_to_server(
