@@ -223,7 +223,7 @@ class Launcher:
             if state.done and not state.done_unix:  # (an older agent's record)
                 state.done_unix = time.time()
             if state.running:
-                code = self._saved_exit(state)
+                code = saved_exit(state)
                 if code is not None:
                     self._ended(state, code)
                 elif state.pid and _proc_stat(state.pid) is not None and (
@@ -244,18 +244,6 @@ class Launcher:
 
     def running(self) -> list[LaunchState]:
         return [s for s in self._launches.values() if s.running]
-
-    @staticmethod
-    def _saved_exit(state: LaunchState) -> int | None:
-        """The status the runner saved (its reason, if any, goes to ``state.reason``)."""
-        try:
-            code, _, reason = (state.dir / "exit").read_text().partition("\n")
-            value = int(code.strip())
-        except (OSError, ValueError):
-            return None
-        if reason.strip():
-            state.reason = reason.strip()[:1000]
-        return value
 
     # -- orders -----------------------------------------------------------------
 
@@ -445,11 +433,11 @@ class Launcher:
             if state.proc is not None:
                 rc = state.proc.poll()
                 if rc is not None:
-                    saved = self._saved_exit(state)
+                    saved = saved_exit(state)
                     code = saved if saved is not None else rc
             elif _proc_stat(state.pid) is None or (
                     (_proc_stat(state.pid) or (0, 0))[1] != state.start_ticks):
-                saved = self._saved_exit(state)
+                saved = saved_exit(state)
                 code = saved if saved is not None else EXIT_UNKNOWN
             if code is None:
                 if state.kill_at is not None and now >= state.kill_at:
@@ -530,7 +518,7 @@ class Launcher:
         if code != 0:
             said = state.reason  # the runner's (the agent that started it ended)
             state.reason = reason or ("stopped on the daemon's order" if state.stopped
-                                      else "; ".join(x for x in (said, self._why(state)) if x))
+                                      else "; ".join(x for x in (said, last_lines(state)) if x))
             if limit and not state.stopped:
                 state.reason = f"{limit}\n{state.reason}"
         for secret in ("trainer.token", "env.json"):
@@ -540,16 +528,6 @@ class Launcher:
         self._save(state)
         log.info("launch %s (job %s): exited with code %d%s", state.launch_id, state.job_id,
                  code, " (stopped on order)" if state.stopped else "")
-
-    @staticmethod
-    def _why(state: LaunchState) -> str:
-        """The last lines of the launch's output: its ranks' lines when there are any
-        (torchrun's own summary of a failure says little more)."""
-        lines = [line for line in state.output.tail(32768).decode("utf-8", "replace")
-                 .splitlines() if line.strip()]
-        ranks = [line for line in lines if line.startswith("[rank")]
-        tail = (ranks or lines)[-8:]
-        return "\n".join(line[:240] for line in tail)[-1900:] or "no output"
 
     # -- reports ----------------------------------------------------------------
 
@@ -600,3 +578,25 @@ class Launcher:
                 state.done = True
                 state.done_unix = time.time()
                 self._save(state)
+
+
+def saved_exit(state: LaunchState) -> int | None:
+    """The status the runner saved (its reason, if any, goes to ``state.reason``)."""
+    try:
+        code, _, reason = (state.dir / "exit").read_text().partition("\n")
+        value = int(code.strip())
+    except (OSError, ValueError):
+        return None
+    if reason.strip():
+        state.reason = reason.strip()[:1000]
+    return value
+
+
+def last_lines(state: LaunchState) -> str:
+    """The last lines of the launch's output: its ranks' lines when there are any
+    (torchrun's own summary of a failure says little more)."""
+    lines = [line for line in state.output.tail(32768).decode("utf-8", "replace")
+             .splitlines() if line.strip()]
+    ranks = [line for line in lines if line.startswith("[rank")]
+    tail = (ranks or lines)[-8:]
+    return "\n".join(line[:240] for line in tail)[-1900:] or "no output"
