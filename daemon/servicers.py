@@ -245,34 +245,52 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     @_stream
     async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
+        """Each report is committed before the handler goes on; it is acked at once, or,
+        when it says ``ack_later`` and there is nothing to send, by a later ack (the
+        seq is cumulative): an ack message costs grpc.aio more than the rest of the
+        report's path (bench/RESULTS-controlplane-profile.md)."""
         epoch = -1
+        unacked = 0  # the seq of the latest report taken and not acked yet (0: none)
         opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
+        members, launches = self.plane.members, self.plane.launches
         try:
             async for request in request_iterator:
+                if self.plane.stopping:  # end the stream now, not after the stop's grace
+                    if unacked:
+                        yield agent_pb2.ReportAck(seq=unacked)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "the daemon is stopping: register again (this "
+                                        f"report, seq {request.seq}, was not taken)")
                 report = convert.report_from_proto(request)
                 registration = convert.label(request.registration, "registration")
                 statuses = convert.launches_from_proto(request)
                 chunks = convert.log_chunks_from_proto(request)
                 self._as(report.agent_id, context)
-                peers = await self.plane.members.report_committed(report, registration)
+                peers = await members.report_committed(report, registration)
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
-                    self.plane.members.stream_opened(report.agent_id, registration)
+                    members.stream_opened(report.agent_id, registration)
                 ack = agent_pb2.ReportAck(seq=request.seq)
-                if statuses or chunks or self.plane.launches.active():
-                    starts, stops = await self.plane.launches.agent_report(
+                if statuses or chunks or launches.active():
+                    starts, stops = await launches.agent_report(
                         report.agent_id, statuses, chunks)
                     ack.start.extend(convert.order_to_proto(
                         o, self.job_token(o.launch.job_id), self.unix_user(o.owner))
                         for o in starts)
                     ack.stop.extend(stops)
-                if epoch != self.plane.members.epoch:
-                    epoch = self.plane.members.epoch
+                if epoch != members.epoch:
+                    epoch = members.epoch
                     ack.peers.extend(convert.peers_to_proto(peers))
+                elif request.ack_later and not ack.start and not ack.stop:
+                    unacked = request.seq  # committed; a later ack covers it
+                    continue
+                unacked = 0
                 yield ack
+            if unacked:  # the agent closed the stream: cover what it sent
+                yield agent_pb2.ReportAck(seq=unacked)
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:
-                self.plane.members.stream_closed(host, registration)
+                members.stream_closed(host, registration)
 
     @_unary
     async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,
