@@ -14,6 +14,8 @@ launches. Runs on the event loop thread.
 
 from __future__ import annotations
 
+import asyncio
+import functools
 import hashlib
 import hmac
 import logging
@@ -325,6 +327,24 @@ class Membership:
         await self.commits.put(report)
         self._registered(report.agent_id, registration)  # still (a re-register meanwhile)
         return self._take(report)
+
+    def report_queued(self, report: AgentReport, registration: str) -> asyncio.Future[None]:
+        """:meth:`report_committed` without waiting: the report is checked and queued;
+        the tables take it once it is committed (a callback: no task step per report);
+        the future says how its commit went. For a report whose ack can wait
+        (AgentReport.ack_later): the stream must await the future before an ack covers
+        the report."""
+        self._check_report(report, registration)
+        done = self.commits.queue(report)
+        done.add_done_callback(functools.partial(self._queued_committed, report, registration))
+        return done
+
+    def _queued_committed(self, report: AgentReport, registration: str,
+                          done: asyncio.Future[None]) -> None:
+        if done.cancelled() or done.exception() is not None:
+            return  # the stream raises it before its next ack
+        if self._registration.get(report.agent_id) == registration:  # not re-registered since
+            self._take(report)
 
     def _check_report(self, report: AgentReport, registration: str) -> None:
         agent = self._registered(report.agent_id, registration)

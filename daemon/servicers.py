@@ -3,6 +3,7 @@ errors to status codes. Nothing else lives here."""
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import logging
 import time
@@ -208,6 +209,16 @@ def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
     return {n.decode() if isinstance(n, bytes) else str(n) for n in names}
 
 
+async def _committed(queued: list[asyncio.Future[None]]) -> None:
+    """Wait for the commits of queued reports (Membership.report_queued); raise the
+    first error. Empties ``queued``."""
+    try:
+        for done in queued:
+            await done
+    finally:
+        queued.clear()
+
+
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, plane: ControlPlane, by_certificate: bool = False,
                  job_token: Callable[[str], str] | None = None,
@@ -251,12 +262,14 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         report's path (bench/RESULTS-controlplane-profile.md)."""
         epoch = -1
         unacked = 0  # the seq of the latest report taken and not acked yet (0: none)
+        queued: list[asyncio.Future[None]] = []  # commits of reports taken, not awaited yet
         opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
         members, launches = self.plane.members, self.plane.launches
         try:
             async for request in request_iterator:
                 if self.plane.stopping:  # end the stream now, not after the stop's grace
                     if unacked:
+                        await _committed(queued)
                         yield agent_pb2.ReportAck(seq=unacked)
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "the daemon is stopping: register again (this "
@@ -266,7 +279,15 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 statuses = convert.launches_from_proto(request)
                 chunks = convert.log_chunks_from_proto(request)
                 self._as(report.agent_id, context)
+                if (request.ack_later and epoch == members.epoch and not statuses
+                        and not chunks and not launches.active()):
+                    # nothing to answer: queue its commit and read on (no task step
+                    # waits for it); the next ack waits for it
+                    queued.append(members.report_queued(report, registration))
+                    unacked = request.seq
+                    continue
                 peers = await members.report_committed(report, registration)
+                await _committed(queued)  # done by now: batches commit in order
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
                     members.stream_opened(report.agent_id, registration)
@@ -287,6 +308,7 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 unacked = 0
                 yield ack
             if unacked:  # the agent closed the stream: cover what it sent
+                await _committed(queued)
                 yield agent_pb2.ReportAck(seq=unacked)
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:

@@ -17,12 +17,20 @@ import grpc
 import pytest
 from hetpilot.agents.agent import ACK_EVERY, Agent, may_ack_later
 from hetpilot.agents.config import AgentConfig, EmulatedDevice
+from hetpilot.daemon.config import DaemonConfig
+from hetpilot.daemon.errors import StorageFull
+from hetpilot.daemon.membership import Membership
+from hetpilot.daemon.metrics import Metrics
+from hetpilot.daemon.records import AgentRecord, AgentReport
+from hetpilot.daemon.servicers import _committed
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc
 
 from hetpilot.channel import Endpoint, open_sync
 
 from .conftest import CLUSTER_MD, CLUSTER_TOKEN, RunningDaemon, start_daemon
-from .helpers import register_request, report, wait_until
+from .helpers import host_secret, register_request, report, wait_until
+from .test_group_commit import FullOnce
+from .test_membership import _Events
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -118,6 +126,36 @@ def test_a_report_said_ack_later_is_acked_when_its_peers_change(
     assert list(first.acks) == []
     first.channel.close()
     ch.close()
+
+
+def test_a_queued_report_whose_commit_fails_is_not_taken_and_fails_the_next_ack(
+        tmp_path: Path) -> None:
+    """A report said ack_later is queued, not awaited: when its batch fails (a full
+    disk), the tables do not take it and the stream raises before its next ack."""
+    store = FullOnce(tmp_path / "state.db")
+    members = Membership(store, DaemonConfig(state_dir=str(tmp_path)), Metrics(), _Events())
+    a = AgentRecord(host="a", probe_address="", devices=())
+    registration = members.register(a, secret=host_secret("a"))[1]
+
+    async def scenario() -> tuple[int, int]:
+        queued = [members.report_queued(AgentReport(agent_id="a", seq=2, unix_ms=0),
+                                        registration)]
+        await asyncio.wait(queued)  # its batch ran (and failed)
+        await members.report_committed(AgentReport(agent_id="a", seq=3, unix_ms=0),
+                                       registration)  # the next batch commits
+        with pytest.raises(StorageFull):
+            await _committed(queued)  # what the handler does before an ack
+        latest = members.latest_report("a")
+        queued = [members.report_queued(AgentReport(agent_id="a", seq=4, unix_ms=0),
+                                        registration)]
+        await _committed(queued)
+        after = members.latest_report("a")
+        await members.commits.close()
+        return (latest.seq if latest else 0), (after.seq if after else 0)
+
+    assert asyncio.run(scenario()) == (3, 4)  # 2 never taken; 4 taken once committed
+    assert store.latest_reports()["a"].seq == 4
+    store.close()
 
 
 def test_which_reports_may_wait_for_a_later_ack() -> None:
