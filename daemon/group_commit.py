@@ -56,12 +56,6 @@ class ReportCommitter:
 
     async def put(self, report: AgentReport) -> None:
         """Return once ``report`` is committed; raise its batch's error otherwise."""
-        await self.queue(report)  # a caller cancelled meanwhile cancels this, not the commit
-
-    def queue(self, report: AgentReport) -> asyncio.Future[None]:
-        """Queue ``report``: the future is done once it is committed, with its batch's
-        error if that failed. Batches commit in order: once a later report's future is
-        done, so is this one's."""
         if self._closed:
             raise RuntimeError("the report committer is closed")
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -71,7 +65,7 @@ class ReportCommitter:
             _wake(self._pause)  # a full batch does not wait for the window
         if self._writer is None:
             self._writer = asyncio.create_task(self._write(), name="report-commits")
-        return done
+        await done  # a caller cancelled meanwhile cancels this, not its report's commit
 
     async def _write(self) -> None:
         loop = asyncio.get_running_loop()

@@ -14,8 +14,6 @@ launches. Runs on the event loop thread.
 
 from __future__ import annotations
 
-import asyncio
-import functools
 import hashlib
 import hmac
 import logging
@@ -328,23 +326,21 @@ class Membership:
         self._registered(report.agent_id, registration)  # still (a re-register meanwhile)
         return self._take(report)
 
-    def report_queued(self, report: AgentReport, registration: str) -> asyncio.Future[None]:
-        """:meth:`report_committed` without waiting: the report is checked and queued;
-        the tables take it once it is committed (a callback: no task step per report);
-        the future says how its commit went. For a report whose ack can wait
-        (AgentReport.ack_later): the stream must await the future before an ack covers
-        the report."""
+    def report_taken(self, report: AgentReport, registration: str) -> Peers:
+        """Take a report into the tables without storing it: for a report whose ack can
+        wait (AgentReport.ack_later). The store keeps one report per host, so a later
+        commit of this host's latest report (:meth:`report_committed`,
+        :meth:`commit_latest`) leaves the store as committing each would have; the
+        stream does that before an ack covers this report."""
         self._check_report(report, registration)
-        done = self.commits.queue(report)
-        done.add_done_callback(functools.partial(self._queued_committed, report, registration))
-        return done
+        return self._take(report)
 
-    def _queued_committed(self, report: AgentReport, registration: str,
-                          done: asyncio.Future[None]) -> None:
-        if done.cancelled() or done.exception() is not None:
-            return  # the stream raises it before its next ack
-        if self._registration.get(report.agent_id) == registration:  # not re-registered since
-            self._take(report)
+    async def commit_latest(self, host: str) -> None:
+        """Commit ``host``'s latest report taken (reports taken by :meth:`report_taken`
+        are not stored on their own)."""
+        report = self._reports.get(host)
+        if report is not None:
+            await self.commits.put(report)
 
     def _check_report(self, report: AgentReport, registration: str) -> None:
         agent = self._registered(report.agent_id, registration)

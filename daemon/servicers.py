@@ -3,7 +3,6 @@ errors to status codes. Nothing else lives here."""
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
 import time
@@ -209,16 +208,6 @@ def certificate_names(context: grpc.aio.ServicerContext) -> set[str]:
     return {n.decode() if isinstance(n, bytes) else str(n) for n in names}
 
 
-async def _committed(queued: list[asyncio.Future[None]]) -> None:
-    """Wait for the commits of queued reports (Membership.report_queued); raise the
-    first error. Empties ``queued``."""
-    try:
-        for done in queued:
-            await done
-    finally:
-        queued.clear()
-
-
 class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     def __init__(self, plane: ControlPlane, by_certificate: bool = False,
                  job_token: Callable[[str], str] | None = None,
@@ -256,20 +245,22 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     @_stream
     async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
-        """Each report is committed before the handler goes on; it is acked at once, or,
-        when it says ``ack_later`` and there is nothing to send, by a later ack (the
-        seq is cumulative): an ack message costs grpc.aio more than the rest of the
-        report's path (bench/RESULTS-controlplane-profile.md)."""
+        """Each report is acked at once, committed first; or, when it says ``ack_later``
+        and there is nothing to send, taken into the tables only, and covered by a later
+        ack (the seq is cumulative) after the host's latest report is committed: the
+        store keeps one report per host, so that is the state committing each would
+        leave, for one commit and one ack message per several reports
+        (bench/RESULTS-controlplane-profile.md)."""
         epoch = -1
         unacked = 0  # the seq of the latest report taken and not acked yet (0: none)
-        queued: list[asyncio.Future[None]] = []  # commits of reports taken, not awaited yet
+        host = ""  # the host it reports
         opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
         members, launches = self.plane.members, self.plane.launches
         try:
             async for request in request_iterator:
                 if self.plane.stopping:  # end the stream now, not after the stop's grace
                     if unacked:
-                        await _committed(queued)
+                        await members.commit_latest(host)
                         yield agent_pb2.ReportAck(seq=unacked)
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "the daemon is stopping: register again (this "
@@ -281,13 +272,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                 self._as(report.agent_id, context)
                 if (request.ack_later and epoch == members.epoch and not statuses
                         and not chunks and not launches.active()):
-                    # nothing to answer: queue its commit and read on (no task step
-                    # waits for it); the next ack waits for it
-                    queued.append(members.report_queued(report, registration))
-                    unacked = request.seq
+                    # nothing to answer: the commit before the next ack stores it (or a
+                    # later report of the host, which supersedes it)
+                    members.report_taken(report, registration)
+                    unacked, host = request.seq, report.agent_id
                     continue
                 peers = await members.report_committed(report, registration)
-                await _committed(queued)  # done by now: batches commit in order
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
                     members.stream_opened(report.agent_id, registration)
@@ -303,12 +293,12 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     epoch = members.epoch
                     ack.peers.extend(convert.peers_to_proto(peers))
                 elif request.ack_later and not ack.start and not ack.stop:
-                    unacked = request.seq  # committed; a later ack covers it
+                    unacked, host = request.seq, report.agent_id  # committed; acked later
                     continue
                 unacked = 0
                 yield ack
             if unacked:  # the agent closed the stream: cover what it sent
-                await _committed(queued)
+                await members.commit_latest(host)
                 yield agent_pb2.ReportAck(seq=unacked)
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:

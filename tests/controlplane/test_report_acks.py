@@ -22,7 +22,6 @@ from hetpilot.daemon.errors import StorageFull
 from hetpilot.daemon.membership import Membership
 from hetpilot.daemon.metrics import Metrics
 from hetpilot.daemon.records import AgentRecord, AgentReport
-from hetpilot.daemon.servicers import _committed
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc
 
 from hetpilot.channel import Endpoint, open_sync
@@ -81,22 +80,24 @@ class _Stream:
             self._ready.notify()
 
 
-def test_reports_said_ack_later_are_committed_and_covered_by_the_next_ack(
+def test_reports_said_ack_later_are_covered_by_the_next_ack_after_a_commit(
         daemon: RunningDaemon) -> None:
+    """An ack covering reports said ack_later comes after the host's latest report is
+    committed: the store (one report per host) holds what committing each would."""
     s = _Stream(daemon, "h1")
     s.send(1, ack_later=False)
     assert next(s.acks).seq == 1  # the first carries the peers anyway
+    assert _stored_seq(daemon, "h1") == 1
     for seq in (2, 3, 4):
         s.send(seq, ack_later=True)
-    # no ack of their own, but each is taken and committed: the store has the latest
-    wait_until("report 4 committed", lambda: _stored_seq(daemon, "h1") == 4)
     s.send(5, ack_later=False)
     ack = next(s.acks)  # the next message on the stream covers 2..5
     assert ack.seq == 5 and _stored_seq(daemon, "h1") == 5
     s.send(6, ack_later=True)
-    s.close()  # the agent ends the stream: a last ack covers report 6
-    assert [a.seq for a in s.acks] == [6]
-    assert _stored_seq(daemon, "h1") == 6
+    s.send(7, ack_later=True)
+    s.close()  # the agent ends the stream: a last ack covers 6 and 7, stored first
+    assert [a.seq for a in s.acks] == [7]
+    assert _stored_seq(daemon, "h1") == 7
     s.channel.close()
 
 
@@ -128,33 +129,26 @@ def test_a_report_said_ack_later_is_acked_when_its_peers_change(
     ch.close()
 
 
-def test_a_queued_report_whose_commit_fails_is_not_taken_and_fails_the_next_ack(
-        tmp_path: Path) -> None:
-    """A report said ack_later is queued, not awaited: when its batch fails (a full
-    disk), the tables do not take it and the stream raises before its next ack."""
+def test_an_ack_waits_for_the_commit_of_the_host_s_latest_report(tmp_path: Path) -> None:
+    """Reports said ack_later go to the tables at once and to the store with the host's
+    next commit; a commit that fails (a full disk) raises, so no ack covers them."""
     store = FullOnce(tmp_path / "state.db")
     members = Membership(store, DaemonConfig(state_dir=str(tmp_path)), Metrics(), _Events())
     a = AgentRecord(host="a", probe_address="", devices=())
     registration = members.register(a, secret=host_secret("a"))[1]
 
-    async def scenario() -> tuple[int, int]:
-        queued = [members.report_queued(AgentReport(agent_id="a", seq=2, unix_ms=0),
-                                        registration)]
-        await asyncio.wait(queued)  # its batch ran (and failed)
-        await members.report_committed(AgentReport(agent_id="a", seq=3, unix_ms=0),
-                                       registration)  # the next batch commits
-        with pytest.raises(StorageFull):
-            await _committed(queued)  # what the handler does before an ack
-        latest = members.latest_report("a")
-        queued = [members.report_queued(AgentReport(agent_id="a", seq=4, unix_ms=0),
-                                        registration)]
-        await _committed(queued)
-        after = members.latest_report("a")
+    async def scenario() -> None:
+        members.report_taken(AgentReport(agent_id="a", seq=2, unix_ms=0), registration)
+        taken = members.latest_report("a")
+        assert taken is not None and taken.seq == 2  # planning sees it at once
+        with pytest.raises(StorageFull):  # the handler sends no ack
+            await members.commit_latest("a")
+        members.report_taken(AgentReport(agent_id="a", seq=3, unix_ms=0), registration)
+        await members.commit_latest("a")
         await members.commits.close()
-        return (latest.seq if latest else 0), (after.seq if after else 0)
 
-    assert asyncio.run(scenario()) == (3, 4)  # 2 never taken; 4 taken once committed
-    assert store.latest_reports()["a"].seq == 4
+    asyncio.run(scenario())
+    assert store.latest_reports()["a"].seq == 3
     store.close()
 
 
