@@ -1,7 +1,10 @@
 """Load benchmark of the control plane: N simulated agents, each reporting once
 a second over its own AgentService.Report stream, against a local daemon
-subprocess on 127.0.0.1. Per step: p50/p99 report latency (write to ack),
-lost reports (sent minus acked), and the daemon's CPU use from /proc.
+subprocess on 127.0.0.1. The agents ask for the ack of every ``--ack-every``-th
+report (the agent's ACK_EVERY; the others say ``ack_later``). Per step: p50/p99
+latency of the reports that ask (write to ack), cover_p50/p99 of all (write to
+the ack that covers it), lost reports (sent minus covered), and the daemon's CPU
+use from /proc.
 
   .venv/bin/python bench/controlplane_load.py --agents 250,500,1000,2000 --seconds 20
 

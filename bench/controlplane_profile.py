@@ -6,8 +6,12 @@ own AgentService.Report stream) against a daemon that runs under a profiler.
   .venv/bin/python bench/controlplane_profile.py --agents 500,1000,1500,2000 --pin
   .venv/bin/python bench/controlplane_profile.py --agents 2000 --pin --versus ../base/.venv/bin/python --rounds 4
 
-Per step it prints one JSON line: latency (write to ack at the client), lost
-reports, the daemon's CPU per report from /proc split by thread (the asyncio
+The agents report as hetpilot's agent does (``--ack-every``, default its
+ACK_EVERY): every Nth report asks for its ack, the others say ``ack_later``.
+Per step it prints one JSON line: latency of the reports that ask (write to their
+ack at the client; ``cover_*``: every report's write to the ack that covers it),
+lost reports (sent, not covered), the daemon's CPU per report (per report sent
+and covered) from /proc split by thread (the asyncio
 loop runs in the main thread; grpc's C-core threads are separate), the load
 clients' CPU per report, and, with a profiler:
 
