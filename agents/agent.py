@@ -291,7 +291,9 @@ class Agent:
                 self._unacked[report.seq] = sent
                 acked: asyncio.Future[None] | None = None
                 if not report.ack_later:  # waited for (the ack may come before write returns)
-                    since_ack = 0
+                    # the stream's first report starts the count at a random phase, so
+                    # agents that connect together (a daemon restart) ask at other times
+                    since_ack = random.randrange(ACK_EVERY) if covered[0] == 0 else 0
                     acked = asyncio.get_running_loop().create_future()
                     wakes.append((report.seq, acked))
                 await asyncio.wait_for(call.write(report), self.config.call_timeout_s)

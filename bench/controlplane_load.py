@@ -107,6 +107,7 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
 
     await asyncio.sleep(max(0.0, start - time.monotonic()) + random.random())
     reader = asyncio.create_task(read())
+    phase = random.randrange(ack_every)  # as the agent: asks not in step with other agents
     end = start + seconds
     seq = 0
     try:
@@ -116,7 +117,7 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
             sent[seq] = (time.monotonic() - start, t0)
             out["sent"] += 1
             report = _report(host, seq, registration)
-            report.ack_later = seq > 1 and (seq - 1) % ack_every != 0
+            report.ack_later = seq > 1 and (seq - 1 + phase) % ack_every != 0
             asked = None if report.ack_later else asyncio.get_running_loop().create_future()
             if asked is not None:
                 waiting[seq] = asked  # (its ack may come before the write returns)
