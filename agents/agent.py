@@ -296,7 +296,13 @@ class Agent:
                     since_ack = random.randrange(ACK_EVERY) if covered[0] == 0 else 0
                     acked = asyncio.get_running_loop().create_future()
                     wakes.append((report.seq, acked))
-                await asyncio.wait_for(call.write(report), self.config.call_timeout_s)
+                try:
+                    await asyncio.wait_for(call.write(report), self.config.call_timeout_s)
+                except asyncio.InvalidStateError:  # the call ended: its status says why
+                    await asyncio.wait({reader}, timeout=self.config.call_timeout_s)
+                    if reader.done():
+                        reader.result()
+                    raise
                 if acked is not None:
                     await self._until(acked, reader)
                 await asyncio.wait({reader, stopping}, timeout=interval,
