@@ -337,8 +337,7 @@ class Agent:
         StreamEnded (closed by the daemon)."""
         while True:
             ack = await call.read()
-            if ack is _EOF:
-                await call  # raises the stream's error status
+            if ack is _EOF:  # (a stream that ends with an error raises it from read)
                 raise StreamEnded("the daemon closed the report stream")
             if ack.seq > covered[0]:
                 covered[0] = ack.seq

@@ -12,6 +12,7 @@ import sqlite3
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -217,3 +218,71 @@ def test_an_agent_says_in_one_line_that_the_daemon_stopped_and_reconnects(
         loop.call_soon_threadsafe(stop.set)
         runner.join(timeout=30)
         loop.close()
+
+
+class _BreakingDaemon(agent_pb2_grpc.AgentServiceServicer):
+    """A daemon whose first report stream acks the reports that ask and breaks at the
+    first that says ack_later, before any ack covers it."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int, bool]] = []  # (stream, seq, ack_later)
+        self.acks: list[int] = []  # what stream 1 acked
+        self.second = asyncio.Event()
+        self.streams = 0
+
+    async def Register(self, request: agent_pb2.RegisterRequest,
+                       context: grpc.aio.ServicerContext) -> agent_pb2.RegisterResponse:
+        return agent_pb2.RegisterResponse(agent_id=request.host, report_interval_s=0.05,
+                                          heartbeat_timeout_s=5.0,
+                                          registration=f"r{self.streams + 1}")
+
+    async def Report(self, request_iterator: Any, context: grpc.aio.ServicerContext) -> Any:
+        self.streams += 1
+        stream = self.streams
+        async for r in request_iterator:
+            self.seen.append((stream, r.seq, r.ack_later))
+            if stream > 1:
+                self.second.set()
+            if r.ack_later:
+                if stream == 1:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "gone")
+                continue
+            if stream == 1:
+                self.acks.append(r.seq)
+            yield agent_pb2.ReportAck(seq=r.seq)
+
+
+def test_a_report_no_ack_covered_is_not_counted_and_the_agent_reconnects(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    fake = _BreakingDaemon()
+    caplog.set_level(logging.INFO, logger="hetpilot.agent")
+
+    async def scenario() -> tuple[int, int]:
+        server = grpc.aio.server()
+        agent_pb2_grpc.add_AgentServiceServicer_to_server(fake, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        agent = Agent(AgentConfig(host="h1", daemon=f"127.0.0.1:{port}", token=CLUSTER_TOKEN,
+                                  probe_listen="127.0.0.1:0", launch=False,
+                                  state_dir=str(tmp_path / "agent"), max_backoff_s=0.5,
+                                  emulate=(EmulatedDevice(tflops=10.0, memory_gb=16.0),)))
+        stop = asyncio.Event()
+        running = asyncio.create_task(agent.run(stop))
+        try:
+            await asyncio.wait_for(fake.second.wait(), 60)
+            return agent.reports_acked, agent.connections
+        finally:
+            stop.set()
+            await asyncio.wait_for(running, 30)
+            await server.stop(None)
+
+    acked, connections = asyncio.run(scenario())
+    first = [(seq, later) for stream, seq, later in fake.seen if stream == 1]
+    second = [(seq, later) for stream, seq, later in fake.seen if stream == 2]
+    assert first[0] == (1, False) and first[-1][1] is True  # it broke at an ack_later one
+    # the agent counts what an ack covered, not the report the stream broke at
+    assert acked == len(fake.acks) == len(first) - 1
+    # it registered again; the new stream's first report asks, and seqs go on
+    assert connections == 2 and second[0] == (first[-1][0] + 1, False)
+    warnings = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and "UNAVAILABLE" in warnings[0], warnings  # not at the stop
