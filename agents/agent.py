@@ -45,6 +45,30 @@ __all__ = ["Agent", "ProbeListenError", "exposure"]
 log = logging.getLogger("hetpilot.agent")
 
 _EOF: Any = grpc.aio.EOF  # type: ignore[attr-defined]  # grpc-stubs lacks grpc.aio.EOF
+
+ACK_EVERY = 5
+"""At least every ACK_EVERY-th report asks to be acked at once (the others say
+``ack_later``): a daemon that stopped answering is noticed within ACK_EVERY report
+intervals plus the call timeout, and an ack message per report is what costs the
+daemon most (bench/RESULTS-controlplane-profile.md)."""
+
+_Sent = tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]], list[tuple[str, int]]]
+"""A report's (launch id, running) states, output chunks and (launch id, port) refusals."""
+
+
+def may_ack_later(sent: _Sent, since_ack: int, covered: int) -> bool:
+    """Whether a report carrying ``sent`` may say ``ack_later``: not the first of its
+    stream (``covered``: the latest seq an ack covered, 0 for none), not every
+    ACK_EVERY-th (``since_ack``: reports since the last that asked, this one counted),
+    and only when it ships no output, no exit and no refusal (those wait for their ack
+    before the next report, which would otherwise send them again)."""
+    statuses, chunks, refusals = sent
+    return (covered > 0 and since_ack < ACK_EVERY and not chunks and not refusals
+            and all(running for _, running in statuses))
+
+
+class StreamEnded(ConnectionError):
+    """The daemon ended the report stream without an error status."""
 _KIND = {"cpu": common_pb2.DEVICE_KIND_CPU, "cuda": common_pb2.DEVICE_KIND_CUDA,
          "emulated": common_pb2.DEVICE_KIND_EMULATED}
 
@@ -104,10 +128,10 @@ class Agent:
                 output_bytes=config.launching.output_bytes,
                 limits=config.launching.limits(),
                 require_limits=config.launching.require_limits)
-        self._sent: tuple[list[tuple[str, bool]], list[tuple[str, int, bytes]],
-                          list[tuple[str, int]]] = ([], [], [])
-        """Launch states, output chunks and busy-port refusals of the report awaiting
-        its ack."""
+        self._sent: _Sent = ([], [], [])
+        """Launch states, output chunks and busy-port refusals of the latest report."""
+        self._unacked: dict[int, _Sent] = {}
+        """What each report not yet covered by an ack delivers, by seq."""
 
     # -- requests ------------------------------------------------------------
 
@@ -227,9 +251,12 @@ class Agent:
             except Exception as exc:  # never crash on the daemon: log, back off, reconnect
                 code = (exc.code().name if isinstance(exc, grpc.aio.AioRpcError)
                         else type(exc).__name__)
-                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() in (
-                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED):
-                    code += f" ({exc.details()})"  # refused as is: say why
+                if isinstance(exc, grpc.aio.AioRpcError) and (exc.code() in (
+                        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.PERMISSION_DENIED)
+                        or "stopping" in (exc.details() or "")):
+                    code += f" ({exc.details()})"  # refused, or the daemon stops: say why
+                elif isinstance(exc, StreamEnded):
+                    code = str(exc)
                 log.warning("daemon %s: %s; retrying in %.1fs", self.config.daemon, code, backoff)
             finally:
                 await channel.close(grace=None)
@@ -240,36 +267,103 @@ class Agent:
             backoff = min(backoff * 2, self.config.max_backoff_s)
 
     async def _stream(self, stub: Any, interval: float, stop: asyncio.Event) -> None:
-        """One Report stream: write a report, wait for its ack, sleep; until it breaks.
+        """One Report stream: write a report a second, until it breaks. A task reads the
+        acks (peers, launch orders, what they cover). A report that ships output, an
+        exit or a refusal, and every ACK_EVERY-th, waits for its ack before the next;
+        the others say ``ack_later``, so an idle host costs the daemon one ack message
+        per ACK_EVERY reports. What an uncovered report delivered is sent again by the
+        next report (the launcher keeps it until :meth:`Launcher.acked`).
 
         ``stub`` is an aio AgentServiceStub (grpc-stubs types only the sync one)."""
         call: Any = stub.Report(metadata=self._md)
+        self._unacked.clear()
+        covered: list[int] = [0]  # the seq of the latest report an ack covered
+        wakes: list[tuple[int, asyncio.Future[None]]] = []
+        reader = asyncio.create_task(self._read_acks(call, covered, wakes))
+        stopping = asyncio.create_task(stop.wait())
         try:
+            since_ack = 0  # reports written since the last one that asked for its ack
             while not stop.is_set():
-                await asyncio.wait_for(call.write(self.report()), self.config.call_timeout_s)
-                ack = await asyncio.wait_for(call.read(), self.config.call_timeout_s)
-                if ack is _EOF:
-                    await call  # raises the stream's status
-                    return
-                self.reports_acked += 1
-                if ack.peers:
-                    self._set_peers(ack.peers)
-                self._orders(ack)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval)
+                report = self.report()
+                sent = self._sent
+                since_ack += 1
+                report.ack_later = may_ack_later(sent, since_ack, covered[0])
+                self._unacked[report.seq] = sent
+                acked: asyncio.Future[None] | None = None
+                if not report.ack_later:  # waited for (the ack may come before write returns)
+                    # the stream's first report starts the count at a random phase, so
+                    # agents that connect together (a daemon restart) ask at other times
+                    since_ack = random.randrange(ACK_EVERY) if covered[0] == 0 else 0
+                    acked = asyncio.get_running_loop().create_future()
+                    wakes.append((report.seq, acked))
+                try:
+                    await asyncio.wait_for(call.write(report), self.config.call_timeout_s)
+                except asyncio.InvalidStateError:  # the call ended: its status says why
+                    await asyncio.wait({reader}, timeout=self.config.call_timeout_s)
+                    if reader.done():
+                        reader.result()
+                    raise
+                if acked is not None:
+                    await self._until(acked, reader)
+                await asyncio.wait({reader, stopping}, timeout=interval,
+                                   return_when=asyncio.FIRST_COMPLETED)
+                if reader.done():
+                    reader.result()  # the stream's status, raised
             await call.done_writing()
+            with contextlib.suppress(StreamEnded):  # the last ack covers every report
+                await asyncio.wait_for(reader, self.config.call_timeout_s)
         finally:
+            stopping.cancel()
+            reader.cancel()
             call.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await reader  # its error, if any, was raised above
+
+    async def _until(self, acked: asyncio.Future[None], reader: asyncio.Task[None]) -> None:
+        """Wait for ``acked`` (call timeout); raise the stream's error if it breaks first."""
+        done, _ = await asyncio.wait({acked, reader}, timeout=self.config.call_timeout_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if reader.done():
+            reader.result()
+            if not acked.done():
+                raise StreamEnded("the daemon ended the report stream before acking")
+        if not done:
+            acked.cancel()
+            raise TimeoutError(f"no ack within {self.config.call_timeout_s:g} s")
+
+    async def _read_acks(self, call: Any, covered: list[int],
+                         wakes: list[tuple[int, asyncio.Future[None]]]) -> None:
+        """Take each ack of the stream until it ends: raises its status (an error) or
+        StreamEnded (closed by the daemon)."""
+        while True:
+            ack = await call.read()
+            if ack is _EOF:  # (a stream that ends with an error raises it from read)
+                raise StreamEnded("the daemon closed the report stream")
+            if ack.seq > covered[0]:
+                covered[0] = ack.seq
+                for seq in sorted(s for s in self._unacked if s <= ack.seq):
+                    self.reports_acked += 1
+                    self._delivered(self._unacked.pop(seq))
+            if ack.peers:
+                self._set_peers(ack.peers)
+            self._orders(ack)
+            while wakes and wakes[0][0] <= covered[0]:
+                _, acked = wakes.pop(0)
+                if not acked.done():
+                    acked.set_result(None)
+
+    def _delivered(self, sent: _Sent) -> None:
+        """An ack covered a report that carried ``sent``: its output is shipped."""
+        if self.launcher is not None:
+            self.launcher.acked(*sent)
 
     def _orders(self, ack: agent_pb2.ReportAck) -> None:
-        """The report was taken: its output is shipped; then start and stop as ordered."""
+        """Start and stop as ordered."""
         launcher = self.launcher
         if launcher is None:
             if ack.start:
                 log.warning("launch orders ignored: this agent runs with --no-launch")
             return
-        launcher.acked(*self._sent)
-        self._sent = ([], [], [])
         kinds = {d.index: d.kind for d in self.devices}
         for order in ack.start:
             launcher.start(order, kinds)

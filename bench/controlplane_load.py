@@ -1,7 +1,10 @@
 """Load benchmark of the control plane: N simulated agents, each reporting once
 a second over its own AgentService.Report stream, against a local daemon
-subprocess on 127.0.0.1. Per step: p50/p99 report latency (write to ack),
-lost reports (sent minus acked), and the daemon's CPU use from /proc.
+subprocess on 127.0.0.1. The agents ask for the ack of every ``--ack-every``-th
+report (the agent's ACK_EVERY; the others say ``ack_later``). Per step: p50/p99
+latency of the reports that ask (write to ack), cover_p50/p99 of all (write to
+the ack that covers it), lost reports (sent minus covered), and the daemon's CPU
+use from /proc.
 
   .venv/bin/python bench/controlplane_load.py --agents 250,500,1000,2000 --seconds 20
 
@@ -34,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from hetpilot.agents.agent import ACK_EVERY
 from hetpilot.daemon.records import AgentReport, DeviceReport, LinkReport
 from hetpilot.v1 import agent_pb2, agent_pb2_grpc, common_pb2
 
@@ -66,10 +70,15 @@ def _report(host: str, seq: int, registration: str) -> agent_pb2.AgentReport:
 
 
 async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: float,
-                 start: float, out: dict[str, Any]) -> None:
-    """Register, then report once a second on one stream until ``start + seconds``.
-    Each latency is kept with its send time (seconds after ``start``), which separates
-    the first seconds after the registration storm from the steady state."""
+                 start: float, out: dict[str, Any], ack_every: int = 1) -> None:
+    """Register, then report once a second on one stream until ``start + seconds``, as
+    hetpilot's agent does: the first report and every ``ack_every``-th ask for their
+    ack and wait for it, the others say ``ack_later`` (1: every report asks; a daemon
+    that does not know ack_later acks each anyway). A task reads the acks. ``lat``:
+    the round trip of each report that asked for its ack (its write to its ack), kept
+    with its send time (seconds after ``start``), which separates the first seconds
+    after the registration storm from the steady state; ``cover``: each report's
+    write to the ack that covers it; ``acked``: reports covered."""
     md = metadata(TOKEN)
     try:
         registration = (await stub.Register(_register(host), metadata=md,
@@ -79,38 +88,63 @@ async def _agent(stub: agent_pb2_grpc.AgentServiceStub, host: str, seconds: floa
         return
     out["registered_at"].append(time.monotonic() - start)
     call = stub.Report(metadata=md)
+    sent: dict[int, tuple[float, float]] = {}  # seq -> (send time after start, perf_counter)
+    waiting: dict[int, asyncio.Future[None]] = {}
+    covered = 0
+
+    async def read() -> None:
+        nonlocal covered
+        while (ack := await call.read()) is not grpc.aio.EOF:
+            now = time.perf_counter()
+            if ack.seq in waiting:  # a report that asked for its ack
+                out["lat"].append((round(sent[ack.seq][0], 3), now - sent[ack.seq][1]))
+            for seq in range(covered + 1, ack.seq + 1):
+                out["cover"].append(now - sent.pop(seq)[1])
+                out["acked"] += 1
+            covered = max(covered, ack.seq)
+            for seq in [s for s in waiting if s <= covered]:
+                waiting.pop(seq).set_result(None)
+
     await asyncio.sleep(max(0.0, start - time.monotonic()) + random.random())
+    reader = asyncio.create_task(read())
+    phase = random.randrange(ack_every)  # as the agent: asks not in step with other agents
     end = start + seconds
     seq = 0
     try:
         while time.monotonic() < end:
             seq += 1
             t0 = time.perf_counter()
-            sent_at = time.monotonic() - start
+            sent[seq] = (time.monotonic() - start, t0)
             out["sent"] += 1
-            await call.write(_report(host, seq, registration))
-            ack = await asyncio.wait_for(call.read(), 10)
-            if ack is grpc.aio.EOF or ack.seq != seq:
+            report = _report(host, seq, registration)
+            report.ack_later = seq > 1 and (seq - 1 + phase) % ack_every != 0
+            asked = None if report.ack_later else asyncio.get_running_loop().create_future()
+            if asked is not None:
+                waiting[seq] = asked  # (its ack may come before the write returns)
+            await call.write(report)
+            if asked is not None:
+                await asyncio.wait_for(asked, 10)
+            if reader.done():
                 break
-            out["lat"].append((round(sent_at, 3), time.perf_counter() - t0))
-            out["acked"] += 1
             await asyncio.sleep(max(0.0, 1.0 - (time.perf_counter() - t0)))
         await call.done_writing()
+        await asyncio.wait_for(reader, 10)  # the last ack covers every report
     except (grpc.aio.AioRpcError, TimeoutError):
         pass
     finally:
+        reader.cancel()
         call.cancel()
 
 
-async def _worker(address: str, first: int, count: int, seconds: float, start: float
-                  ) -> dict[str, Any]:
-    out: dict[str, Any] = {"lat": [], "sent": 0, "acked": 0, "register_failed": [],
-                           "registered_at": []}
+async def _worker(address: str, first: int, count: int, seconds: float, start: float,
+                  ack_every: int = 1) -> dict[str, Any]:
+    out: dict[str, Any] = {"lat": [], "cover": [], "sent": 0, "acked": 0,
+                           "register_failed": [], "registered_at": []}
     # a few channels (HTTP/2 connections) per worker, many streams each
     channels = [grpc.aio.insecure_channel(address, options=[
         ("grpc.max_concurrent_streams", 10000)]) for _ in range(4)]
     stubs = [agent_pb2_grpc.AgentServiceStub(c) for c in channels]
-    await asyncio.gather(*(_agent(stubs[i % 4], f"h{first + i}", seconds, start, out)
+    await asyncio.gather(*(_agent(stubs[i % 4], f"h{first + i}", seconds, start, out, ack_every)
                            for i in range(count)))
     for c in channels:
         await c.close()
@@ -138,14 +172,14 @@ def _pin(pid: int, cpus: set[int]) -> None:
 
 
 def _step(address: str, pid: int, n: int, seconds: float, workers: int,
-          load_cpus: set[int] | None = None) -> dict:
+          load_cpus: set[int] | None = None, ack_every: int = 1) -> dict:
     start = time.monotonic() + 3.0 + n / 1000  # time for every stream to open
     per = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
     procs, first = [], 0
     for count in per:
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", address, str(first), str(count),
-             str(seconds), str(time.time() + (start - time.monotonic()))],
+             str(seconds), str(time.time() + (start - time.monotonic())), str(ack_every)],
             stdout=subprocess.PIPE, text=True,
             preexec_fn=None if not load_cpus else lambda: os.sched_setaffinity(0, load_cpus)))
         first += count
@@ -154,16 +188,20 @@ def _step(address: str, pid: int, n: int, seconds: float, workers: int,
     results = [json.loads(p.communicate(timeout=seconds + 60)[0]) for p in procs]
     cpu = (_cpu_seconds(pid) - cpu0) / (time.monotonic() - t0)
     lat = sorted(x[1] for r in results for x in r["lat"])
+    cover = sorted(x for r in results for x in r["cover"])
     sent = sum(r["sent"] for r in results)
     acked = sum(r["acked"] for r in results)
 
-    def pct(q: float) -> float:
-        return lat[min(len(lat) - 1, int(q * len(lat)))] * 1000 if lat else float("nan")
+    def pct(q: float, xs: list[float] = lat) -> float:
+        return xs[min(len(xs) - 1, int(q * len(xs)))] * 1000 if xs else float("nan")
 
     failed = sum(len(r["register_failed"]) for r in results)
-    return {"agents": n, "register_failed": failed, "sent": sent, "acked": acked, "lost": sent - acked,
+    return {"agents": n, "ack_every": ack_every, "register_failed": failed, "sent": sent,
+            "acked": acked, "lost": sent - acked,
             "p50_ms": round(pct(0.5), 2), "p99_ms": round(pct(0.99), 2),
             "max_ms": round(lat[-1] * 1000, 2) if lat else None,
+            "acks": len(lat), "cover_p50_ms": round(pct(0.5, cover), 1),
+            "cover_p99_ms": round(pct(0.99, cover), 1),
             "reports_per_s": round(acked / seconds, 1), "daemon_cpu_cores": round(cpu, 3),
             "daemon_cpu_us_per_report": round(cpu * 1e6 / max(acked / seconds, 1e-9), 1)}
 
@@ -239,8 +277,10 @@ def _store_bench(reports: int, batch: int) -> dict[str, Any]:
 def main() -> int:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         address, first, count, seconds, start_wall = sys.argv[2:7]
+        ack_every = int(sys.argv[7]) if len(sys.argv) > 7 else 1
         start = time.monotonic() + (float(start_wall) - time.time())
-        out = asyncio.run(_worker(address, int(first), int(count), float(seconds), start))
+        out = asyncio.run(_worker(address, int(first), int(count), float(seconds), start,
+                                  ack_every))
         print(json.dumps(out))
         return 0
     ap = argparse.ArgumentParser(description=__doc__)
@@ -250,6 +290,9 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=400.0, help="stop starting steps after this")
     ap.add_argument("--daemon-cpus", default="", help="pin the daemon to these cores (0,1)")
     ap.add_argument("--load-cpus", default="", help="pin the load generator to these cores")
+    ap.add_argument("--ack-every", type=int, default=ACK_EVERY,
+                    help="each agent asks for the ack of every Nth report (the others say "
+                         "ack_later), as hetpilot's agent does; 1: every report")
     ap.add_argument("--store", action="store_true", help="the store alone (see above)")
     ap.add_argument("--reports", type=int, default=20000)
     ap.add_argument("--batch", type=int, default=64)
@@ -273,7 +316,7 @@ def main() -> int:
                 print(f"# budget spent; skipping {n}", flush=True)
                 break
             print(json.dumps(_step(address, daemon.pid, n, args.seconds, args.workers,
-                                   _cpus(args.load_cpus) or None)), flush=True)
+                                   _cpus(args.load_cpus) or None, args.ack_every)), flush=True)
     finally:
         if daemon.stop(30.0)[0] is None:
             print("# daemon did not stop within 30 s of SIGTERM (killed)", flush=True)

@@ -6,8 +6,12 @@ own AgentService.Report stream) against a daemon that runs under a profiler.
   .venv/bin/python bench/controlplane_profile.py --agents 500,1000,1500,2000 --pin
   .venv/bin/python bench/controlplane_profile.py --agents 2000 --pin --versus ../base/.venv/bin/python --rounds 4
 
-Per step it prints one JSON line: latency (write to ack at the client), lost
-reports, the daemon's CPU per report from /proc split by thread (the asyncio
+The agents report as hetpilot's agent does (``--ack-every``, default its
+ACK_EVERY): every Nth report asks for its ack, the others say ``ack_later``.
+Per step it prints one JSON line: latency of the reports that ask (write to their
+ack at the client; ``cover_*``: every report's write to the ack that covers it),
+lost reports (sent, not covered), the daemon's CPU per report (per report sent
+and covered) from /proc split by thread (the asyncio
 loop runs in the main thread; grpc's C-core threads are separate), the load
 clients' CPU per report, and, with a profiler:
 
@@ -170,7 +174,7 @@ def _profiler(kind: str, pid: int, seconds: float, out: Path) -> subprocess.Pope
 
 
 def step(address: str, pid: int, n: int, seconds: float, workers: int, pin: bool,
-         profile: str, work: Path) -> dict:
+         profile: str, work: Path, ack_every: int = 1) -> dict:
     start = time.monotonic() + 3.0 + n / 500  # every agent registers and opens its stream
     per = [n // workers + (1 if i < n % workers else 0) for i in range(workers)]
     procs, first = [], 0
@@ -178,7 +182,8 @@ def step(address: str, pid: int, n: int, seconds: float, workers: int, pin: bool
     for count in per:
         procs.append(subprocess.Popen(
             [sys.executable, __file__, "--worker", address,
-             str(first), str(count), str(seconds), str(time.time() + (start - time.monotonic()))],
+             str(first), str(count), str(seconds), str(time.time() + (start - time.monotonic())),
+             str(ack_every)],
             stdout=subprocess.PIPE, text=True, preexec_fn=preexec))
         first += count
     time.sleep(max(0.0, start - time.monotonic()))
@@ -200,6 +205,7 @@ def step(address: str, pid: int, n: int, seconds: float, workers: int, pin: bool
         prof.wait(timeout=seconds + 60)
     stamped = [tuple(x) for r in results for x in r["lat"]]
     lat = sorted(x for _, x in stamped)
+    cover = sorted(x for r in results for x in r["cover"])
     steady = sorted(x for t, x in stamped if t >= 2.0)
     by_second: dict[int, float] = defaultdict(float)
     for t, x in stamped:
@@ -219,8 +225,9 @@ def step(address: str, pid: int, n: int, seconds: float, workers: int, pin: bool
         "agents": n, "pinned": pin, "profile": profile,
         "register_failed": len([c for r in results for c in r["register_failed"]]),
         "last_register_s_before_start": round(-max(registered), 2) if registered else None,
-        "sent": sent, "acked": acked, "lost": sent - acked,
+        "ack_every": ack_every, "sent": sent, "acked": acked, "lost": sent - acked,
         "p50_ms": pct(0.5), "p99_ms": pct(0.99), "p999_ms": pct(0.999),
+        "acks": len(lat), "cover_p50_ms": pct(0.5, cover), "cover_p99_ms": pct(0.99, cover),
         "max_ms": round(lat[-1] * 1000, 2) if lat else None,
         "p99_ms_after_2s": pct(0.99, steady),
         "max_ms_by_second": [round(by_second[k] * 1000, 1) for k in sorted(by_second)],
@@ -267,6 +274,8 @@ def main() -> int:
         from controlplane_load import main as load_main
 
         return load_main()
+    from hetpilot.agents.agent import ACK_EVERY  # not at the top: --wrap runs under --versus
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--agents", default="1000")
     ap.add_argument("--seconds", type=float, default=15.0)
@@ -279,6 +288,9 @@ def main() -> int:
     ap.add_argument("--versus", help="another interpreter to run the daemon under, "
                                      "alternately with this one (a before and after)")
     ap.add_argument("--rounds", type=int, default=1, help="runs of each daemon per step")
+    ap.add_argument("--ack-every", type=int, default=ACK_EVERY,
+                    help="each agent asks for the ack of every Nth report (the others say "
+                         "ack_later), as hetpilot's agent does; 1: every report")
     args = ap.parse_args()
     work = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="hetpilot-profile-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -312,7 +324,8 @@ def run_step(tmp: Path, cprof: Path, python: str, n: int, args: argparse.Namespa
     """One step against a fresh daemon run under ``python``."""
     proc, address = start_daemon(tmp, cprof, args.preload, args.pin, python)
     try:
-        res = step(address, proc.pid, n, args.seconds, args.workers, args.pin, args.profile, work)
+        res = step(address, proc.pid, n, args.seconds, args.workers, args.pin, args.profile, work,
+                   args.ack_every)
         if args.profile == "cprofile":
             res["profile_file"] = str(cprof)
         return res
@@ -329,7 +342,8 @@ def medians(runs: list[dict]) -> dict:
     """The median of each figure that says how a daemon did, over its runs."""
     import statistics
 
-    keys = ("daemon_cpu_us_per_report", "p50_ms", "p99_ms", "max_ms", "lost", "reports_per_s")
+    keys = ("daemon_cpu_us_per_report", "p50_ms", "p99_ms", "max_ms", "cover_p99_ms", "lost",
+            "reports_per_s")
     out: dict = {}
     for k in keys:
         values = [r[k] for r in runs if r.get(k) is not None]

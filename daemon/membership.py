@@ -326,6 +326,22 @@ class Membership:
         self._registered(report.agent_id, registration)  # still (a re-register meanwhile)
         return self._take(report)
 
+    def report_taken(self, report: AgentReport, registration: str) -> Peers:
+        """Take a report into the tables without storing it: for a report whose ack can
+        wait (AgentReport.ack_later). The store keeps one report per host, so a later
+        commit of this host's latest report (:meth:`report_committed`,
+        :meth:`commit_latest`) leaves the store as committing each would have; the
+        stream does that before an ack covers this report."""
+        self._check_report(report, registration)
+        return self._take(report)
+
+    async def commit_latest(self, host: str) -> None:
+        """Commit ``host``'s latest report taken (reports taken by :meth:`report_taken`
+        are not stored on their own)."""
+        report = self._reports.get(host)
+        if report is not None:
+            await self.commits.put(report)
+
     def _check_report(self, report: AgentReport, registration: str) -> None:
         agent = self._registered(report.agent_id, registration)
         known = {d.index for d in agent.devices}

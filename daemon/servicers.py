@@ -245,34 +245,64 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
     @_stream
     async def Report(self, request_iterator: AsyncIterator[agent_pb2.AgentReport],
                      context: grpc.aio.ServicerContext) -> AsyncIterator[agent_pb2.ReportAck]:
+        """Each report is acked at once, committed first; or, when it says ``ack_later``
+        and there is nothing to send, taken into the tables only, and covered by a later
+        ack (the seq is cumulative) after the host's latest report is committed: the
+        store keeps one report per host, so that is the state committing each would
+        leave, for one commit and one ack message per several reports
+        (bench/RESULTS-controlplane-profile.md)."""
         epoch = -1
+        unacked = 0  # the seq of the latest report taken and not acked yet (0: none)
+        host = ""  # the host it reports
         opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
+        members, launches = self.plane.members, self.plane.launches
         try:
             async for request in request_iterator:
+                if self.plane.stopping:  # end the stream now, not after the stop's grace
+                    if unacked:
+                        await members.commit_latest(host)
+                        yield agent_pb2.ReportAck(seq=unacked)
+                    await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                        "the daemon is stopping: register again (this "
+                                        f"report, seq {request.seq}, was not taken)")
                 report = convert.report_from_proto(request)
                 registration = convert.label(request.registration, "registration")
                 statuses = convert.launches_from_proto(request)
                 chunks = convert.log_chunks_from_proto(request)
                 self._as(report.agent_id, context)
-                peers = await self.plane.members.report_committed(report, registration)
+                if (request.ack_later and epoch == members.epoch and not statuses
+                        and not chunks and not launches.active()):
+                    # nothing to answer: the commit before the next ack stores it (or a
+                    # later report of the host, which supersedes it)
+                    members.report_taken(report, registration)
+                    unacked, host = request.seq, report.agent_id
+                    continue
+                peers = await members.report_committed(report, registration)
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
-                    self.plane.members.stream_opened(report.agent_id, registration)
+                    members.stream_opened(report.agent_id, registration)
                 ack = agent_pb2.ReportAck(seq=request.seq)
-                if statuses or chunks or self.plane.launches.active():
-                    starts, stops = await self.plane.launches.agent_report(
+                if statuses or chunks or launches.active():
+                    starts, stops = await launches.agent_report(
                         report.agent_id, statuses, chunks)
                     ack.start.extend(convert.order_to_proto(
                         o, self.job_token(o.launch.job_id), self.unix_user(o.owner))
                         for o in starts)
                     ack.stop.extend(stops)
-                if epoch != self.plane.members.epoch:
-                    epoch = self.plane.members.epoch
+                if epoch != members.epoch:
+                    epoch = members.epoch
                     ack.peers.extend(convert.peers_to_proto(peers))
+                elif request.ack_later and not ack.start and not ack.stop:
+                    unacked, host = request.seq, report.agent_id  # committed; acked later
+                    continue
+                unacked = 0
                 yield ack
+            if unacked:  # the agent closed the stream: cover what it sent
+                await members.commit_latest(host)
+                yield agent_pb2.ReportAck(seq=unacked)
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:
-                self.plane.members.stream_closed(host, registration)
+                members.stream_closed(host, registration)
 
     @_unary
     async def Heartbeat(self, request: agent_pb2.HeartbeatRequest,

@@ -103,12 +103,12 @@ def test_sigterm_drains_then_finishes_in_flight_calls(tmp_path: Path) -> None:
 
 
 def test_an_in_flight_call_finishes_within_the_grace(tmp_path: Path) -> None:
-    """Event-driven: an agent's Report stream, open when SIGTERM comes, is still served
-    after the drain, once the server has begun stopping (new calls refused), and ends OK
-    when the agent closes it; the daemon then exits at once rather than at the end of
-    the grace. The end of the drain is seen as the plan watcher's stream ending
-    UNAVAILABLE: the daemon ends those streams, then stops the server with no await
-    between."""
+    """Event-driven: an agent's Report stream, open when SIGTERM comes, is served during
+    the drain; once the server has begun stopping (new calls refused) its next report
+    ends it UNAVAILABLE (the agent registers with the next daemon), so the daemon exits
+    at once rather than at the end of the grace. The end of the drain is seen as the
+    plan watcher's stream ending UNAVAILABLE: the daemon ends those streams, then stops
+    the server with no await between."""
     import queue
 
     from hetpilot.v1 import agent_pb2_grpc
@@ -145,11 +145,13 @@ def test_an_in_flight_call_finishes_within_the_grace(tmp_path: Path) -> None:
         with pytest.raises(grpc.RpcError) as refused:
             jobs.GetJob(job_pb2.GetJobRequest(job_id=job), metadata=OWNER_MD, timeout=10)
         assert refused.value.code() == grpc.StatusCode.UNAVAILABLE
-        # ... and the call in flight is answered, then ends OK when the agent closes it
+        # ... and the report stream in flight ends at its next report, not after the grace
         sent.put(report("h0", 2, registration=reg))
-        assert next(stream).seq == 2
+        with pytest.raises(grpc.RpcError) as stopped:
+            next(stream)
+        assert stopped.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "the daemon is stopping" in (stopped.value.details() or "")
         sent.put(None)
-        assert list(stream) == [] and stream.code() == grpc.StatusCode.OK
         assert proc.wait(timeout=grace_s / 2) == 0
     finally:
         proc.kill()

@@ -314,12 +314,22 @@ class AgentReport(_message.Message):
     LAUNCHES_FIELD_NUMBER: _builtins.int
     LOGS_FIELD_NUMBER: _builtins.int
     REGISTRATION_FIELD_NUMBER: _builtins.int
+    ACK_LATER_FIELD_NUMBER: _builtins.int
     agent_id: _builtins.str
     seq: _builtins.int
     """Increasing per agent process; acks echo it."""
     unix_ms: _builtins.int
     registration: _builtins.str
     """RegisterResponse.registration of the host's latest Register."""
+    ack_later: _builtins.bool
+    """The daemon may leave this report's ack out: a later ack on the stream covers it
+    (ReportAck.seq is cumulative), and a stream that the agent closes is answered
+    with a last ack covering every report. The daemon acks it anyway when it has
+    launch orders or new peers to send. An agent sets it only on reports whose ack
+    it does not wait for (no output, no exit, no refusal to ship), and keeps what a
+    report must deliver until an ack covers it (false: ack this report now; older
+    agents never set it).
+    """
     @_builtins.property
     def devices(self) -> _containers.RepeatedCompositeFieldContainer[Global___DeviceReport]: ...
     @_builtins.property
@@ -345,10 +355,11 @@ class AgentReport(_message.Message):
         launches: _abc.Iterable[Global___LaunchStatus] | None = ...,
         logs: _abc.Iterable[Global___LogChunk] | None = ...,
         registration: _builtins.str = ...,
+        ack_later: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["agent_id", b"agent_id", "devices", b"devices", "launches", b"launches", "links", b"links", "logs", b"logs", "registration", b"registration", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["ack_later", b"ack_later", "agent_id", b"agent_id", "devices", b"devices", "launches", b"launches", "links", b"links", "logs", b"logs", "registration", b"registration", "seq", b"seq", "unix_ms", b"unix_ms"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -558,6 +569,9 @@ class ReportAck(_message.Message):
     START_FIELD_NUMBER: _builtins.int
     STOP_FIELD_NUMBER: _builtins.int
     seq: _builtins.int
+    """The seq of the latest report this ack covers: it and every earlier report on the
+    stream are committed to the daemon's store.
+    """
     @_builtins.property
     def peers(self) -> _containers.RepeatedCompositeFieldContainer[Global___Peer]: ...
     @_builtins.property

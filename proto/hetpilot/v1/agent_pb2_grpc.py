@@ -69,8 +69,11 @@ class AgentServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Report(self, request_iterator, context):
-        """Reports up, one ack down per report (in order). Every report is also a
-        heartbeat. Acks carry the peers this agent should probe.
+        """Reports up, acks down (in order). Every report is also a heartbeat. An ack
+        covers its report and every earlier one on the stream (ReportAck.seq), each
+        committed to the daemon's store before the ack is sent. A report is acked at
+        once unless it says ack_later; acks carry the peers this agent should probe and
+        its launch orders. A stream the daemon ends (it stops) ends UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -60,8 +60,11 @@ class AgentServiceStub:
     refused with FAILED_PRECONDITION (a second agent under the same name).
     """
     Report: _grpc.StreamStreamMultiCallable[_agent_pb2.AgentReport, _agent_pb2.ReportAck]
-    """Reports up, one ack down per report (in order). Every report is also a
-    heartbeat. Acks carry the peers this agent should probe.
+    """Reports up, acks down (in order). Every report is also a heartbeat. An ack
+    covers its report and every earlier one on the stream (ReportAck.seq), each
+    committed to the daemon's store before the ack is sent. A report is acked at
+    once unless it says ack_later; acks carry the peers this agent should probe and
+    its launch orders. A stream the daemon ends (it stops) ends UNAVAILABLE.
     """
     Heartbeat: _grpc.UnaryUnaryMultiCallable[_agent_pb2.HeartbeatRequest, _agent_pb2.HeartbeatResponse]
     """Liveness without measurements. Idempotent."""
@@ -80,8 +83,11 @@ class AgentServiceAsyncStub(AgentServiceStub):
     refused with FAILED_PRECONDITION (a second agent under the same name).
     """
     Report: _aio.StreamStreamMultiCallable[_agent_pb2.AgentReport, _agent_pb2.ReportAck]  # type: ignore[assignment]
-    """Reports up, one ack down per report (in order). Every report is also a
-    heartbeat. Acks carry the peers this agent should probe.
+    """Reports up, acks down (in order). Every report is also a heartbeat. An ack
+    covers its report and every earlier one on the stream (ReportAck.seq), each
+    committed to the daemon's store before the ack is sent. A report is acked at
+    once unless it says ack_later; acks carry the peers this agent should probe and
+    its launch orders. A stream the daemon ends (it stops) ends UNAVAILABLE.
     """
     Heartbeat: _aio.UnaryUnaryMultiCallable[_agent_pb2.HeartbeatRequest, _agent_pb2.HeartbeatResponse]  # type: ignore[assignment]
     """Liveness without measurements. Idempotent."""
@@ -109,8 +115,11 @@ class AgentServiceServicer(metaclass=_abc_1.ABCMeta):
         request_iterator: _MaybeAsyncIterator[_agent_pb2.AgentReport],
         context: _ServicerContext,
     ) -> _typing.Union[_abc.Iterator[_agent_pb2.ReportAck], _abc.AsyncIterator[_agent_pb2.ReportAck]]:
-        """Reports up, one ack down per report (in order). Every report is also a
-        heartbeat. Acks carry the peers this agent should probe.
+        """Reports up, acks down (in order). Every report is also a heartbeat. An ack
+        covers its report and every earlier one on the stream (ReportAck.seq), each
+        committed to the daemon's store before the ack is sent. A report is acked at
+        once unless it says ack_later; acks carry the peers this agent should probe and
+        its launch orders. A stream the daemon ends (it stops) ends UNAVAILABLE.
         """
 
     @_abc_1.abstractmethod
