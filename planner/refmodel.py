@@ -24,6 +24,7 @@ from functools import lru_cache
 
 from .errors import DeadlockError, InvalidPlanError
 from .schedules import Op, custom_order, inflight, order
+from .sync_readings import sync_readings
 from .tpmodel import boundary_s, ring, stage_memory_mb, stage_op_s
 from .types import SCHEDULES, Cluster, Device, Group, Model, Plan, Stage
 
@@ -39,6 +40,7 @@ __all__ = [
     "pipeline_makespan",
     "stage_memory_mb",
     "sync_time",
+    "sync_time_literal",
     "validate_plan",
 ]
 
@@ -337,9 +339,53 @@ def _owners(model: Model, group: Group) -> list[tuple[tuple[str, ...], int]]:
     return out
 
 
+_LAST_SYNC: tuple[Cluster, Model, Sequence[Group], tuple[float, float]] | None = None
+"""The last valid plan :func:`evaluate` judged, with both readings of its sync: the
+TP search asks for the shared-uplinks reading of that plan next."""
+
+
 def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group], *,
               shared_uplinks: bool = False) -> float:
     """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6).
+
+    Of a valid plan's groups (distinct devices, each group's stages covering the
+    layers in order) both readings come from :func:`~.sync_readings.sync_readings`,
+    the same floats as :func:`sync_time_literal` with fewer steps; other groups get
+    the literal reading.
+    """
+    last = _LAST_SYNC
+    if last is not None and last[0] is cluster and last[1] is model and last[2] is groups:
+        readings = last[3]
+    elif _tiles(model, groups):
+        readings = sync_readings(cluster, model, groups)
+    else:
+        return sync_time_literal(cluster, model, groups, shared_uplinks=shared_uplinks)
+    return readings[1] if shared_uplinks else readings[0]
+
+
+def _tiles(model: Model, groups: Sequence[Group]) -> bool:
+    """Whether every device is used once and each group's stages cover the layers in
+    order: what :func:`~.sync_readings.sync_readings` assumes of a plan."""
+    used: set[str] = set()
+    count = 0
+    for g in groups:
+        expect = 0
+        for s in g.stages:
+            a, b = s.layers
+            if a != expect or b <= a:
+                return False
+            expect = b
+            used.update(s.devices)
+            count += len(s.devices)
+        if expect != model.num_layers:
+            return False
+    return len(used) == count
+
+
+def sync_time_literal(cluster: Cluster, model: Model, groups: Sequence[Group], *,
+                      shared_uplinks: bool = False) -> float:
+    """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6), read
+    literally: what :func:`sync_time` answers, for any groups.
 
     A layer's owner in a group is its stage's devices and its split degree
     there. With split degrees s_g the layer is all-reduced as s = min s_g
@@ -536,7 +582,10 @@ def evaluate(
                 raise DeadlockError(f"plan.groups[{gi}].{exc.field}", exc.problem) from None
     except InvalidPlanError as exc:
         return Evaluation(valid=False, error=str(exc))
-    sync = sync_time(cluster, model, plan.groups)
+    global _LAST_SYNC
+    readings = sync_readings(cluster, model, plan.groups)  # valid: the plan tiles
+    _LAST_SYNC = (cluster, model, plan.groups, readings)
+    sync = readings[0]
     iteration = max(makespans) + sync
     ideal = ideal_time(cluster, model, plan.global_batch if global_batch is None else global_batch)
     used = [cluster.by_id[d] for d in plan.devices]

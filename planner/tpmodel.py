@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import memos
 from .types import Cluster, Model, Stage
 
 __all__ = [
@@ -41,16 +42,41 @@ def ring_allreduce_s(mb: float, n: int, gbps: float, lat: float) -> float:
     return 2.0 * (n - 1) / n * mb * 8.0 / (1000.0 * gbps) + 2.0 * (n - 1) * lat
 
 
+_SUMS: dict[int, tuple[Model, dict[tuple[int, int], tuple[float, float]]]] = {}
+"""Per model (by id, the model held so the id stays its own): the forward and backward
+GFLOP of each layer range asked for, summed as :func:`stage_op_s` sums them."""
+
+
+def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
+    """(forward, backward) GFLOP of layers [a, b), each summed in layer order from 0."""
+    held = _SUMS.get(id(model))
+    if held is None or held[0] is not model:
+        if len(_SUMS) >= 64:
+            _SUMS.clear()
+        held = _SUMS[id(model)] = (model, {})
+    sums = held[1]
+    found = sums.get((a, b))
+    if found is None:
+        layers = model.layers[a:b]
+        found = sums[(a, b)] = (sum(layer.fwd_gflop for layer in layers),
+                                sum(layer.bwd_gflop for layer in layers))
+    return found
+
+
+memos.register(_SUMS.clear)
+
+
 def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
     """(F_j, B_j) of one microbatch on the stage (spec 5.1, 5.6), recompute included."""
     a, b = stage.layers
-    layers = model.layers[a:b]
     t = stage.tp
     if t == 1:
         rate = 1000.0 * cluster.by_id[stage.device].tflops
-        f = micro * sum(layer.fwd_gflop for layer in layers) / rate
-        bk = micro * sum(layer.bwd_gflop for layer in layers) / rate
+        fwd_gflop, bwd_gflop = _gflop(model, a, b)
+        f = micro * fwd_gflop / rate
+        bk = micro * bwd_gflop / rate
         return f, (bk + f if stage.recompute else bk)
+    layers = model.layers[a:b]
     rate = 1000.0 * min(cluster.by_id[d].tflops for d in stage.devices)
     gbps, lat = ring(cluster, stage.devices)
     fwd = bwd = comm = 0.0
