@@ -100,8 +100,9 @@ class Planner:
         self._key = (model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
-        self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
-        self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...]]] = {}
+        self._signatures: dict[tuple[str, ...], tuple[tuple[object, ...], int]] = {}
+        self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...], int]] = {}
+        self._sig_ids: dict[tuple[object, ...], int] = {}
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
         return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
@@ -111,12 +112,23 @@ class Planner:
         held = self._by_object.get(id(devs))
         if held is not None and held[0] is devs:  # the same group object: the common case
             return held[1]
+        return self._new_signature(devs)[0]
+
+    def _signature_id(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
+        """The group's signature and a small int naming it (equal signatures, equal ints):
+        what groups are told apart by without hashing their signatures again."""
+        held = self._by_object.get(id(devs))
+        if held is not None and held[0] is devs:
+            return held[1], held[2]
+        return self._new_signature(devs)
+
+    def _new_signature(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
         ids = tuple(d.id for d in devs)
         found = self._signatures.get(ids)
         if found is None:
-            found = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
-            self._signatures[ids] = found
-        self._by_object[id(devs)] = (devs, found)  # holding devs keeps its id unique
+            sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+            found = self._signatures[ids] = (sig, self._sig_ids.setdefault(sig, len(self._sig_ids)))
+        self._by_object[id(devs)] = (devs, *found)  # holding devs keeps its id unique
         return found
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
@@ -162,9 +174,14 @@ class Planner:
         speed = [sum(d.tflops for d in g) for g in groups]
         whole = sum(speed)
         cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
+        made: dict[tuple[int, int], GroupCut | None] = {}  # equal signatures, equal cuts
         for g, sp in zip(groups, speed, strict=True):
             guess = max(1, min(total, round(total * sp / whole)))
-            c = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
+            key = (self._signature_id(g)[1], guess)
+            if key in made:
+                c = made[key]
+            else:
+                c = made[key] = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
             if c is not None:
                 cuts.append((g, c))
         if not cuts:
@@ -299,9 +316,9 @@ class Planner:
         total = self.total
         classes: list[int] = []
         reps: list[int] = []
-        class_ids: dict[tuple[object, ...], int] = {}
+        class_ids: dict[tuple[int, tuple[int, ...]], int] = {}
         for i, (g, c) in enumerate(cuts):
-            key = (self._signature(g), c.bounds)
+            key = (self._signature_id(g)[1], c.bounds)
             if key not in class_ids:
                 class_ids[key] = len(reps)
                 reps.append(i)
@@ -346,8 +363,13 @@ class Planner:
                    counts: list[int], schedule: str) -> Candidate | None:
         groups = []
         makespans = []
+        evaluated: dict[tuple[int, tuple[int, ...], int], GroupCut | None] = {}
         for (g, cut), m in zip(cuts, counts, strict=True):
-            c = self.at(g, cut.bounds, m, schedule)
+            key = (self._signature_id(g)[1], cut.bounds, m)
+            if key in evaluated:
+                c = evaluated[key]
+            else:
+                c = evaluated[key] = self.at(g, cut.bounds, m, schedule)
             if c is None:
                 return None
             key = (tuple(d.id for d in g), c.bounds, c.recompute)
