@@ -22,6 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import memos
 from .errors import DeadlockError, InvalidPlanError
 from .schedules import Op, custom_order, inflight, order
 from .sync_readings import sync_readings
@@ -489,6 +490,26 @@ def _check_stage_devices(by_id: Mapping[str, Device], stage: Stage, sp: str,
                        " a tensor-parallel stage lies within one host")
 
 
+_NEEDS: dict[tuple[int, int], tuple[Model, dict[tuple[int, int, bool, int, int], float]]] = {}
+"""Per (model, microbatch size), by the model's id (the model held so the id stays its
+own): each stage's memory need (spec 5.4) by its layers, recompute, in-flight count and
+degree, as :func:`stage_memory_mb` gives it."""
+
+
+def _memory_needs(model: Model, micro: int) -> dict[tuple[int, int, bool, int, int], float]:
+    held = _NEEDS.get((id(model), micro))
+    if held is None or held[0] is not model:
+        if len(_NEEDS) >= 64:
+            _NEEDS.clear()
+        held = _NEEDS[(id(model), micro)] = (model, {})
+    if len(held[1]) >= 65536:
+        held[1].clear()
+    return held[1]
+
+
+memos.register(_NEEDS.clear)
+
+
 def validate_plan(
     cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
 ) -> list[list[tuple[Op, ...]] | None]:
@@ -499,27 +520,37 @@ def validate_plan(
     """
     num_layers = model.num_layers
     micro = plan.microbatch_size
-    if plan.schedule not in SCHEDULES:
+    schedule = plan.schedule
+    if schedule not in SCHEDULES:
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
     by_id = cluster.by_id
     used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
-    needs: dict[tuple[int, int, bool, int, int], float] = {}  # stage memory, by its inputs
+    needs = _memory_needs(model, micro)  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
-        gp = f"plan.groups[{gi}]"
         if group.samples <= 0 or group.samples % micro:
             raise InvalidPlanError(
-                f"{gp}.samples",
+                f"plan.groups[{gi}].samples",
                 f"must be a positive multiple of microbatch_size {micro}, got {group.samples}",
             )
-        if not group.stages:
-            raise InvalidPlanError(f"{gp}.stages", "must not be empty")
+        stages = group.stages
+        if not stages:
+            raise InvalidPlanError(f"plan.groups[{gi}].stages", "must not be empty")
         expect = 0
-        for si, stage in enumerate(group.stages):
-            _check_stage_devices(by_id, stage, f"{gp}.stages[{si}]", used, (gi, si))
+        for si, stage in enumerate(stages):
+            devices = stage.devices
+            if len(devices) == 1:  # _check_stage_devices, inlined for the common case
+                dev = devices[0]
+                if dev not in by_id or dev in used:
+                    _check_stage_devices(by_id, stage, f"plan.groups[{gi}].stages[{si}]", used,
+                                         (gi, si))
+                used[dev] = (gi, si)
+            else:
+                _check_stage_devices(by_id, stage, f"plan.groups[{gi}].stages[{si}]", used,
+                                     (gi, si))
             a, b = stage.layers
             if a != expect or b <= a or b > num_layers:
-                sp = f"{gp}.stages[{si}]"
+                sp = f"plan.groups[{gi}].stages[{si}]"
                 if a != expect:
                     raise InvalidPlanError(
                         f"{sp}.layers", f"must start at layer {expect}, got [{a}, {b})"
@@ -532,26 +563,33 @@ def validate_plan(
             expect = b
         if expect != num_layers:
             raise InvalidPlanError(
-                f"{gp}.stages", f"cover layers [0, {expect}), not all {num_layers}"
+                f"plan.groups[{gi}].stages", f"cover layers [0, {expect}), not all {num_layers}"
             )
         m = group.samples // micro
         orders = _stage_orders(plan, gi, m)
-        n = len(group.stages)
-        for si, stage in enumerate(group.stages):
-            flight = _in_flight(plan.schedule, n, si, m, orders)
+        n = len(stages)
+        for si, stage in enumerate(stages):
+            if schedule == "1f1b":
+                flight = n - si if n - si < m else m
+            elif schedule == "gpipe":
+                flight = m
+            else:
+                flight = _in_flight(schedule, n, si, m, orders)
             a, b = stage.layers
-            key = (a, b, stage.recompute, flight, stage.tp)
+            devices = stage.devices
+            t = len(devices)
+            key = (a, b, stage.recompute, flight, t)
             need = needs.get(key)
             if need is None:
                 need = needs[key] = stage_memory_mb(model, stage, micro, flight)
-            smallest = min(stage.devices, key=lambda d: by_id[d].memory_gb)
+            smallest = devices[0] if t == 1 else min(devices, key=lambda d: by_id[d].memory_gb)
             have = 1000.0 * by_id[smallest].memory_gb
             if need > have:
                 raise InvalidPlanError(
-                    f"{gp}.stages[{si}]",
+                    f"plan.groups[{gi}].stages[{si}]",
                     f"needs {need:.1f} MB on {smallest!r}, which has {have:.1f} MB"
                     f" (stage {si} of {n}, {flight} microbatches in flight"
-                    + (f", split {stage.tp} ways)" if stage.tp > 1 else ")"),
+                    + (f", split {t} ways)" if t > 1 else ")"),
                 )
         all_orders.append(orders)
     total = plan.global_batch
