@@ -100,7 +100,8 @@ class Planner:
         self._key = (model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
-        self._signatures: dict[tuple[str, ...], tuple[tuple[object, ...], int]] = {}
+        self._signatures: dict[tuple[int, ...],
+                               tuple[tuple[object, ...], int, tuple[Device, ...]]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...], int]] = {}
         self._sig_ids: dict[tuple[object, ...], int] = {}
 
@@ -123,13 +124,14 @@ class Planner:
         return self._new_signature(devs)
 
     def _new_signature(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
-        ids = tuple(d.id for d in devs)
-        found = self._signatures.get(ids)
+        key = tuple(map(id, devs))  # the device objects, held in the value: ids stay theirs
+        found = self._signatures.get(key)
         if found is None:
             sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
-            found = self._signatures[ids] = (sig, self._sig_ids.setdefault(sig, len(self._sig_ids)))
-        self._by_object[id(devs)] = (devs, *found)  # holding devs keeps its id unique
-        return found
+            found = self._signatures[key] = (sig, self._sig_ids.setdefault(sig, len(self._sig_ids)),
+                                             tuple(devs))
+        self._by_object[id(devs)] = (devs, found[0], found[1])  # holding devs keeps its id unique
+        return found[0], found[1]
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)

@@ -131,14 +131,17 @@ class Cluster:
         return found
 
     def _link(self, a: str, b: str) -> tuple[float, float]:
-        found = self._device_links.get(_pair(a, b))
-        if found is not None:
-            return found
-        da, db = self.by_id[a], self.by_id[b]
-        if da.host != db.host:
-            found = self._host_links.get(_pair(da.host, db.host))
+        if self.network.device_links:
+            found = self._device_links.get(_pair(a, b))
             if found is not None:
                 return found
+        by_id = self.by_id
+        host_a, host_b = by_id[a].host, by_id[b].host
+        if host_a != host_b:
+            if self.network.host_links:
+                found = self._host_links.get(_pair(host_a, host_b))
+                if found is not None:
+                    return found
             return self.network.inter_host_gbps, self.network.latency_us / 1e6
         return self.network.intra_host_gbps, self.network.latency_us / 1e6
 
