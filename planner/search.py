@@ -104,7 +104,7 @@ memos.register(_forget_found)
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     focus: int | None = None,
                     pairs: Collection[tuple[str, str]] | None = None,
-                    local_search: bool = False) -> list[Candidate]:
+                    local_search: bool = False, fastest: bool = False) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Memoised on everything the search reads (the cluster, the model, the batch,
@@ -133,16 +133,23 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     which plans every job every slot in one process, leaves it off (with it, 8 jobs
     on 16 devices fell behind 5 s slots, ``bench/daemon_jobs.py``) and carries a
     budgeted one from slot to slot instead (:class:`~.carried_descent.CarriedDescent`).
+
+    ``fastest`` (a caller that takes only the fastest candidate): structures whose
+    plan is provably slower than a candidate already found are not scored
+    (:meth:`~.structure_planner.Planner.plan_structure`'s ``beat``), so the list
+    holds fewer of the slower plans; its fastest plan, and which (structure,
+    schedule) pairs ``focus`` keeps, are the same as without.
     """
     key = (cluster, model_token(model), job.global_batch, job.microbatch_size,
            tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
-           local_search)
+           local_search, fastest)
     with _FOUND_LOCK:
         hit = _FOUND.get(key)
         if hit is not None:
             _FOUND.move_to_end(key)
             return list(hit)
-    found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search)
+    found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search,
+                    fastest=fastest)
     with _FOUND_LOCK:
         _FOUND[key] = tuple(found)
         while len(_FOUND) > _FOUND_SIZE:
@@ -151,8 +158,10 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
 
 
 def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
-            pairs: Collection[tuple[str, str]] | None, local_search: bool) -> list[Candidate]:
+            pairs: Collection[tuple[str, str]] | None, local_search: bool,
+            fastest: bool = False) -> list[Candidate]:
     planner = Planner(cluster, model, job)
+    beat: float | None = None  # with ``fastest``: the fastest time found so far
     schedules = searched_schedules(job)
     found: list[Candidate] = []
     subsets = _subsets(list(cluster.devices))
@@ -166,10 +175,12 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
         for structure in structures(cluster, subset, planner.arr, planner.micro):
             for schedule in schedules:
                 cand = planner.plan_structure(
-                    Structure(f"{label}/{structure.label}", structure.groups), schedule)
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule, beat)
                 if cand is not None:
                     found.append(cand)
                     ranked.append((cand.iteration_s, structure.label, schedule))
+                    if fastest and (beat is None or cand.iteration_s < beat):
+                        beat = cand.iteration_s
         keep = {(name, schedule) for _, name, schedule in sorted(ranked)[:focus]}
         subsets = subsets[1:]
     every_mapping = len(cluster.devices) <= EVERY_MAPPING_DEVICES
@@ -180,10 +191,12 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 if keep is not None and (structure.label, schedule) not in keep:
                     continue
                 cand = planner.plan_structure(
-                    Structure(f"{label}/{structure.label}", structure.groups), schedule
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule, beat
                 )
                 if cand is not None:
                     found.append(cand)
+                    if fastest and (beat is None or cand.iteration_s < beat):
+                        beat = cand.iteration_s
     if (local_search and pairs is None and found
             and EVERY_MAPPING_DEVICES < len(cluster.devices) <= LOCAL_SEARCH_DEVICES):
         found.extend(_local_search(planner, found, schedules))

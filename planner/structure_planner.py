@@ -170,7 +170,15 @@ class Planner:
                 hi = mid - 1
         return lo
 
-    def plan_structure(self, structure: Structure, schedule: str) -> Candidate | None:
+    def plan_structure(self, structure: Structure, schedule: str,
+                       beat: float | None = None) -> Candidate | None:
+        """The structure's plan under ``schedule``, scored (None: nothing fits).
+
+        ``beat`` (a search that wants only its fastest plan): a plan none of whose
+        candidates can be faster than ``beat`` is not scored and None is returned. A
+        plan's time is its largest group makespan plus a sync of at least 0, so one
+        whose largest makespan exceeds ``beat`` is slower; the others are scored as
+        without it."""
         total = self.total
         groups = [g for g in structure.groups if g]
         speed = [sum(d.tflops for d in g) for g in groups]
@@ -208,15 +216,15 @@ class Planner:
             if not changed:
                 break
         assert counts is not None
-        found = self._candidate(structure.label, cuts, counts, schedule)
-        for other in (self._shared_cut(structure, groups, schedule),
-                      self._aligned(structure.label, cuts, schedule)):
+        found = self._candidate(structure.label, cuts, counts, schedule, beat)
+        for other in (self._shared_cut(structure, groups, schedule, beat),
+                      self._aligned(structure.label, cuts, schedule, beat)):
             if other is not None and (found is None or other.iteration_s < found.iteration_s):
                 found = other
         return found
 
     def _aligned(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
-                 schedule: str) -> Candidate | None:
+                 schedule: str, beat: float | None = None) -> Candidate | None:
         """Groups of as many stages, different devices, all cut where one of them was
         (each group's cut in turn), microbatches assigned again. Cut apart, the stages
         of different groups hold different layers and spec 5.3 syncs one bucket per
@@ -240,13 +248,13 @@ class Planner:
             else:
                 counts = self._assign(moved, schedule)
                 cand = (None if counts is None else
-                        self._candidate(f"{label}+aligned", moved, counts, schedule))
+                        self._candidate(f"{label}+aligned", moved, counts, schedule, beat))
                 if cand is not None and (best is None or cand.iteration_s < best.iteration_s):
                     best = cand
         return best
 
     def _shared_cut(self, structure: Structure, groups: Sequence[tuple[Device, ...]],
-                    schedule: str) -> Candidate | None:
+                    schedule: str, beat: float | None = None) -> Candidate | None:
         """Identical groups with one cut chosen with the sync in view (:meth:`joint_cut`),
         microbatches split evenly (the groups are equally fast)."""
         k = len(groups)
@@ -257,7 +265,7 @@ class Planner:
         if cut is None:
             return None
         return self._candidate(f"{structure.label}+sync", [(g, cut) for g in groups], counts,
-                               schedule)
+                               schedule, beat)
 
     def joint_cut(self, groups: Sequence[tuple[Device, ...]], microbatches: int,
                   schedule: str) -> GroupCut | None:
@@ -362,9 +370,9 @@ class Planner:
         )
 
     def _candidate(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
-                   counts: list[int], schedule: str) -> Candidate | None:
-        groups = []
-        makespans = []
+                   counts: list[int], schedule: str,
+                   beat: float | None = None) -> Candidate | None:
+        made: list[GroupCut] = []
         evaluated: dict[tuple[int, tuple[int, ...], int], GroupCut | None] = {}
         for (g, cut), m in zip(cuts, counts, strict=True):
             key = (self._signature_id(g)[1], cut.bounds, m)
@@ -374,6 +382,12 @@ class Planner:
                 c = evaluated[key] = self.at(g, cut.bounds, m, schedule)
             if c is None:
                 return None
+            made.append(c)
+        if beat is not None and max(c.makespan for c in made) > beat:
+            return None  # slower than ``beat`` whatever its sync (plan_structure)
+        groups = []
+        makespans = []
+        for (g, _), m, c in zip(cuts, counts, made, strict=True):
             key = (tuple(d.id for d in g), c.bounds, c.recompute)
             stages = _STAGES.get(key)
             if stages is None:  # the same group and cut recur across structures, subsets, slots
