@@ -106,7 +106,10 @@ class Planner:
         self._sig_ids: dict[tuple[object, ...], int] = {}
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
-        return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
+        if len(devs) < 2:
+            return ()
+        link = self.cluster.link
+        return tuple(link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
 
     def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
         """What a group's cut and makespan depend on: speeds, memory, links in order."""
