@@ -66,6 +66,44 @@ def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
 memos.register(_SUMS.clear)
 
 
+_SPLIT_SUMS: dict[int, tuple[Model, dict[tuple[object, ...], tuple[float, float, float]]]] = {}
+"""Per model (as :data:`_SUMS`): a tensor-parallel stage's GFLOP and all-reduce seconds."""
+
+
+def _split_sums(model: Model, a: int, b: int, t: int, micro: int, gbps: float,
+                lat: float) -> tuple[float, float, float]:
+    """(forward GFLOP, backward GFLOP, all-reduce seconds) per device of layers [a, b)
+    split t ways on a ring of (gbps, lat), summed in layer order from 0."""
+    held = _SPLIT_SUMS.get(id(model))
+    if held is None or held[0] is not model:
+        if len(_SPLIT_SUMS) >= 64:
+            _SPLIT_SUMS.clear()
+        held = _SPLIT_SUMS[id(model)] = (model, {})
+    sums = held[1]
+    key = (a, b, t, micro, gbps, lat)
+    found = sums.get(key)
+    if found is not None:
+        return found
+    fwd = bwd = comm = 0.0
+    for layer in model.layers[a:b]:
+        if layer.splits(t):
+            share = 1.0 / (t * layer.efficiency(t))
+            fwd += layer.fwd_gflop * share
+            bwd += layer.bwd_gflop * share
+            assert layer.tp_comm_mb is not None
+            comm += layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t, gbps, lat)
+        else:
+            fwd += layer.fwd_gflop
+            bwd += layer.bwd_gflop
+    if len(sums) >= 65536:
+        sums.clear()
+    found = sums[key] = (fwd, bwd, comm)
+    return found
+
+
+memos.register(_SPLIT_SUMS.clear)
+
+
 def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
     """(F_j, B_j) of one microbatch on the stage (spec 5.1, 5.6), recompute included."""
     a, b = stage.layers
@@ -76,20 +114,9 @@ def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tupl
         f = micro * fwd_gflop / rate
         bk = micro * bwd_gflop / rate
         return f, (bk + f if stage.recompute else bk)
-    layers = model.layers[a:b]
     rate = 1000.0 * min(cluster.by_id[d].tflops for d in stage.devices)
     gbps, lat = ring(cluster, stage.devices)
-    fwd = bwd = comm = 0.0
-    for layer in layers:
-        if layer.splits(t):
-            share = 1.0 / (t * layer.efficiency(t))
-            fwd += layer.fwd_gflop * share
-            bwd += layer.bwd_gflop * share
-            assert layer.tp_comm_mb is not None
-            comm += layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t, gbps, lat)
-        else:
-            fwd += layer.fwd_gflop
-            bwd += layer.bwd_gflop
+    fwd, bwd, comm = _split_sums(model, a, b, t, micro, gbps, lat)
     f = micro * fwd / rate + comm
     bk = micro * bwd / rate + comm
     return f, (bk + f if stage.recompute else bk)
