@@ -15,6 +15,7 @@ reference model. Finally, where the job allows "custom", eager-1f1b orders
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import statistics
 import threading
@@ -104,7 +105,7 @@ memos.register(_forget_found)
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     focus: int | None = None,
                     pairs: Collection[tuple[str, str]] | None = None,
-                    local_search: bool = False, fastest: bool = False) -> list[Candidate]:
+                    local_search: bool = False, top: int | None = None) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Memoised on everything the search reads (the cluster, the model, the batch,
@@ -134,22 +135,25 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     on 16 devices fell behind 5 s slots, ``bench/daemon_jobs.py``) and carries a
     budgeted one from slot to slot instead (:class:`~.carried_descent.CarriedDescent`).
 
-    ``fastest`` (a caller that takes only the fastest candidate): structures whose
-    plan is provably slower than a candidate already found are not scored
+    ``top=k`` (a caller that looks only at the k fastest candidates: the TP search's
+    quick plans, k = 1; :func:`make_plan`, which re-scores its 3 first, k = 3):
+    structures whose plan is provably slower than k candidates already found (by
+    more than a relative 1e-8, so not tied with them to 10 digits) are not scored
     (:meth:`~.structure_planner.Planner.plan_structure`'s ``beat``), so the list
-    holds fewer of the slower plans; its fastest plan, and which (structure,
-    schedule) pairs ``focus`` keeps, are the same as without.
+    holds fewer of the slower plans; its k fastest plans, and which (structure,
+    schedule) pairs ``focus`` keeps, are the same as without. Off where the local
+    search runs (it starts from more of the fastest plans).
     """
     key = (cluster, model_token(model), job.global_batch, job.microbatch_size,
            tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
-           local_search, fastest)
+           local_search, top)
     with _FOUND_LOCK:
         hit = _FOUND.get(key)
         if hit is not None:
             _FOUND.move_to_end(key)
             return list(hit)
     found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search,
-                    fastest=fastest)
+                    top=top)
     with _FOUND_LOCK:
         _FOUND[key] = tuple(found)
         while len(_FOUND) > _FOUND_SIZE:
@@ -159,9 +163,19 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
 
 def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
             pairs: Collection[tuple[str, str]] | None, local_search: bool,
-            fastest: bool = False) -> list[Candidate]:
+            top: int | None = None) -> list[Candidate]:
     planner = Planner(cluster, model, job)
-    beat: float | None = None  # with ``fastest``: the fastest time found so far
+    if local_search and EVERY_MAPPING_DEVICES < len(cluster.devices) <= LOCAL_SEARCH_DEVICES:
+        top = None
+    times: list[float] = []  # with ``top``: the times found so far, fastest first
+    beat: float | None = None  # ... and a bound past which a plan is slower than top of them
+
+    def seen(cand: Candidate) -> float | None:
+        if top is None:
+            return None
+        bisect.insort(times, cand.iteration_s)
+        return times[top - 1] * (1.0 + 1e-8) if len(times) >= top else None
+
     schedules = searched_schedules(job)
     found: list[Candidate] = []
     subsets = _subsets(list(cluster.devices))
@@ -179,8 +193,7 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 if cand is not None:
                     found.append(cand)
                     ranked.append((cand.iteration_s, structure.label, schedule))
-                    if fastest and (beat is None or cand.iteration_s < beat):
-                        beat = cand.iteration_s
+                    beat = seen(cand)
         keep = {(name, schedule) for _, name, schedule in sorted(ranked)[:focus]}
         subsets = subsets[1:]
     every_mapping = len(cluster.devices) <= EVERY_MAPPING_DEVICES
@@ -195,8 +208,7 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 )
                 if cand is not None:
                     found.append(cand)
-                    if fastest and (beat is None or cand.iteration_s < beat):
-                        beat = cand.iteration_s
+                    beat = seen(cand)
     if (local_search and pairs is None and found
             and EVERY_MAPPING_DEVICES < len(cluster.devices) <= LOCAL_SEARCH_DEVICES):
         found.extend(_local_search(planner, found, schedules))
@@ -274,7 +286,7 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
         if scored is None:
             raise InfeasibleError(f"{policy}: its plan does not fit in memory")
         return scored.plan
-    found = candidate_plans(cluster, model, job, focus=3, local_search=True)
+    found = candidate_plans(cluster, model, job, focus=3, local_search=True, top=3)
     if not found:
         raise InfeasibleError(
             "no plan fits in memory: no device or pipeline of devices can hold the model "

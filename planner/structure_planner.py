@@ -104,6 +104,8 @@ class Planner:
                                tuple[tuple[object, ...], int, tuple[Device, ...]]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...], int]] = {}
         self._sig_ids: dict[tuple[object, ...], int] = {}
+        self._speeds: list[float] = []
+        """Per signature id: its devices' TFLOP/s summed in stage order."""
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
         if len(devs) < 2:
@@ -131,8 +133,11 @@ class Planner:
         found = self._signatures.get(key)
         if found is None:
             sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
-            found = self._signatures[key] = (sig, self._sig_ids.setdefault(sig, len(self._sig_ids)),
-                                             tuple(devs))
+            sid = self._sig_ids.get(sig)
+            if sid is None:
+                sid = self._sig_ids[sig] = len(self._sig_ids)
+                self._speeds.append(sum(d.tflops for d in devs))  # the group's, in order
+            found = self._signatures[key] = (sig, sid, tuple(devs))
         self._by_object[id(devs)] = (devs, found[0], found[1])  # holding devs keeps its id unique
         return found[0], found[1]
 
@@ -184,13 +189,15 @@ class Planner:
         without it."""
         total = self.total
         groups = [g for g in structure.groups if g]
-        speed = [sum(d.tflops for d in g) for g in groups]
+        sids = [self._signature_id(g)[1] for g in groups]
+        speeds = self._speeds
+        speed = [speeds[sid] for sid in sids]
         whole = sum(speed)
         cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
         made: dict[tuple[int, int], GroupCut | None] = {}  # equal signatures, equal cuts
-        for g, sp in zip(groups, speed, strict=True):
+        for g, sp, sid in zip(groups, speed, sids, strict=True):
             guess = max(1, min(total, round(total * sp / whole)))
-            key = (self._signature_id(g)[1], guess)
+            key = (sid, guess)
             if key in made:
                 c = made[key]
             else:
