@@ -156,7 +156,8 @@ class Planner:
         return _EVALS.get(
             (self._key, sig, bounds, microbatches, schedule),
             lambda: evaluate_cut(self.arr, devs, sig[1], bounds, self.micro,  # type: ignore[arg-type]
-                                 microbatches, schedule),
+                                 microbatches, schedule,
+                                 memo=self.arr.times_memo(devs, sig[1], self.micro)),  # type: ignore[arg-type]
         )
 
     def _cap(self, devs: Sequence[Device], bounds: tuple[int, ...], schedule: str) -> int:
