@@ -496,7 +496,9 @@ own): each stage's memory need (spec 5.4) by its layers, recompute, in-flight co
 degree, as :func:`stage_memory_mb` gives it."""
 
 
-def _memory_needs(model: Model, micro: int) -> dict[tuple[int, int, bool, int, int], float]:
+def memory_needs(model: Model, micro: int) -> dict[tuple[int, int, bool, int, int], float]:
+    """The shared memo of :func:`stage_memory_mb` for one (model, microbatch size), keyed
+    (first layer, end layer, recompute, in-flight count, degree)."""
     held = _NEEDS.get((id(model), micro))
     if held is None or held[0] is not model:
         if len(_NEEDS) >= 64:
@@ -525,7 +527,7 @@ def validate_plan(
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
     by_id = cluster.by_id
     used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
-    needs = _memory_needs(model, micro)  # stage memory, by its inputs
+    needs = memory_needs(model, micro)  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
         if group.samples <= 0 or group.samples % micro:

@@ -43,7 +43,14 @@ from .partition import (
     partition_group,
     stage_params_mb,
 )
-from .refmodel import evaluate, group_makespan, group_op_times, validate_plan
+from .refmodel import (
+    evaluate,
+    group_makespan,
+    group_op_times,
+    memory_needs,
+    stage_memory_mb,
+    validate_plan,
+)
 from .schedules import format_order, warmup_order
 from .structures import BIG_CLUSTER, Structure
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
@@ -412,25 +419,82 @@ class Planner:
             groups.append(Group(samples=m * self.micro, stages=stages))
             makespans.append(c.makespan)
         plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
-        return self.score(plan, label, makespans)
+        return self.score(plan, label, makespans,
+                          valid=self._passes(cuts, counts, made, schedule))
+
+    def _passes(self, cuts: list[tuple[tuple[Device, ...], GroupCut]], counts: list[int],
+                made: list[GroupCut], schedule: str) -> bool:
+        """Whether the plan :meth:`_candidate` builds of these groups, counts and cuts
+        passes :func:`~.refmodel.validate_plan` (True only where that is certain; False
+        leaves the check to it). Such a plan has built-in schedule and one-device stages
+        covering the layers in order; what remains is checked here: each device the
+        cluster's own and used once, every group at least one microbatch, the global
+        batch, and stage memory (spec 5.4) once per (signature, cut, count), the same
+        need and device memory as validate_plan compares."""
+        if schedule not in ("1f1b", "gpipe") or not counts or min(counts) < 1 \
+                or sum(counts) * self.micro != self.job.global_batch:
+            return False
+        by_id = self.cluster.by_id
+        count = 0
+        ids: set[str] = set()
+        for g, _ in cuts:
+            for d in g:
+                if by_id.get(d.id) is not d:
+                    return False
+                ids.add(d.id)
+            count += len(g)
+        if len(ids) != count:
+            return False
+        needs = memory_needs(self.model, self.micro)
+        num_layers = self.model.num_layers
+        checked: set[tuple[object, ...]] = set()
+        for (g, _), m, c in zip(cuts, counts, made, strict=True):
+            key = (self._signature_id(g)[1], c.bounds, c.recompute, m)
+            if key in checked:
+                continue
+            checked.add(key)
+            bounds = c.bounds
+            n = len(g)
+            if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != num_layers:
+                return False
+            for j, d in enumerate(g):
+                a, b = bounds[j], bounds[j + 1]
+                if b <= a:
+                    return False
+                flight = m if schedule == "gpipe" else (n - j if n - j < m else m)
+                need_key = (a, b, c.recompute[j], flight, 1)
+                need = needs.get(need_key)
+                if need is None:
+                    need = needs[need_key] = stage_memory_mb(
+                        self.model, Stage(device=d.id, layers=(a, b), recompute=c.recompute[j]),
+                        self.micro, flight)
+                if need > 1000.0 * d.memory_gb:
+                    return False
+        return True
 
     def score(self, plan: Plan, label: str,
-              makespans: Sequence[float] | None = None) -> Candidate | None:
+              makespans: Sequence[float] | None = None, *, valid: bool = False) -> Candidate | None:
         """Check validity and score: group makespans (given or simulated) plus sync.
 
         Built-in schedules use :func:`~.makespans.fast_makespan`, exact up to a few times S
         microbatches per group and extrapolated from the periodic regime beyond;
         :func:`~.search.make_plan` re-scores its pick with the exact reference model.
+        ``valid`` (with ``makespans``): the caller has checked what
+        :func:`~.refmodel.validate_plan` would (:meth:`_passes`).
         """
         try:
-            all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
+            if valid and makespans is not None:
+                all_orders: list[object] = [None] * len(plan.groups)
+            else:
+                all_orders = validate_plan(self.cluster, self.model, plan,  # type: ignore[assignment]
+                                           self.job.global_batch)
             if makespans is None:
                 makespans = []
                 for g, orders in zip(plan.groups, all_orders, strict=True):
                     times = group_op_times(self.cluster, self.model, g, self.micro)
                     m = g.samples // self.micro
                     if orders is not None:
-                        makespans.append(group_makespan(times, "custom", m, orders))
+                        makespans.append(group_makespan(times, "custom", m, orders))  # type: ignore[arg-type]
                     else:
                         makespans.append(fast_makespan(times, plan.schedule, m))
         except InvalidPlanError:
