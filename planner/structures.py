@@ -114,10 +114,10 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
             if len(g) > max_stages:
                 split.extend(_chunks(list(g), max_stages))
             elif g:
-                split.append(tuple(g))
+                split.append(g if type(g) is tuple else tuple(g))
         out.append(Structure(label, tuple(split)))
 
-    add("dp", [[d] for d in chain])
+    add("dp", [(d,) for d in chain])
     add("host", by_host.values())
     if len(chain) <= 16:  # deeper single pipelines come from chunks and host pairs
         add("chain", [chain])
@@ -145,7 +145,7 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     for d in chain:
         if d.id not in fit_ids:
             rest.setdefault(d.host, []).append(d)
-    add("fit-dp", [[d] for d in fit] + list(rest.values()))
+    add("fit-dp", [(d,) for d in fit] + list(rest.values()))
     by_speed = sorted(chain, key=lambda d: -d.tflops)  # stable: host order within a speed
     for size in _stage_counts(len(chain), max_stages, big):
         add(f"stage-major-{size}", _stage_major(chain, size))
