@@ -51,7 +51,7 @@ from .refmodel import (
     stage_memory_mb,
     validate_plan,
 )
-from .schedules import format_order, warmup_order
+from .schedules import Op, format_order, warmup_order
 from .structures import BIG_CLUSTER, Structure
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -406,12 +406,12 @@ class Planner:
         groups = []
         makespans = []
         for (g, _), m, c in zip(cuts, counts, made, strict=True):
-            key = (tuple(d.id for d in g), c.bounds, c.recompute)
-            stages = _STAGES.get(key)
+            stage_key = (tuple(d.id for d in g), c.bounds, c.recompute)
+            stages = _STAGES.get(stage_key)
             if stages is None:  # the same group and cut recur across structures, subsets, slots
                 if len(_STAGES) >= 8192:
                     _STAGES.clear()
-                stages = _STAGES[key] = tuple(
+                stages = _STAGES[stage_key] = tuple(
                     Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]),
                           recompute=c.recompute[j])
                     for j, d in enumerate(g)
@@ -483,18 +483,18 @@ class Planner:
         :func:`~.refmodel.validate_plan` would (:meth:`_passes`).
         """
         try:
+            all_orders: list[list[tuple[Op, ...]] | None]
             if valid and makespans is not None:
-                all_orders: list[object] = [None] * len(plan.groups)
+                all_orders = [None] * len(plan.groups)
             else:
-                all_orders = validate_plan(self.cluster, self.model, plan,  # type: ignore[assignment]
-                                           self.job.global_batch)
+                all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
             if makespans is None:
                 makespans = []
                 for g, orders in zip(plan.groups, all_orders, strict=True):
                     times = group_op_times(self.cluster, self.model, g, self.micro)
                     m = g.samples // self.micro
                     if orders is not None:
-                        makespans.append(group_makespan(times, "custom", m, orders))  # type: ignore[arg-type]
+                        makespans.append(group_makespan(times, "custom", m, orders))
                     else:
                         makespans.append(fast_makespan(times, plan.schedule, m))
         except InvalidPlanError:
