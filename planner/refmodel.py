@@ -490,26 +490,13 @@ def _check_stage_devices(by_id: Mapping[str, Device], stage: Stage, sp: str,
                        " a tensor-parallel stage lies within one host")
 
 
-_NEEDS: dict[tuple[int, int], tuple[Model, dict[tuple[int, int, bool, int, int], float]]] = {}
-"""Per (model, microbatch size), by the model's id (the model held so the id stays its
-own): each stage's memory need (spec 5.4) by its layers, recompute, in-flight count and
-degree, as :func:`stage_memory_mb` gives it."""
+_NEEDS: memos.PerModel[tuple[int, int, bool, int, int], float] = memos.PerModel()
 
 
 def memory_needs(model: Model, micro: int) -> dict[tuple[int, int, bool, int, int], float]:
     """The shared memo of :func:`stage_memory_mb` for one (model, microbatch size), keyed
     (first layer, end layer, recompute, in-flight count, degree)."""
-    held = _NEEDS.get((id(model), micro))
-    if held is None or held[0] is not model:
-        if len(_NEEDS) >= 64:
-            _NEEDS.clear()
-        held = _NEEDS[(id(model), micro)] = (model, {})
-    if len(held[1]) >= 65536:
-        held[1].clear()
-    return held[1]
-
-
-memos.register(_NEEDS.clear)
+    return _NEEDS.table(model, micro)
 
 
 def validate_plan(

@@ -42,19 +42,16 @@ def ring_allreduce_s(mb: float, n: int, gbps: float, lat: float) -> float:
     return 2.0 * (n - 1) / n * mb * 8.0 / (1000.0 * gbps) + 2.0 * (n - 1) * lat
 
 
-_SUMS: dict[int, tuple[Model, dict[tuple[int, int], tuple[float, float]]]] = {}
-"""Per model (by id, the model held so the id stays its own): the forward and backward
-GFLOP of each layer range asked for, summed as :func:`stage_op_s` sums them."""
+_SUMS: memos.PerModel[tuple[int, int], tuple[float, float]] = memos.PerModel()
+"""Per model: the forward and backward GFLOP of each layer range asked for."""
+_SPLIT_SUMS: memos.PerModel[tuple[object, ...], tuple[float, float, float]] = memos.PerModel()
+"""Per model: a tensor-parallel stage's GFLOP and all-reduce seconds."""
 
 
 def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
-    """(forward, backward) GFLOP of layers [a, b), each summed in layer order from 0."""
-    held = _SUMS.get(id(model))
-    if held is None or held[0] is not model:
-        if len(_SUMS) >= 64:
-            _SUMS.clear()
-        held = _SUMS[id(model)] = (model, {})
-    sums = held[1]
+    """(forward, backward) GFLOP of layers [a, b), each summed in layer order from 0, as
+    :func:`stage_op_s` sums them."""
+    sums = _SUMS.table(model)
     found = sums.get((a, b))
     if found is None:
         layers = model.layers[a:b]
@@ -63,23 +60,11 @@ def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
     return found
 
 
-memos.register(_SUMS.clear)
-
-
-_SPLIT_SUMS: dict[int, tuple[Model, dict[tuple[object, ...], tuple[float, float, float]]]] = {}
-"""Per model (as :data:`_SUMS`): a tensor-parallel stage's GFLOP and all-reduce seconds."""
-
-
 def _split_sums(model: Model, a: int, b: int, t: int, micro: int, gbps: float,
                 lat: float) -> tuple[float, float, float]:
     """(forward GFLOP, backward GFLOP, all-reduce seconds) per device of layers [a, b)
     split t ways on a ring of (gbps, lat), summed in layer order from 0."""
-    held = _SPLIT_SUMS.get(id(model))
-    if held is None or held[0] is not model:
-        if len(_SPLIT_SUMS) >= 64:
-            _SPLIT_SUMS.clear()
-        held = _SPLIT_SUMS[id(model)] = (model, {})
-    sums = held[1]
+    sums = _SPLIT_SUMS.table(model)
     key = (a, b, t, micro, gbps, lat)
     found = sums.get(key)
     if found is not None:
@@ -95,13 +80,8 @@ def _split_sums(model: Model, a: int, b: int, t: int, micro: int, gbps: float,
         else:
             fwd += layer.fwd_gflop
             bwd += layer.bwd_gflop
-    if len(sums) >= 65536:
-        sums.clear()
     found = sums[key] = (fwd, bwd, comm)
     return found
-
-
-memos.register(_SPLIT_SUMS.clear)
 
 
 def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
