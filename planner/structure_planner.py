@@ -95,7 +95,10 @@ memos.register(_STAGES.clear)
 
 
 class Planner:
-    """Plans one (cluster, model, job); cuts are memoised by group signature."""
+    """Plans one (cluster, model, job); cuts are memoised by group signature.
+
+    One thread at a time (each search makes its own): the numbering of signatures
+    (:meth:`_signature_id`) is not guarded."""
 
     def __init__(self, cluster: Cluster, model: Model, job: Job) -> None:
         self.cluster = cluster
