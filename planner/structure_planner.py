@@ -53,7 +53,7 @@ from .refmodel import (
 )
 from .schedules import Op, format_order, warmup_order
 from .structures import BIG_CLUSTER, Structure
-from .types import Cluster, Device, Group, Job, Model, Plan, Stage
+from .types import Cluster, Device, Group, Job, Model, Network, Plan, Stage
 
 __all__ = ["Planner", "model_arrays", "model_token"]
 
@@ -89,6 +89,9 @@ def model_token(model: Model) -> int:
 
 _CUTS: memos.BoundedMemo[tuple[object, ...], GroupCut | None] = memos.BoundedMemo(20_000)
 _EVALS: memos.BoundedMemo[tuple[object, ...], GroupCut | None] = memos.BoundedMemo(100_000)
+_SIGNATURES: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[Device, ...], Network]] = {}
+"""Group signatures by the ids of the network and the devices, all held in the value."""
+memos.register(_SIGNATURES.clear)
 _STAGES: dict[tuple[object, ...], tuple[Stage, ...]] = {}
 """Stages of a group (device ids) under a cut (bounds, recompute): immutable, shared."""
 memos.register(_STAGES.clear)
@@ -114,6 +117,8 @@ class Planner:
                                tuple[tuple[object, ...], int, tuple[Device, ...]]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...], int]] = {}
         self._sig_ids: dict[tuple[object, ...], int] = {}
+        self._own = {id(d) for d in cluster.devices}  # the cluster holds them: ids stay theirs
+        self._network_id = id(cluster.network)
         self._speeds: list[float] = []
         """Per signature id: its devices' TFLOP/s summed in stage order."""
 
@@ -142,7 +147,7 @@ class Planner:
         key = tuple(map(id, devs))  # the device objects, held in the value: ids stay theirs
         found = self._signatures.get(key)
         if found is None:
-            sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+            sig = self._shared_signature(devs, key)
             sid = self._sig_ids.get(sig)
             if sid is None:
                 sid = self._sig_ids[sig] = len(self._sig_ids)
@@ -150,6 +155,24 @@ class Planner:
             found = self._signatures[key] = (sig, sid, tuple(devs))
         self._by_object[id(devs)] = (devs, found[0], found[1])  # holding devs keeps its id unique
         return found[0], found[1]
+
+    def _shared_signature(self, devs: Sequence[Device], key: tuple[int, ...]) -> tuple[object, ...]:
+        """The signature of a group whose device objects are ``key``, from the process-wide
+        memo when they are all this cluster's own: a link depends only on the network and
+        the two devices (ids and hosts), so clusters that share the network and the device
+        objects (the TP search's virtual clusters keep the devices they do not merge) share
+        the signature."""
+        owned = len(devs) > 1 and all(map(self._own.__contains__, key))
+        if owned:
+            held = _SIGNATURES.get((self._network_id, *key))
+            if held is not None:  # the objects are held by the entry: the ids are theirs
+                return held[0]
+        sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+        if owned:
+            if len(_SIGNATURES) >= 50_000:
+                _SIGNATURES.clear()
+            _SIGNATURES[(self._network_id, *key)] = (sig, tuple(devs), self.cluster.network)
+        return sig
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)

@@ -518,3 +518,20 @@ def test_planner_vouches_for_a_plan_only_when_validate_plan_passes_it(seed: int)
             assert planner._passes(cuts, counts, made, schedule) == ok
             verdicts.add(ok)
     assert verdicts == {True, False}
+
+
+def test_group_signatures_are_shared_only_for_a_clusters_own_devices() -> None:
+    """A group's signature (speeds, memory, links) is shared across planners of clusters
+    with the same network and device objects (the TP search's virtual clusters); a device
+    id that another cluster puts on another host gets that cluster's links."""
+    cluster = catalog.make_cluster([("A100", 2), ("A100", 2)], inter_host_gbps=10.0)
+    a, b, c, _ = cluster.devices
+    moved = replace(b, host=c.host)  # b's id, on the other host
+    other = Cluster(devices=(a, moved, *cluster.devices[2:]), network=cluster.network)
+    job = Job(global_batch=8, microbatch_size=1)
+    model = uniform_model(4)
+    first = Planner(cluster, model, job)._signature((a, b))
+    assert Planner(cluster, model, job)._signature((a, b)) == first
+    second = Planner(other, model, job)._signature((a, moved))
+    assert second[1] != first[1] and second[1] == (other.link(a.id, b.id),)
+    assert Planner(other, model, job)._signature((a, b)) == second  # b is not other's own
