@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -85,8 +84,19 @@ def _stragglers(devices: Sequence[Device]) -> set[str]:
     by_host: dict[str, list[float]] = {}
     for d in devices:
         by_host.setdefault(d.host, []).append(d.tflops)
-    median = {h: statistics.median(v) for h, v in by_host.items()}
+    median = {h: _median(v) for h, v in by_host.items()}
     return {d.id for d in devices if d.tflops < 0.5 * median[d.host]}
+
+
+def _median(values: list[float]) -> float:
+    """statistics.median's value (the middle one, or the mean of the two middle ones
+    as (a + b) / 2), without importing statistics at start-up (it imports fractions
+    and decimal)."""
+    data = sorted(values)
+    n = len(data)
+    if n % 2:
+        return data[n // 2]
+    return (data[n // 2 - 1] + data[n // 2]) / 2
 
 
 _FOUND: OrderedDict[tuple[object, ...], tuple[Candidate, ...]] = OrderedDict()

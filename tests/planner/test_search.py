@@ -535,3 +535,16 @@ def test_group_signatures_are_shared_only_for_a_clusters_own_devices() -> None:
     second = Planner(other, model, job)._signature((a, moved))
     assert second[1] != first[1] and second[1] == (other.link(a.id, b.id),)
     assert Planner(other, model, job)._signature((a, b)) == second  # b is not other's own
+
+
+def test_straggler_median_is_statistics_median() -> None:
+    """search's median (kept out of start-up: statistics imports fractions and decimal)
+    is statistics.median's float, odd and even counts."""
+    import statistics
+
+    from hetpilot.planner.search import _median
+
+    r = random.Random(0)
+    for n in [1, 2, 3, 4, 7, 8] * 50:
+        values = [r.choice([r.uniform(0, 400), 312.0, 125.0]) for _ in range(n)]
+        assert _median(values) == statistics.median(values)
