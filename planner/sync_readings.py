@@ -23,7 +23,6 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence
 
-from .tpmodel import ring
 from .types import Cluster, Group, Model
 
 __all__ = ["sync_readings"]
@@ -82,29 +81,55 @@ def sync_readings(cluster: Cluster, model: Model, groups: Sequence[Group]) -> tu
     layers = model.layers
     factor = 2.0 * (k - 1) / k
     lat_hops = 2.0 * (k - 1)
-    ring_cache: dict[tuple[str, ...], tuple[float, float]] = {}
     times_spec: list[list[float]] = []
     times_shared: list[list[float]] = []
     rings_of: list[int] = []
     stage_lists = [g.stages for g in groups]
+    link = cluster.link
+    # Each ring's slowest link and largest latency, kept per neighbour pair (g, g + 1):
+    # from one bucket to the next only the pairs of groups whose owner changed are looked
+    # up again (min and max pick one of the values: exact whatever the order).
+    members: list[list[str]] = []
+    pair_gbps: list[list[float]] = []
+    pair_lat: list[list[float]] = []
+    last_rings = 0
+    changes: list[list[int]] = [[] for _ in range(n_buckets)]  # groups whose owner changes
+    for g, p in enumerate(pattern_of):
+        owners = owner_of[p]
+        for bucket in range(1, n_buckets):
+            if owners[bucket] != owners[bucket - 1]:
+                changes[bucket].append(g)
     for bucket in range(n_buckets):
         size = 0.0
         for layer in range(starts[bucket], starts[bucket + 1]):
             size += layers[layer].param_mb
         rings = min(owners[bucket][1] for owners in owner_of)  # every pattern is a group's
         spec_size = size / rings if rings > 1 else size
+        if rings != last_rings:  # every ring's members and pairs afresh
+            members, pair_gbps, pair_lat = [], [], []
+            for r in range(rings):
+                ids = []
+                for stages, p in zip(stage_lists, pattern_of, strict=True):
+                    devs = stages[owner_of[p][bucket][0]].devices
+                    ids.append(devs[r * len(devs) // rings])
+                pairs = [link(ids[i], ids[(i + 1) % k]) for i in range(k)]
+                members.append(ids)
+                pair_gbps.append([x[0] for x in pairs])
+                pair_lat.append([x[1] for x in pairs])
+            last_rings = rings
+        else:
+            for g in changes[bucket]:
+                devs = stage_lists[g][owner_of[pattern_of[g]][bucket][0]].devices
+                for r in range(rings):
+                    ids = members[r]
+                    ids[g] = devs[r * len(devs) // rings]
+                    for i in (g - 1) % k, g:
+                        found = link(ids[i], ids[(i + 1) % k])
+                        pair_gbps[r][i], pair_lat[r][i] = found
         spec: list[float] = []
         shared: list[float] = []
         for r in range(rings):
-            members = []
-            for stages, p in zip(stage_lists, pattern_of, strict=True):
-                devs = stages[owner_of[p][bucket][0]].devices
-                members.append(devs[r * len(devs) // rings])
-            key_m = tuple(members)
-            found = ring_cache.get(key_m)
-            if found is None:
-                found = ring_cache[key_m] = ring(cluster, key_m)
-            gbps, lat = found
+            gbps, lat = min(pair_gbps[r]), max(pair_lat[r])
             spec.append(factor * spec_size * 8.0 / (1000.0 * gbps) + lat_hops * lat)
             shared.append(factor * size * 8.0 / (1000.0 * gbps) + lat_hops * lat)
         times_spec.append(spec)
