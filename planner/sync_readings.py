@@ -13,6 +13,9 @@ and whose groups' stages each cover the layers in order (what
   tensor-parallel stage, where splitting turns on or off; the buckets are the
   ranges between the union of those points, found once per pattern of stages;
 * a bucket's size is summed layer by layer from 0.0, as the reference does;
+* a ring's slowest link and largest latency are a min and a max (exact in any
+  order) over its neighbour pairs, kept per pair: from one bucket to the next only
+  the pairs of groups whose owner changed are looked up again;
 * a device's sum runs over its stage's buckets in order from 0.0, and depends
   only on those buckets, the stage's degree and the device's index in it, so
   it is formed once per such key; the largest is the answer (max is exact).
