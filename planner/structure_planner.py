@@ -52,8 +52,9 @@ from .refmodel import (
     validate_plan,
 )
 from .schedules import Op, format_order, warmup_order
+from .signatures import GroupSignatures
 from .structures import BIG_CLUSTER, Structure
-from .types import Cluster, Device, Group, Job, Model, Network, Plan, Stage
+from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
 __all__ = ["Planner", "model_arrays", "model_token"]
 
@@ -89,19 +90,14 @@ def model_token(model: Model) -> int:
 
 _CUTS: memos.BoundedMemo[tuple[object, ...], GroupCut | None] = memos.BoundedMemo(20_000)
 _EVALS: memos.BoundedMemo[tuple[object, ...], GroupCut | None] = memos.BoundedMemo(100_000)
-_SIGNATURES: dict[tuple[int, ...], tuple[tuple[object, ...], tuple[Device, ...], Network]] = {}
-"""Group signatures by the ids of the network and the devices, all held in the value."""
-memos.register(_SIGNATURES.clear)
 _STAGES: dict[tuple[object, ...], tuple[Stage, ...]] = {}
 """Stages of a group (device ids) under a cut (bounds, recompute): immutable, shared."""
 memos.register(_STAGES.clear)
 
 
 class Planner:
-    """Plans one (cluster, model, job); cuts are memoised by group signature.
-
-    One thread at a time (each search makes its own): the numbering of signatures
-    (:meth:`_signature_id`) is not guarded."""
+    """Plans one (cluster, model, job); cuts are memoised by group signature
+    (:mod:`.signatures`). One thread at a time (each search makes its own)."""
 
     def __init__(self, cluster: Cluster, model: Model, job: Job) -> None:
         self.cluster = cluster
@@ -113,66 +109,17 @@ class Planner:
         self._key = (model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
-        self._signatures: dict[tuple[int, ...],
-                               tuple[tuple[object, ...], int, tuple[Device, ...]]] = {}
-        self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...], int]] = {}
-        self._sig_ids: dict[tuple[object, ...], int] = {}
-        self._own = {id(d) for d in cluster.devices}  # the cluster holds them: ids stay theirs
-        self._network_id = id(cluster.network)
-        self._speeds: list[float] = []
-        """Per signature id: its devices' TFLOP/s summed in stage order."""
+        self.sigs = GroupSignatures(cluster)
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
-        if len(devs) < 2:
-            return ()
-        link = self.cluster.link
-        return tuple(link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
+        return self.sigs.links(devs)
 
     def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
         """What a group's cut and makespan depend on: speeds, memory, links in order."""
-        held = self._by_object.get(id(devs))
-        if held is not None and held[0] is devs:  # the same group object: the common case
-            return held[1]
-        return self._new_signature(devs)[0]
+        return self.sigs.of(devs)[0]
 
     def _signature_id(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
-        """The group's signature and a small int naming it (equal signatures, equal ints):
-        what groups are told apart by without hashing their signatures again."""
-        held = self._by_object.get(id(devs))
-        if held is not None and held[0] is devs:
-            return held[1], held[2]
-        return self._new_signature(devs)
-
-    def _new_signature(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
-        key = tuple(map(id, devs))  # the device objects, held in the value: ids stay theirs
-        found = self._signatures.get(key)
-        if found is None:
-            sig = self._shared_signature(devs, key)
-            sid = self._sig_ids.get(sig)
-            if sid is None:
-                sid = self._sig_ids[sig] = len(self._sig_ids)
-                self._speeds.append(sum(d.tflops for d in devs))  # the group's, in order
-            found = self._signatures[key] = (sig, sid, tuple(devs))
-        self._by_object[id(devs)] = (devs, found[0], found[1])  # holding devs keeps its id unique
-        return found[0], found[1]
-
-    def _shared_signature(self, devs: Sequence[Device], key: tuple[int, ...]) -> tuple[object, ...]:
-        """The signature of a group whose device objects are ``key``, from the process-wide
-        memo when they are all this cluster's own: a link depends only on the network and
-        the two devices (ids and hosts), so clusters that share the network and the device
-        objects (the TP search's virtual clusters keep the devices they do not merge) share
-        the signature."""
-        owned = len(devs) > 1 and all(map(self._own.__contains__, key))
-        if owned:
-            held = _SIGNATURES.get((self._network_id, *key))
-            if held is not None:  # the objects are held by the entry: the ids are theirs
-                return held[0]
-        sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
-        if owned:
-            if len(_SIGNATURES) >= 50_000:
-                _SIGNATURES.clear()
-            _SIGNATURES[(self._network_id, *key)] = (sig, tuple(devs), self.cluster.network)
-        return sig
+        return self.sigs.of(devs)
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)
@@ -224,7 +171,7 @@ class Planner:
         total = self.total
         groups = [g for g in structure.groups if g]
         sids = [self._signature_id(g)[1] for g in groups]
-        speeds = self._speeds
+        speeds = self.sigs.speeds
         speed = [speeds[sid] for sid in sids]
         whole = sum(speed)
         cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
@@ -446,57 +393,7 @@ class Planner:
             makespans.append(c.makespan)
         plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
         return self.score(plan, label, makespans,
-                          valid=self._passes(cuts, counts, made, schedule))
-
-    def _passes(self, cuts: list[tuple[tuple[Device, ...], GroupCut]], counts: list[int],
-                made: list[GroupCut], schedule: str) -> bool:
-        """Whether the plan :meth:`_candidate` builds of these groups, counts and cuts
-        passes :func:`~.refmodel.validate_plan` (True only where that is certain; False
-        leaves the check to it). Such a plan has built-in schedule and one-device stages
-        covering the layers in order; what remains is checked here: each device the
-        cluster's own and used once, every group at least one microbatch, the global
-        batch, and stage memory (spec 5.4) once per (signature, cut, count), the same
-        need and device memory as validate_plan compares."""
-        if schedule not in ("1f1b", "gpipe") or not counts or min(counts) < 1 \
-                or sum(counts) * self.micro != self.job.global_batch:
-            return False
-        by_id = self.cluster.by_id
-        count = 0
-        ids: set[str] = set()
-        for g, _ in cuts:
-            for d in g:
-                if by_id.get(d.id) is not d:
-                    return False
-                ids.add(d.id)
-            count += len(g)
-        if len(ids) != count:
-            return False
-        needs = memory_needs(self.model, self.micro)
-        num_layers = self.model.num_layers
-        checked: set[tuple[object, ...]] = set()
-        for (g, _), m, c in zip(cuts, counts, made, strict=True):
-            key = (self._signature_id(g)[1], c.bounds, c.recompute, m)
-            if key in checked:
-                continue
-            checked.add(key)
-            bounds = c.bounds
-            n = len(g)
-            if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != num_layers:
-                return False
-            for j, d in enumerate(g):
-                a, b = bounds[j], bounds[j + 1]
-                if b <= a:
-                    return False
-                flight = m if schedule == "gpipe" else (n - j if n - j < m else m)
-                need_key = (a, b, c.recompute[j], flight, 1)
-                need = needs.get(need_key)
-                if need is None:
-                    need = needs[need_key] = stage_memory_mb(
-                        self.model, Stage(device=d.id, layers=(a, b), recompute=c.recompute[j]),
-                        self.micro, flight)
-                if need > 1000.0 * d.memory_gb:
-                    return False
-        return True
+                          valid=_passes(self, cuts, counts, made, schedule))
 
     def score(self, plan: Plan, label: str,
               makespans: Sequence[float] | None = None, *, valid: bool = False) -> Candidate | None:
@@ -640,6 +537,57 @@ class Planner:
             if cand is not None:
                 out.append(cand)
         return out
+
+
+def _passes(planner: Planner, cuts: list[tuple[tuple[Device, ...], GroupCut]], counts: list[int],
+            made: list[GroupCut], schedule: str) -> bool:
+    """Whether the plan :meth:`Planner._candidate` builds of these groups, counts and cuts
+    passes :func:`~.refmodel.validate_plan` (True only where that is certain; False
+    leaves the check to it). Such a plan has built-in schedule and one-device stages
+    covering the layers in order; what remains is checked here: each device the
+    cluster's own and used once, every group at least one microbatch, the global
+    batch, and stage memory (spec 5.4) once per (signature, cut, count), the same
+    need and device memory as validate_plan compares."""
+    if schedule not in ("1f1b", "gpipe") or not counts or min(counts) < 1 \
+            or sum(counts) * planner.micro != planner.job.global_batch:
+        return False
+    by_id = planner.cluster.by_id
+    count = 0
+    ids: set[str] = set()
+    for g, _ in cuts:
+        for d in g:
+            if by_id.get(d.id) is not d:
+                return False
+            ids.add(d.id)
+        count += len(g)
+    if len(ids) != count:
+        return False
+    needs = memory_needs(planner.model, planner.micro)
+    num_layers = planner.model.num_layers
+    checked: set[tuple[object, ...]] = set()
+    for (g, _), m, c in zip(cuts, counts, made, strict=True):
+        key = (planner._signature_id(g)[1], c.bounds, c.recompute, m)
+        if key in checked:
+            continue
+        checked.add(key)
+        bounds = c.bounds
+        n = len(g)
+        if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != num_layers:
+            return False
+        for j, d in enumerate(g):
+            a, b = bounds[j], bounds[j + 1]
+            if b <= a:
+                return False
+            flight = m if schedule == "gpipe" else (n - j if n - j < m else m)
+            need_key = (a, b, c.recompute[j], flight, 1)
+            need = needs.get(need_key)
+            if need is None:
+                need = needs[need_key] = stage_memory_mb(
+                    planner.model, Stage(device=d.id, layers=(a, b), recompute=c.recompute[j]),
+                    planner.micro, flight)
+            if need > 1000.0 * d.memory_gb:
+                return False
+    return True
 
 
 def _runs(first: Sequence[int], second: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -97,11 +97,11 @@ def sync_readings(cluster: Cluster, model: Model, groups: Sequence[Group]) -> tu
     pair_lat: list[list[float]] = []
     last_rings = 0
     changes: list[list[int]] = [[] for _ in range(n_buckets)]  # groups whose owner changes
-    for g, p in enumerate(pattern_of):
+    for gi, p in enumerate(pattern_of):
         owners = owner_of[p]
         for bucket in range(1, n_buckets):
             if owners[bucket] != owners[bucket - 1]:
-                changes[bucket].append(g)
+                changes[bucket].append(gi)
     for bucket in range(n_buckets):
         size = 0.0
         for layer in range(starts[bucket], starts[bucket + 1]):
@@ -121,12 +121,12 @@ def sync_readings(cluster: Cluster, model: Model, groups: Sequence[Group]) -> tu
                 pair_lat.append([x[1] for x in pairs])
             last_rings = rings
         else:
-            for g in changes[bucket]:
-                devs = stage_lists[g][owner_of[pattern_of[g]][bucket][0]].devices
+            for gi in changes[bucket]:
+                devs = stage_lists[gi][owner_of[pattern_of[gi]][bucket][0]].devices
                 for r in range(rings):
                     ids = members[r]
-                    ids[g] = devs[r * len(devs) // rings]
-                    for i in (g - 1) % k, g:
+                    ids[gi] = devs[r * len(devs) // rings]
+                    for i in (gi - 1) % k, gi:
                         found = link(ids[i], ids[(i + 1) % k])
                         pair_gbps[r][i], pair_lat[r][i] = found
         spec: list[float] = []

@@ -26,7 +26,7 @@ from hetpilot.planner.refmodel import (
 )
 from hetpilot.planner.schedules import order
 from hetpilot.planner.search import candidate_plans, make_plan
-from hetpilot.planner.structure_planner import Planner
+from hetpilot.planner.structure_planner import Planner, _passes
 from hetpilot.planner.types import (
     Cluster,
     Device,
@@ -515,7 +515,7 @@ def test_planner_vouches_for_a_plan_only_when_validate_plan_passes_it(seed: int)
                 ok = True
             except InvalidPlanError:
                 ok = False
-            assert planner._passes(cuts, counts, made, schedule) == ok
+            assert _passes(planner, cuts, counts, made, schedule) == ok
             verdicts.add(ok)
     assert verdicts == {True, False}
 
