@@ -16,7 +16,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
 
-__all__ = ["BoundedMemo", "clear_memos", "register"]
+__all__ = ["BoundedMemo", "PerModel", "clear_memos", "register"]
 
 _K = TypeVar("_K")
 _V = TypeVar("_V")
@@ -60,3 +60,27 @@ class BoundedMemo(Generic[_K, _V]):
             if len(self.data) > self.size:
                 self.data.popitem(last=False)
             return value
+
+
+class PerModel(Generic[_K, _V]):
+    """A dict of values per model object (and an optional extra key such as the
+    microbatch size), for memos of pure functions of a model: keyed by the model's id
+    with the model held, so the id stays its own; at most ``models`` tables of at most
+    ``size`` entries (a full one is emptied); registered with :func:`clear_memos`."""
+
+    def __init__(self, models: int = 64, size: int = 65536) -> None:
+        self.models = models
+        self.size = size
+        self.tables: dict[tuple[int, object], tuple[object, dict[_K, _V]]] = {}
+        register(self.tables.clear)
+
+    def table(self, model: object, extra: object = None) -> dict[_K, _V]:
+        key = (id(model), extra)
+        held = self.tables.get(key)
+        if held is None or held[0] is not model:
+            if len(self.tables) >= self.models:
+                self.tables.clear()
+            held = self.tables[key] = (model, {})
+        if len(held[1]) >= self.size:
+            held[1].clear()
+        return held[1]

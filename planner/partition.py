@@ -80,6 +80,21 @@ class ModelArrays:
                                                 self.inp, self.out))
         self.stage_costs: dict[tuple[object, ...], tuple[np.ndarray, np.ndarray]] = {}
         self.dp_cuts: dict[tuple[object, ...], list[tuple[int, ...] | None] | None] = {}
+        self.group_times: dict[tuple[object, ...], dict[tuple[object, ...], _Times]] = {}
+        """Per group (speeds and memory, links, microbatch size): :func:`_times_for` by
+        (bounds, in-flight counts). A group cut again at another M (1f1b's in-flight
+        counts stop changing at M = S) re-reads the stage times its first cut made."""
+
+    def times_memo(self, devices: Sequence[Device], links: Sequence[tuple[float, float]],
+                   micro: int) -> dict[tuple[object, ...], _Times]:
+        """The :attr:`group_times` memo of one group (bounded: cleared when large)."""
+        key = (tuple((d.tflops, d.memory_gb) for d in devices), tuple(links), micro)
+        found = self.group_times.get(key)
+        if found is None or len(found) >= 4096:
+            if len(self.group_times) >= 4096:
+                self.group_times.clear()
+            found = self.group_times[key] = {}
+        return found
 
     @cached_property
     def segment(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -214,6 +229,9 @@ def _dp_fills(
     return out
 
 
+_Times = tuple[GroupTimes, tuple[bool, ...]] | None
+
+
 def _times_for(
     arr: ModelArrays,
     devices: Sequence[Device],
@@ -269,10 +287,19 @@ def evaluate_cut(
     schedule: str,
     *,
     proxy: bool = False,
+    memo: dict[tuple[object, ...], _Times] | None = None,
 ) -> GroupCut | None:
-    """Makespan of given cut points (or its proxy), or None if a stage does not fit."""
+    """Makespan of given cut points (or its proxy), or None if a stage does not fit.
+    ``memo``: this group's :meth:`ModelArrays.times_memo`, for its stage times."""
     flights = _in_flights(schedule, len(devices), microbatches)
-    found = _times_for(arr, devices, links, bounds, micro, flights)
+    if memo is None:
+        found = _times_for(arr, devices, links, bounds, micro, flights)
+    else:
+        key = (tuple(bounds), tuple(flights))
+        if key in memo:
+            found = memo[key]
+        else:
+            found = memo[key] = _times_for(arr, devices, links, bounds, micro, flights)
     if found is None:
         return None
     times, rec = found
@@ -444,6 +471,7 @@ def partition_group(
     fills = _dp_cuts(arr, devices, links, micro, flights)
     if fills is None:
         return None
+    memo = arr.times_memo(devices, links, micro)
     # Few microbatches: rank cuts by the exact simulation (fill and drain dominate, and
     # small cases are where the planner is held to the brute-force optimum). Steady
     # state (M >= 2S + 4): rank by the closed-form proxy, then keep whichever of the
@@ -458,7 +486,8 @@ def partition_group(
     if every:
         for tried in every:
             seen.add(tried)
-            cut = evaluate_cut(arr, devices, links, tried, micro, microbatches, schedule)
+            cut = evaluate_cut(arr, devices, links, tried, micro, microbatches, schedule,
+                               memo=memo)
             if cut is not None and (best is None or cut.makespan < best.makespan):
                 best = cut
         proxy = False  # compare the DP's cuts and refine exactly, like the cuts above
@@ -466,17 +495,19 @@ def partition_group(
         if bounds is None or bounds in seen:
             continue
         seen.add(bounds)
-        cut = evaluate_cut(arr, devices, links, bounds, micro, microbatches, schedule, proxy=proxy)
+        cut = evaluate_cut(arr, devices, links, bounds, micro, microbatches, schedule, proxy=proxy,
+                           memo=memo)
         if cut is not None and (best is None or cut.makespan < best.makespan):
             best = cut
     if best is None:
         return None
     if refine_steps is None:
         refine_steps = 4 * n_stages if (proxy or n_stages <= 16) else 0
-    refined = _refine(arr, devices, links, best, micro, microbatches, schedule, refine_steps, proxy)
+    refined = _refine(arr, devices, links, best, micro, microbatches, schedule, refine_steps, proxy,
+                      memo)
     if not proxy:
         return refined
-    exact = [evaluate_cut(arr, devices, links, c.bounds, micro, microbatches, schedule)
+    exact = [evaluate_cut(arr, devices, links, c.bounds, micro, microbatches, schedule, memo=memo)
              for c in {best.bounds: best, refined.bounds: refined}.values()]
     return min((c for c in exact if c is not None), key=lambda c: c.makespan, default=None)
 
@@ -491,6 +522,7 @@ def _refine(
     schedule: str,
     budget: int,
     proxy: bool,
+    memo: dict[tuple[object, ...], _Times] | None = None,
 ) -> GroupCut:
     """Hill-climb on single cut points while the makespan (or its proxy) drops."""
     improved = True
@@ -504,7 +536,7 @@ def _refine(
                     continue
                 budget -= 1
                 trial = evaluate_cut(arr, devices, links, bounds, micro, microbatches, schedule,
-                                     proxy=proxy)
+                                     proxy=proxy, memo=memo)
                 if trial is not None and trial.makespan < cut.makespan * (1 - 1e-12):
                     cut = trial
                     improved = True

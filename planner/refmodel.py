@@ -22,8 +22,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 
+from . import memos
 from .errors import DeadlockError, InvalidPlanError
 from .schedules import Op, custom_order, inflight, order
+from .sync_readings import sync_readings
 from .tpmodel import boundary_s, ring, stage_memory_mb, stage_op_s
 from .types import SCHEDULES, Cluster, Device, Group, Model, Plan, Stage
 
@@ -39,6 +41,7 @@ __all__ = [
     "pipeline_makespan",
     "stage_memory_mb",
     "sync_time",
+    "sync_time_literal",
     "validate_plan",
 ]
 
@@ -337,9 +340,53 @@ def _owners(model: Model, group: Group) -> list[tuple[tuple[str, ...], int]]:
     return out
 
 
+_LAST_SYNC: tuple[Cluster, Model, Sequence[Group], tuple[float, float]] | None = None
+"""The last valid plan :func:`evaluate` judged, with both readings of its sync: the
+TP search asks for the shared-uplinks reading of that plan next."""
+
+
 def sync_time(cluster: Cluster, model: Model, groups: Sequence[Group], *,
               shared_uplinks: bool = False) -> float:
     """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6).
+
+    Of a valid plan's groups (distinct devices, each group's stages covering the
+    layers in order) both readings come from :func:`~.sync_readings.sync_readings`,
+    the same floats as :func:`sync_time_literal` with fewer steps; other groups get
+    the literal reading.
+    """
+    last = _LAST_SYNC
+    if last is not None and last[0] is cluster and last[1] is model and last[2] is groups:
+        readings = last[3]
+    elif _tiles(model, groups):
+        readings = sync_readings(cluster, model, groups)
+    else:
+        return sync_time_literal(cluster, model, groups, shared_uplinks=shared_uplinks)
+    return readings[1] if shared_uplinks else readings[0]
+
+
+def _tiles(model: Model, groups: Sequence[Group]) -> bool:
+    """Whether every device is used once and each group's stages cover the layers in
+    order: what :func:`~.sync_readings.sync_readings` assumes of a plan."""
+    used: set[str] = set()
+    count = 0
+    for g in groups:
+        expect = 0
+        for s in g.stages:
+            a, b = s.layers
+            if a != expect or b <= a:
+                return False
+            expect = b
+            used.update(s.devices)
+            count += len(s.devices)
+        if expect != model.num_layers:
+            return False
+    return len(used) == count
+
+
+def sync_time_literal(cluster: Cluster, model: Model, groups: Sequence[Group], *,
+                      shared_uplinks: bool = False) -> float:
+    """Largest per-device sum of bucketed ring all-reduce times (spec 5.3, 5.6), read
+    literally: what :func:`sync_time` answers, for any groups.
 
     A layer's owner in a group is its stage's devices and its split degree
     there. With split degrees s_g the layer is all-reduced as s = min s_g
@@ -443,6 +490,15 @@ def _check_stage_devices(by_id: Mapping[str, Device], stage: Stage, sp: str,
                        " a tensor-parallel stage lies within one host")
 
 
+_NEEDS: memos.PerModel[tuple[int, int, bool, int, int], float] = memos.PerModel()
+
+
+def memory_needs(model: Model, micro: int) -> dict[tuple[int, int, bool, int, int], float]:
+    """The shared memo of :func:`stage_memory_mb` for one (model, microbatch size), keyed
+    (first layer, end layer, recompute, in-flight count, degree)."""
+    return _NEEDS.table(model, micro)
+
+
 def validate_plan(
     cluster: Cluster, model: Model, plan: Plan, global_batch: int | None = None
 ) -> list[list[tuple[Op, ...]] | None]:
@@ -453,27 +509,37 @@ def validate_plan(
     """
     num_layers = model.num_layers
     micro = plan.microbatch_size
-    if plan.schedule not in SCHEDULES:
+    schedule = plan.schedule
+    if schedule not in SCHEDULES:
         raise InvalidPlanError("plan.schedule", f"must be one of {', '.join(SCHEDULES)}")
     by_id = cluster.by_id
     used: dict[str, tuple[int, int]] = {}  # device -> (group, stage) that uses it
-    needs: dict[tuple[int, int, bool, int, int], float] = {}  # stage memory, by its inputs
+    needs = memory_needs(model, micro)  # stage memory, by its inputs
     all_orders = []
     for gi, group in enumerate(plan.groups):
-        gp = f"plan.groups[{gi}]"
         if group.samples <= 0 or group.samples % micro:
             raise InvalidPlanError(
-                f"{gp}.samples",
+                f"plan.groups[{gi}].samples",
                 f"must be a positive multiple of microbatch_size {micro}, got {group.samples}",
             )
-        if not group.stages:
-            raise InvalidPlanError(f"{gp}.stages", "must not be empty")
+        stages = group.stages
+        if not stages:
+            raise InvalidPlanError(f"plan.groups[{gi}].stages", "must not be empty")
         expect = 0
-        for si, stage in enumerate(group.stages):
-            _check_stage_devices(by_id, stage, f"{gp}.stages[{si}]", used, (gi, si))
+        for si, stage in enumerate(stages):
+            devices = stage.devices
+            if len(devices) == 1:  # _check_stage_devices, inlined for the common case
+                dev = devices[0]
+                if dev not in by_id or dev in used:
+                    _check_stage_devices(by_id, stage, f"plan.groups[{gi}].stages[{si}]", used,
+                                         (gi, si))
+                used[dev] = (gi, si)
+            else:
+                _check_stage_devices(by_id, stage, f"plan.groups[{gi}].stages[{si}]", used,
+                                     (gi, si))
             a, b = stage.layers
             if a != expect or b <= a or b > num_layers:
-                sp = f"{gp}.stages[{si}]"
+                sp = f"plan.groups[{gi}].stages[{si}]"
                 if a != expect:
                     raise InvalidPlanError(
                         f"{sp}.layers", f"must start at layer {expect}, got [{a}, {b})"
@@ -486,26 +552,33 @@ def validate_plan(
             expect = b
         if expect != num_layers:
             raise InvalidPlanError(
-                f"{gp}.stages", f"cover layers [0, {expect}), not all {num_layers}"
+                f"plan.groups[{gi}].stages", f"cover layers [0, {expect}), not all {num_layers}"
             )
         m = group.samples // micro
         orders = _stage_orders(plan, gi, m)
-        n = len(group.stages)
-        for si, stage in enumerate(group.stages):
-            flight = _in_flight(plan.schedule, n, si, m, orders)
+        n = len(stages)
+        for si, stage in enumerate(stages):
+            if schedule == "1f1b":
+                flight = n - si if n - si < m else m
+            elif schedule == "gpipe":
+                flight = m
+            else:
+                flight = _in_flight(schedule, n, si, m, orders)
             a, b = stage.layers
-            key = (a, b, stage.recompute, flight, stage.tp)
+            devices = stage.devices
+            t = len(devices)
+            key = (a, b, stage.recompute, flight, t)
             need = needs.get(key)
             if need is None:
                 need = needs[key] = stage_memory_mb(model, stage, micro, flight)
-            smallest = min(stage.devices, key=lambda d: by_id[d].memory_gb)
+            smallest = devices[0] if t == 1 else min(devices, key=lambda d: by_id[d].memory_gb)
             have = 1000.0 * by_id[smallest].memory_gb
             if need > have:
                 raise InvalidPlanError(
-                    f"{gp}.stages[{si}]",
+                    f"plan.groups[{gi}].stages[{si}]",
                     f"needs {need:.1f} MB on {smallest!r}, which has {have:.1f} MB"
                     f" (stage {si} of {n}, {flight} microbatches in flight"
-                    + (f", split {stage.tp} ways)" if stage.tp > 1 else ")"),
+                    + (f", split {t} ways)" if t > 1 else ")"),
                 )
         all_orders.append(orders)
     total = plan.global_batch
@@ -536,7 +609,10 @@ def evaluate(
                 raise DeadlockError(f"plan.groups[{gi}].{exc.field}", exc.problem) from None
     except InvalidPlanError as exc:
         return Evaluation(valid=False, error=str(exc))
-    sync = sync_time(cluster, model, plan.groups)
+    global _LAST_SYNC
+    readings = sync_readings(cluster, model, plan.groups)  # valid: the plan tiles
+    _LAST_SYNC = (cluster, model, plan.groups, readings)
+    sync = readings[0]
     iteration = max(makespans) + sync
     ideal = ideal_time(cluster, model, plan.global_batch if global_batch is None else global_batch)
     used = [cluster.by_id[d] for d in plan.devices]

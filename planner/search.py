@@ -15,8 +15,8 @@ reference model. Finally, where the job allows "custom", eager-1f1b orders
 
 from __future__ import annotations
 
+import bisect
 import itertools
-import statistics
 import threading
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
@@ -84,8 +84,19 @@ def _stragglers(devices: Sequence[Device]) -> set[str]:
     by_host: dict[str, list[float]] = {}
     for d in devices:
         by_host.setdefault(d.host, []).append(d.tflops)
-    median = {h: statistics.median(v) for h, v in by_host.items()}
+    median = {h: _median(v) for h, v in by_host.items()}
     return {d.id for d in devices if d.tflops < 0.5 * median[d.host]}
+
+
+def _median(values: list[float]) -> float:
+    """statistics.median's value (the middle one, or the mean of the two middle ones
+    as (a + b) / 2), without importing statistics at start-up (it imports fractions
+    and decimal)."""
+    data = sorted(values)
+    n = len(data)
+    if n % 2:
+        return data[n // 2]
+    return (data[n // 2 - 1] + data[n // 2]) / 2
 
 
 _FOUND: OrderedDict[tuple[object, ...], tuple[Candidate, ...]] = OrderedDict()
@@ -104,7 +115,7 @@ memos.register(_forget_found)
 def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
                     focus: int | None = None,
                     pairs: Collection[tuple[str, str]] | None = None,
-                    local_search: bool = False) -> list[Candidate]:
+                    local_search: bool = False, top: int | None = None) -> list[Candidate]:
     """The best plan of every structure and device subset tried, each scored.
 
     Memoised on everything the search reads (the cluster, the model, the batch,
@@ -133,16 +144,26 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
     which plans every job every slot in one process, leaves it off (with it, 8 jobs
     on 16 devices fell behind 5 s slots, ``bench/daemon_jobs.py``) and carries a
     budgeted one from slot to slot instead (:class:`~.carried_descent.CarriedDescent`).
+
+    ``top=k`` (a caller that looks only at the k fastest candidates: the TP search's
+    quick plans, k = 1; :func:`make_plan`, which re-scores its 3 first, k = 3):
+    structures whose plan is provably slower than k candidates already found (by
+    more than a relative 1e-8, so not tied with them to 10 digits) are not scored
+    (:meth:`~.structure_planner.Planner.plan_structure`'s ``beat``), so the list
+    holds fewer of the slower plans; its k fastest plans, and which (structure,
+    schedule) pairs ``focus`` keeps, are the same as without. Off where the local
+    search runs (it starts from more of the fastest plans).
     """
     key = (cluster, model_token(model), job.global_batch, job.microbatch_size,
            tuple(job.schedules), focus, None if pairs is None else tuple(sorted(pairs)),
-           local_search)
+           local_search, top)
     with _FOUND_LOCK:
         hit = _FOUND.get(key)
         if hit is not None:
             _FOUND.move_to_end(key)
             return list(hit)
-    found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search)
+    found = _search(cluster, model, job, focus=focus, pairs=pairs, local_search=local_search,
+                    top=top)
     with _FOUND_LOCK:
         _FOUND[key] = tuple(found)
         while len(_FOUND) > _FOUND_SIZE:
@@ -151,8 +172,20 @@ def candidate_plans(cluster: Cluster, model: Model, job: Job, *,
 
 
 def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
-            pairs: Collection[tuple[str, str]] | None, local_search: bool) -> list[Candidate]:
+            pairs: Collection[tuple[str, str]] | None, local_search: bool,
+            top: int | None = None) -> list[Candidate]:
     planner = Planner(cluster, model, job)
+    if local_search and EVERY_MAPPING_DEVICES < len(cluster.devices) <= LOCAL_SEARCH_DEVICES:
+        top = None
+    times: list[float] = []  # with ``top``: the times found so far, fastest first
+    beat: float | None = None  # ... and a bound past which a plan is slower than top of them
+
+    def seen(cand: Candidate) -> float | None:
+        if top is None:
+            return None
+        bisect.insort(times, cand.iteration_s)
+        return times[top - 1] * (1.0 + 1e-8) if len(times) >= top else None
+
     schedules = searched_schedules(job)
     found: list[Candidate] = []
     subsets = _subsets(list(cluster.devices))
@@ -166,10 +199,11 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
         for structure in structures(cluster, subset, planner.arr, planner.micro):
             for schedule in schedules:
                 cand = planner.plan_structure(
-                    Structure(f"{label}/{structure.label}", structure.groups), schedule)
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule, beat)
                 if cand is not None:
                     found.append(cand)
                     ranked.append((cand.iteration_s, structure.label, schedule))
+                    beat = seen(cand)
         keep = {(name, schedule) for _, name, schedule in sorted(ranked)[:focus]}
         subsets = subsets[1:]
     every_mapping = len(cluster.devices) <= EVERY_MAPPING_DEVICES
@@ -180,10 +214,11 @@ def _search(cluster: Cluster, model: Model, job: Job, *, focus: int | None,
                 if keep is not None and (structure.label, schedule) not in keep:
                     continue
                 cand = planner.plan_structure(
-                    Structure(f"{label}/{structure.label}", structure.groups), schedule
+                    Structure(f"{label}/{structure.label}", structure.groups), schedule, beat
                 )
                 if cand is not None:
                     found.append(cand)
+                    beat = seen(cand)
     if (local_search and pairs is None and found
             and EVERY_MAPPING_DEVICES < len(cluster.devices) <= LOCAL_SEARCH_DEVICES):
         found.extend(_local_search(planner, found, schedules))
@@ -261,7 +296,7 @@ def make_plan(cluster: Cluster, model: Model, job: Job, *, policy: str = "hetpil
         if scored is None:
             raise InfeasibleError(f"{policy}: its plan does not fit in memory")
         return scored.plan
-    found = candidate_plans(cluster, model, job, focus=3, local_search=True)
+    found = candidate_plans(cluster, model, job, focus=3, local_search=True, top=3)
     if not found:
         raise InfeasibleError(
             "no plan fits in memory: no device or pipeline of devices can hold the model "

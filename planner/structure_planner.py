@@ -43,8 +43,16 @@ from .partition import (
     partition_group,
     stage_params_mb,
 )
-from .refmodel import evaluate, group_makespan, group_op_times, validate_plan
-from .schedules import format_order, warmup_order
+from .refmodel import (
+    evaluate,
+    group_makespan,
+    group_op_times,
+    memory_needs,
+    stage_memory_mb,
+    validate_plan,
+)
+from .schedules import Op, format_order, warmup_order
+from .signatures import GroupSignatures
 from .structures import BIG_CLUSTER, Structure
 from .types import Cluster, Device, Group, Job, Model, Plan, Stage
 
@@ -88,7 +96,8 @@ memos.register(_STAGES.clear)
 
 
 class Planner:
-    """Plans one (cluster, model, job); cuts are memoised by group signature."""
+    """Plans one (cluster, model, job); cuts are memoised by group signature
+    (:mod:`.signatures`). One thread at a time (each search makes its own)."""
 
     def __init__(self, cluster: Cluster, model: Model, job: Job) -> None:
         self.cluster = cluster
@@ -100,24 +109,17 @@ class Planner:
         self._key = (model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
-        self._signatures: dict[tuple[str, ...], tuple[object, ...]] = {}
-        self._by_object: dict[int, tuple[Sequence[Device], tuple[object, ...]]] = {}
+        self.sigs = GroupSignatures(cluster)
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
-        return tuple(self.cluster.link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
+        return self.sigs.links(devs)
 
     def _signature(self, devs: Sequence[Device]) -> tuple[object, ...]:
         """What a group's cut and makespan depend on: speeds, memory, links in order."""
-        held = self._by_object.get(id(devs))
-        if held is not None and held[0] is devs:  # the same group object: the common case
-            return held[1]
-        ids = tuple(d.id for d in devs)
-        found = self._signatures.get(ids)
-        if found is None:
-            found = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
-            self._signatures[ids] = found
-        self._by_object[id(devs)] = (devs, found)  # holding devs keeps its id unique
-        return found
+        return self.sigs.of(devs)[0]
+
+    def _signature_id(self, devs: Sequence[Device]) -> tuple[tuple[object, ...], int]:
+        return self.sigs.of(devs)
 
     def cut(self, devs: Sequence[Device], microbatches: int, schedule: str) -> GroupCut | None:
         sig = self._signature(devs)
@@ -134,7 +136,8 @@ class Planner:
         return _EVALS.get(
             (self._key, sig, bounds, microbatches, schedule),
             lambda: evaluate_cut(self.arr, devs, sig[1], bounds, self.micro,  # type: ignore[arg-type]
-                                 microbatches, schedule),
+                                 microbatches, schedule,
+                                 memo=self.arr.times_memo(devs, sig[1], self.micro)),  # type: ignore[arg-type]
         )
 
     def _cap(self, devs: Sequence[Device], bounds: tuple[int, ...], schedule: str) -> int:
@@ -156,15 +159,30 @@ class Planner:
                 hi = mid - 1
         return lo
 
-    def plan_structure(self, structure: Structure, schedule: str) -> Candidate | None:
+    def plan_structure(self, structure: Structure, schedule: str,
+                       beat: float | None = None) -> Candidate | None:
+        """The structure's plan under ``schedule``, scored (None: nothing fits).
+
+        ``beat`` (a search that wants only its fastest plan): a plan none of whose
+        candidates can be faster than ``beat`` is not scored and None is returned. A
+        plan's time is its largest group makespan plus a sync of at least 0, so one
+        whose largest makespan exceeds ``beat`` is slower; the others are scored as
+        without it."""
         total = self.total
         groups = [g for g in structure.groups if g]
-        speed = [sum(d.tflops for d in g) for g in groups]
+        sids = [self._signature_id(g)[1] for g in groups]
+        speeds = self.sigs.speeds
+        speed = [speeds[sid] for sid in sids]
         whole = sum(speed)
         cuts: list[tuple[tuple[Device, ...], GroupCut]] = []
-        for g, sp in zip(groups, speed, strict=True):
+        made: dict[tuple[int, int], GroupCut | None] = {}  # equal signatures, equal cuts
+        for g, sp, sid in zip(groups, speed, sids, strict=True):
             guess = max(1, min(total, round(total * sp / whole)))
-            c = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
+            key = (sid, guess)
+            if key in made:
+                c = made[key]
+            else:
+                c = made[key] = self.cut(g, guess, schedule) or self.cut(g, 1, schedule)
             if c is not None:
                 cuts.append((g, c))
         if not cuts:
@@ -189,15 +207,15 @@ class Planner:
             if not changed:
                 break
         assert counts is not None
-        found = self._candidate(structure.label, cuts, counts, schedule)
-        for other in (self._shared_cut(structure, groups, schedule),
-                      self._aligned(structure.label, cuts, schedule)):
+        found = self._candidate(structure.label, cuts, counts, schedule, beat)
+        for other in (self._shared_cut(structure, groups, schedule, beat),
+                      self._aligned(structure.label, cuts, schedule, beat)):
             if other is not None and (found is None or other.iteration_s < found.iteration_s):
                 found = other
         return found
 
     def _aligned(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
-                 schedule: str) -> Candidate | None:
+                 schedule: str, beat: float | None = None) -> Candidate | None:
         """Groups of as many stages, different devices, all cut where one of them was
         (each group's cut in turn), microbatches assigned again. Cut apart, the stages
         of different groups hold different layers and spec 5.3 syncs one bucket per
@@ -221,13 +239,13 @@ class Planner:
             else:
                 counts = self._assign(moved, schedule)
                 cand = (None if counts is None else
-                        self._candidate(f"{label}+aligned", moved, counts, schedule))
+                        self._candidate(f"{label}+aligned", moved, counts, schedule, beat))
                 if cand is not None and (best is None or cand.iteration_s < best.iteration_s):
                     best = cand
         return best
 
     def _shared_cut(self, structure: Structure, groups: Sequence[tuple[Device, ...]],
-                    schedule: str) -> Candidate | None:
+                    schedule: str, beat: float | None = None) -> Candidate | None:
         """Identical groups with one cut chosen with the sync in view (:meth:`joint_cut`),
         microbatches split evenly (the groups are equally fast)."""
         k = len(groups)
@@ -238,7 +256,7 @@ class Planner:
         if cut is None:
             return None
         return self._candidate(f"{structure.label}+sync", [(g, cut) for g in groups], counts,
-                               schedule)
+                               schedule, beat)
 
     def joint_cut(self, groups: Sequence[tuple[Device, ...]], microbatches: int,
                   schedule: str) -> GroupCut | None:
@@ -299,9 +317,9 @@ class Planner:
         total = self.total
         classes: list[int] = []
         reps: list[int] = []
-        class_ids: dict[tuple[object, ...], int] = {}
+        class_ids: dict[tuple[int, tuple[int, ...]], int] = {}
         for i, (g, c) in enumerate(cuts):
-            key = (self._signature(g), c.bounds)
+            key = (self._signature_id(g)[1], c.bounds)
             if key not in class_ids:
                 class_ids[key] = len(reps)
                 reps.append(i)
@@ -343,19 +361,30 @@ class Planner:
         )
 
     def _candidate(self, label: str, cuts: list[tuple[tuple[Device, ...], GroupCut]],
-                   counts: list[int], schedule: str) -> Candidate | None:
-        groups = []
-        makespans = []
+                   counts: list[int], schedule: str,
+                   beat: float | None = None) -> Candidate | None:
+        made: list[GroupCut] = []
+        evaluated: dict[tuple[int, tuple[int, ...], int], GroupCut | None] = {}
         for (g, cut), m in zip(cuts, counts, strict=True):
-            c = self.at(g, cut.bounds, m, schedule)
+            key = (self._signature_id(g)[1], cut.bounds, m)
+            if key in evaluated:
+                c = evaluated[key]
+            else:
+                c = evaluated[key] = self.at(g, cut.bounds, m, schedule)
             if c is None:
                 return None
-            key = (tuple(d.id for d in g), c.bounds, c.recompute)
-            stages = _STAGES.get(key)
+            made.append(c)
+        if beat is not None and max(c.makespan for c in made) > beat:
+            return None  # slower than ``beat`` whatever its sync (plan_structure)
+        groups = []
+        makespans = []
+        for (g, _), m, c in zip(cuts, counts, made, strict=True):
+            stage_key = (tuple(d.id for d in g), c.bounds, c.recompute)
+            stages = _STAGES.get(stage_key)
             if stages is None:  # the same group and cut recur across structures, subsets, slots
                 if len(_STAGES) >= 8192:
                     _STAGES.clear()
-                stages = _STAGES[key] = tuple(
+                stages = _STAGES[stage_key] = tuple(
                     Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]),
                           recompute=c.recompute[j])
                     for j, d in enumerate(g)
@@ -363,18 +392,25 @@ class Planner:
             groups.append(Group(samples=m * self.micro, stages=stages))
             makespans.append(c.makespan)
         plan = Plan(microbatch_size=self.micro, schedule=schedule, groups=tuple(groups))
-        return self.score(plan, label, makespans)
+        return self.score(plan, label, makespans,
+                          valid=_passes(self, cuts, counts, made, schedule))
 
     def score(self, plan: Plan, label: str,
-              makespans: Sequence[float] | None = None) -> Candidate | None:
+              makespans: Sequence[float] | None = None, *, valid: bool = False) -> Candidate | None:
         """Check validity and score: group makespans (given or simulated) plus sync.
 
         Built-in schedules use :func:`~.makespans.fast_makespan`, exact up to a few times S
         microbatches per group and extrapolated from the periodic regime beyond;
         :func:`~.search.make_plan` re-scores its pick with the exact reference model.
+        ``valid`` (with ``makespans``): the caller has checked what
+        :func:`~.refmodel.validate_plan` would (:meth:`_passes`).
         """
         try:
-            all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
+            all_orders: list[list[tuple[Op, ...]] | None]
+            if valid and makespans is not None:
+                all_orders = [None] * len(plan.groups)
+            else:
+                all_orders = validate_plan(self.cluster, self.model, plan, self.job.global_batch)
             if makespans is None:
                 makespans = []
                 for g, orders in zip(plan.groups, all_orders, strict=True):
@@ -501,6 +537,57 @@ class Planner:
             if cand is not None:
                 out.append(cand)
         return out
+
+
+def _passes(planner: Planner, cuts: list[tuple[tuple[Device, ...], GroupCut]], counts: list[int],
+            made: list[GroupCut], schedule: str) -> bool:
+    """Whether the plan :meth:`Planner._candidate` builds of these groups, counts and cuts
+    passes :func:`~.refmodel.validate_plan` (True only where that is certain; False
+    leaves the check to it). Such a plan has built-in schedule and one-device stages
+    covering the layers in order; what remains is checked here: each device the
+    cluster's own and used once, every group at least one microbatch, the global
+    batch, and stage memory (spec 5.4) once per (signature, cut, count), the same
+    need and device memory as validate_plan compares."""
+    if schedule not in ("1f1b", "gpipe") or not counts or min(counts) < 1 \
+            or sum(counts) * planner.micro != planner.job.global_batch:
+        return False
+    by_id = planner.cluster.by_id
+    count = 0
+    ids: set[str] = set()
+    for g, _ in cuts:
+        for d in g:
+            if by_id.get(d.id) is not d:
+                return False
+            ids.add(d.id)
+        count += len(g)
+    if len(ids) != count:
+        return False
+    needs = memory_needs(planner.model, planner.micro)
+    num_layers = planner.model.num_layers
+    checked: set[tuple[object, ...]] = set()
+    for (g, _), m, c in zip(cuts, counts, made, strict=True):
+        key = (planner._signature_id(g)[1], c.bounds, c.recompute, m)
+        if key in checked:
+            continue
+        checked.add(key)
+        bounds = c.bounds
+        n = len(g)
+        if len(bounds) != n + 1 or bounds[0] != 0 or bounds[-1] != num_layers:
+            return False
+        for j, d in enumerate(g):
+            a, b = bounds[j], bounds[j + 1]
+            if b <= a:
+                return False
+            flight = m if schedule == "gpipe" else (n - j if n - j < m else m)
+            need_key = (a, b, c.recompute[j], flight, 1)
+            need = needs.get(need_key)
+            if need is None:
+                need = needs[need_key] = stage_memory_mb(
+                    planner.model, Stage(device=d.id, layers=(a, b), recompute=c.recompute[j]),
+                    planner.micro, flight)
+            if need > 1000.0 * d.memory_gb:
+                return False
+    return True
 
 
 def _runs(first: Sequence[int], second: Sequence[int]) -> list[tuple[int, int, int]]:

@@ -28,6 +28,7 @@ import heapq
 import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import chain as chain_from
 
 from .partition import ModelArrays
 from .types import Cluster, Device, Job
@@ -90,11 +91,12 @@ def _chunks(items: Sequence[Device], size: int) -> list[tuple[Device, ...]]:
     return [tuple(items[i:i + size]) for i in range(0, len(items), size)]
 
 
-def _fits_alone(arr: ModelArrays, dev: Device, micro: int) -> bool:
+def _alone_mb(arr: ModelArrays, micro: int) -> float:
+    """MB one device needs to hold the whole model with recompute (a device fits alone
+    when this is at most its memory)."""
     total = arr.num_layers
     params = arr.segment_sum(arr.param, 0, total) * (1 + arr.opt)
-    rc = params + micro * arr.segment_sum(arr.inp, 0, total) + micro * arr.segment_sum(arr.act, 0, total)
-    return rc <= 1000.0 * dev.memory_gb
+    return params + micro * arr.segment_sum(arr.inp, 0, total) + micro * arr.segment_sum(arr.act, 0, total)
 
 
 def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
@@ -109,11 +111,13 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     def add(label: str, groups: Iterable[Sequence[Device]]) -> None:
         split: list[tuple[Device, ...]] = []
         for g in groups:
-            if g:
+            if len(g) > max_stages:
                 split.extend(_chunks(list(g), max_stages))
+            elif g:
+                split.append(g if type(g) is tuple else tuple(g))
         out.append(Structure(label, tuple(split)))
 
-    add("dp", [[d] for d in chain])
+    add("dp", [(d,) for d in chain])
     add("host", by_host.values())
     if len(chain) <= 16:  # deeper single pipelines come from chunks and host pairs
         add("chain", [chain])
@@ -127,16 +131,21 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
         if size < len(chain):
             add(f"chunk-{size}", _chunks(chain, size))
     tiers: dict[tuple[str, int], list[Device]] = {}
+    tier_of: dict[float, int] = {}
     for d in chain:
-        tiers.setdefault((d.host, round(math.log(d.tflops, 1.5))), []).append(d)
+        tier = tier_of.get(d.tflops)
+        if tier is None:
+            tier = tier_of[d.tflops] = round(math.log(d.tflops, 1.5))
+        tiers.setdefault((d.host, tier), []).append(d)
     add("speed-class", tiers.values())
-    fit = [d for d in chain if _fits_alone(arr, d, micro)]
+    need = _alone_mb(arr, micro)
+    fit = [d for d in chain if need <= 1000.0 * d.memory_gb]
     fit_ids = {d.id for d in fit}
     rest: dict[str, list[Device]] = {}
     for d in chain:
         if d.id not in fit_ids:
             rest.setdefault(d.host, []).append(d)
-    add("fit-dp", [[d] for d in fit] + list(rest.values()))
+    add("fit-dp", [(d,) for d in fit] + list(rest.values()))
     by_speed = sorted(chain, key=lambda d: -d.tflops)  # stable: host order within a speed
     for size in _stage_counts(len(chain), max_stages, big):
         add(f"stage-major-{size}", _stage_major(chain, size))
@@ -148,9 +157,9 @@ def structures(cluster: Cluster, devices: Sequence[Device], arr: ModelArrays,
     if every_mapping:
         for i, groups in enumerate(_ordered_partitions(chain)):
             add(f"mapping-{i}", groups)
-    unique: dict[tuple[tuple[str, ...], ...], Structure] = {}
-    for s in out:
-        key = tuple(tuple(d.id for d in g) for g in s.groups)
+    unique: dict[tuple[tuple[int, ...], tuple[int, ...]], Structure] = {}
+    for s in out:  # by the devices' objects (one per id in ``devices``) and group sizes
+        key = (tuple(map(len, s.groups)), tuple(map(id, chain_from(s.groups))))
         unique.setdefault(key, s)
     return list(unique.values())
 
@@ -205,4 +214,4 @@ def balanced_groups(by_speed: Sequence[Device], k: int, slow_first: bool) -> lis
 def _stage_major(devices: Sequence[Device], size: int) -> list[tuple[Device, ...]]:
     """K = n / size pipelines; stage s of every pipeline on devices s*K .. s*K + K - 1."""
     k = len(devices) // size
-    return [tuple(devices[s * k + g] for s in range(size)) for g in range(k)]
+    return [tuple(devices[g:g + size * k:k]) for g in range(k)]

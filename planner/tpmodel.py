@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from . import memos
 from .types import Cluster, Model, Stage
 
 __all__ = [
@@ -41,20 +42,35 @@ def ring_allreduce_s(mb: float, n: int, gbps: float, lat: float) -> float:
     return 2.0 * (n - 1) / n * mb * 8.0 / (1000.0 * gbps) + 2.0 * (n - 1) * lat
 
 
-def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
-    """(F_j, B_j) of one microbatch on the stage (spec 5.1, 5.6), recompute included."""
-    a, b = stage.layers
-    layers = model.layers[a:b]
-    t = stage.tp
-    if t == 1:
-        rate = 1000.0 * cluster.by_id[stage.device].tflops
-        f = micro * sum(layer.fwd_gflop for layer in layers) / rate
-        bk = micro * sum(layer.bwd_gflop for layer in layers) / rate
-        return f, (bk + f if stage.recompute else bk)
-    rate = 1000.0 * min(cluster.by_id[d].tflops for d in stage.devices)
-    gbps, lat = ring(cluster, stage.devices)
+_SUMS: memos.PerModel[tuple[int, int], tuple[float, float]] = memos.PerModel()
+"""Per model: the forward and backward GFLOP of each layer range asked for."""
+_SPLIT_SUMS: memos.PerModel[tuple[object, ...], tuple[float, float, float]] = memos.PerModel()
+"""Per model: a tensor-parallel stage's GFLOP and all-reduce seconds."""
+
+
+def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
+    """(forward, backward) GFLOP of layers [a, b), each summed in layer order from 0, as
+    :func:`stage_op_s` sums them."""
+    sums = _SUMS.table(model)
+    found = sums.get((a, b))
+    if found is None:
+        layers = model.layers[a:b]
+        found = sums[(a, b)] = (sum(layer.fwd_gflop for layer in layers),
+                                sum(layer.bwd_gflop for layer in layers))
+    return found
+
+
+def _split_sums(model: Model, a: int, b: int, t: int, micro: int, gbps: float,
+                lat: float) -> tuple[float, float, float]:
+    """(forward GFLOP, backward GFLOP, all-reduce seconds) per device of layers [a, b)
+    split t ways on a ring of (gbps, lat), summed in layer order from 0."""
+    sums = _SPLIT_SUMS.table(model)
+    key = (a, b, t, micro, gbps, lat)
+    found = sums.get(key)
+    if found is not None:
+        return found
     fwd = bwd = comm = 0.0
-    for layer in layers:
+    for layer in model.layers[a:b]:
         if layer.splits(t):
             share = 1.0 / (t * layer.efficiency(t))
             fwd += layer.fwd_gflop * share
@@ -64,6 +80,23 @@ def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tupl
         else:
             fwd += layer.fwd_gflop
             bwd += layer.bwd_gflop
+    found = sums[key] = (fwd, bwd, comm)
+    return found
+
+
+def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
+    """(F_j, B_j) of one microbatch on the stage (spec 5.1, 5.6), recompute included."""
+    a, b = stage.layers
+    t = stage.tp
+    if t == 1:
+        rate = 1000.0 * cluster.by_id[stage.device].tflops
+        fwd_gflop, bwd_gflop = _gflop(model, a, b)
+        f = micro * fwd_gflop / rate
+        bk = micro * bwd_gflop / rate
+        return f, (bk + f if stage.recompute else bk)
+    rate = 1000.0 * min(cluster.by_id[d].tflops for d in stage.devices)
+    gbps, lat = ring(cluster, stage.devices)
+    fwd, bwd, comm = _split_sums(model, a, b, t, micro, gbps, lat)
     f = micro * fwd / rate + comm
     bk = micro * bwd / rate + comm
     return f, (bk + f if stage.recompute else bk)

@@ -152,7 +152,7 @@ def _judge(cluster: Cluster, model: Model, job: Job, plan: Plan) -> float | None
 def quick_plan(cluster: Cluster, model: Model, job: Job) -> Plan:
     """The v1 search's fastest candidate when it tries device subsets only for its best
     structure (``focus=1``) and skips the exact re-check: what the degree search compares."""
-    found = candidate_plans(cluster, model, job, focus=1)
+    found = candidate_plans(cluster, model, job, focus=1, top=1)
     if not found:
         raise InfeasibleError("no plan fits in memory")
     return min(found, key=lambda c: c.iteration_s).plan

@@ -130,17 +130,30 @@ class Cluster:
             found = self._links[key] = self._link(a, b)
         return found
 
+    @cached_property
+    def _host_of(self) -> dict[str, str]:
+        return {d.id: d.host for d in self.devices}
+
+    @cached_property
+    def _default_links(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """(intra-host, inter-host) (Gbit/s, latency in seconds) of the network."""
+        latency = self.network.latency_us / 1e6
+        return (self.network.intra_host_gbps, latency), (self.network.inter_host_gbps, latency)
+
     def _link(self, a: str, b: str) -> tuple[float, float]:
-        found = self._device_links.get(_pair(a, b))
-        if found is not None:
-            return found
-        da, db = self.by_id[a], self.by_id[b]
-        if da.host != db.host:
-            found = self._host_links.get(_pair(da.host, db.host))
+        if self.network.device_links:
+            found = self._device_links.get(_pair(a, b))
             if found is not None:
                 return found
-            return self.network.inter_host_gbps, self.network.latency_us / 1e6
-        return self.network.intra_host_gbps, self.network.latency_us / 1e6
+        host_of = self._host_of
+        host_a, host_b = host_of[a], host_of[b]
+        if host_a != host_b:
+            if self.network.host_links:
+                found = self._host_links.get(_pair(host_a, host_b))
+                if found is not None:
+                    return found
+            return self._default_links[1]
+        return self._default_links[0]
 
     def without(self, device_ids: set[str] | frozenset[str]) -> Cluster:
         return Cluster(

@@ -8,18 +8,25 @@ import pickle
 import random
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
-from hetpilot.planner import assign
+from hetpilot.planner import assign, catalog
 from hetpilot.planner.refmodel import (
     GroupTimes,
     builtin_makespan_1f1b,
     builtin_makespan_gpipe,
     group_makespan,
     pipeline_makespan,
+    sync_time,
+    sync_time_literal,
 )
 from hetpilot.planner.schedules import Op, inflight, order, warmup_order
+from hetpilot.planner.sync_readings import sync_readings
+from hetpilot.planner.types import Cluster, Group, Stage
+
+from .helpers import random_model
 
 # -- op orders ---------------------------------------------------------------------
 
@@ -292,3 +299,64 @@ def test_water_fill_by_hand() -> None:
     assert assign.water_fill([0.0, 0.0], [1.0, 1.0], [2.0, 2.0], 10) is None
     assert assign.water_fill([0.0, 0.0], [0.0, 1.0], [10.0, 10.0], 10) is None
 
+
+
+# -- gradient sync ---------------------------------------------------------------------
+
+
+def _random_tp_groups(r: random.Random, cluster: Cluster, n_layers: int) -> list[Group]:
+    """Groups of stages of mixed degrees (1, 2, 4 devices of one host), random cuts."""
+    free: dict[str, list[str]] = {}
+    for dev in cluster.devices:
+        free.setdefault(dev.host, []).append(dev.id)
+    groups = []
+    for _ in range(r.randint(2, 5)):
+        n = r.randint(1, min(3, n_layers))
+        bounds = [0, *sorted(r.sample(range(1, n_layers), n - 1)), n_layers]
+        stages = []
+        for j in range(n):
+            host = r.choice([h for h, ids in free.items() if ids] or [""])
+            if not host:
+                return groups
+            t = r.choice([t for t in (1, 2, 4) if t <= len(free[host])])
+            devices = tuple(free[host][:t])
+            del free[host][:t]
+            stages.append(Stage(device=devices[0], devices=devices,
+                                layers=(bounds[j], bounds[j + 1])))
+        groups.append(Group(samples=4, stages=tuple(stages)))
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_sync_readings_are_the_literal_sync_bit_for_bit(seed: int) -> None:
+    """Both readings of the sync from one pass: the literal reference's floats, on plans
+    whose groups split layers differently (degrees 1, 2, 4; unsplittable layers; tp_max)."""
+    r = random.Random(seed)
+    cluster = catalog.make_cluster([(r.choice(list(catalog.DEVICES)), r.choice([4, 8]))
+                                    for _ in range(r.randint(3, 6))],
+                                   slow_links=[(0, 1, 5.0)])
+    base = random_model(r.choice([3, 7, 12]), seed)
+    model = replace(base, layers=tuple(
+        replace(layer, tp_comm_mb=r.uniform(1, 20), tp_max=r.choice([None, 2, 4]),
+                tp_allreduces=2) if r.random() < 0.7 else layer for layer in base.layers))
+    for _ in range(30):
+        groups = _random_tp_groups(r, cluster, model.num_layers)
+        want = (sync_time_literal(cluster, model, groups),
+                sync_time_literal(cluster, model, groups, shared_uplinks=True))
+        assert sync_readings(cluster, model, groups) == want
+        assert (sync_time(cluster, model, groups),
+                sync_time(cluster, model, groups, shared_uplinks=True)) == want
+
+
+def test_sync_time_of_groups_that_do_not_tile_is_the_literal_reading() -> None:
+    """A device in two groups (an invalid plan) still gets the literal reading's sum."""
+    cluster = catalog.make_cluster([("A100", 2), ("A100", 2)])
+    model = random_model(4, 0)
+    ids = [d.id for d in cluster.devices]
+    twice = [Group(samples=4, stages=(Stage(device=ids[0], layers=(0, 2)),
+                                      Stage(device=ids[1], layers=(2, 4)))),
+             Group(samples=4, stages=(Stage(device=ids[0], layers=(0, 4)),)),
+             Group(samples=4, stages=(Stage(device=ids[2], layers=(0, 4)),))]
+    literal = sync_time_literal(cluster, model, twice)
+    assert sync_time(cluster, model, twice) == literal
+    assert sync_readings(cluster, model, twice)[0] != literal  # the one pass assumes a tiling

@@ -12,7 +12,7 @@ from hetpilot.planner import catalog
 from hetpilot.planner.assign import AssignmentLP, assign_microbatches
 from hetpilot.planner.baselines import BASELINES, balanced_cuts, uniform_cuts
 from hetpilot.planner.bruteforce import brute_force
-from hetpilot.planner.errors import InfeasibleError
+from hetpilot.planner.errors import InfeasibleError, InvalidPlanError
 from hetpilot.planner.makespans import exact_makespan, fast_makespan
 from hetpilot.planner.partition import ModelArrays, evaluate_cut, partition_group
 from hetpilot.planner.refmodel import (
@@ -22,11 +22,23 @@ from hetpilot.planner.refmodel import (
     pipeline_makespan,
     stage_memory_mb,
     sync_time,
+    validate_plan,
 )
 from hetpilot.planner.schedules import order
 from hetpilot.planner.search import candidate_plans, make_plan
-from hetpilot.planner.structure_planner import Planner
-from hetpilot.planner.types import Cluster, Device, Job, Layer, Link, Model, Network, Stage
+from hetpilot.planner.structure_planner import Planner, _passes
+from hetpilot.planner.types import (
+    Cluster,
+    Device,
+    Group,
+    Job,
+    Layer,
+    Link,
+    Model,
+    Network,
+    Plan,
+    Stage,
+)
 
 from .helpers import flat_cluster, random_model, spec_cluster, spec_model, uniform_model
 
@@ -436,3 +448,103 @@ def test_carried_descent_starts_afresh_when_the_cluster_changes() -> None:
         best = min([best, *(c.iteration_s for c in descent(slow, model, job, found))])
     assert descent.planned - before > 4 * len(job.schedules)
     assert best <= want * 1.02
+
+
+@pytest.mark.parametrize("top", [1, 3])
+@pytest.mark.parametrize(("hosts", "seed"), [(3, 0), (5, 1), (10, 2), (12, 3)])
+def test_top_k_search_finds_the_same_fastest_plans(hosts: int, seed: int, top: int) -> None:
+    """``top=k`` skips scoring plans provably slower than k already found: the k first
+    candidates in make_plan's order (the TP search's quick plan for k = 1, make_plan's
+    exact re-check for k = 3) are the full search's, on clusters small (every
+    structure) and big (> 64 devices: focus ranking)."""
+    from hetpilot.planner.search import _preference
+
+    r = random.Random(seed)
+    kinds = list(catalog.DEVICES)
+    cluster = catalog.make_cluster([(r.choice(kinds), 8) for _ in range(hosts)])
+    model = random_model(r.choice([12, 24]), seed)
+    job = Job(global_batch=4 * len(cluster.devices), microbatch_size=1)
+    full = sorted(candidate_plans(cluster, model, job, focus=top), key=_preference)
+    quick = sorted(candidate_plans(cluster, model, job, focus=top, top=top), key=_preference)
+    assert [(c.plan, c.iteration_s) for c in quick[:top]] == \
+        [(c.plan, c.iteration_s) for c in full[:top]]
+    assert len(quick) <= len(full)  # slower plans are not scored (where some are)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_planner_vouches_for_a_plan_only_when_validate_plan_passes_it(seed: int) -> None:
+    """The planner skips validate_plan for plans it built when its own check (devices,
+    counts, batch, memory per class of groups) says they pass: on groups cut for one
+    count and given another (memory tight, so some stages no longer fit), a device in two
+    groups or one microbatch too many, its verdict is validate_plan's."""
+    r = random.Random(seed)
+    cluster = catalog.make_cluster([(r.choice(["V100", "T4", "A10G"]), 4) for _ in range(3)])
+    model = random_model(12, seed)
+    model = replace(model, layers=tuple(replace(x, act_mb=x.act_mb * 3) for x in model.layers))
+    job = Job(global_batch=48, microbatch_size=2)
+    planner = Planner(cluster, model, job)
+    devices = list(cluster.devices)
+    verdicts = set()
+    for _ in range(60):
+        r.shuffle(devices)
+        size = r.choice([2, 3, 4])
+        groups = [tuple(devices[i:i + size]) for i in range(0, len(devices), size)]
+        if r.random() < 0.25:  # a device in two groups
+            groups[-1] = (groups[0][0], *groups[-1][1:])
+        schedule = r.choice(["1f1b", "gpipe"])
+        counts = [1] * len(groups)
+        for _ in range(job.microbatches - len(groups) + (r.random() < 0.25)):  # or one too many
+            counts[r.randrange(len(groups))] += 1
+        cuts, made = [], []
+        for g, m in zip(groups, counts, strict=True):
+            cut = planner.cut(g, r.randint(1, 4), schedule)
+            # made at a count up to m: its recompute flags may not hold m in flight
+            at = None if cut is None else planner.at(g, cut.bounds, r.randint(1, m), schedule)
+            if cut is None or at is None:
+                break
+            cuts.append((g, cut))
+            made.append(at)
+        else:
+            plan = Plan(microbatch_size=2, schedule=schedule, groups=tuple(
+                Group(samples=2 * m, stages=tuple(
+                    Stage(device=d.id, layers=(c.bounds[j], c.bounds[j + 1]),
+                          recompute=c.recompute[j]) for j, d in enumerate(g)))
+                for (g, _), m, c in zip(cuts, counts, made, strict=True)))
+            try:
+                validate_plan(cluster, model, plan, job.global_batch)
+                ok = True
+            except InvalidPlanError:
+                ok = False
+            assert _passes(planner, cuts, counts, made, schedule) == ok
+            verdicts.add(ok)
+    assert verdicts == {True, False}
+
+
+def test_group_signatures_are_shared_only_for_a_clusters_own_devices() -> None:
+    """A group's signature (speeds, memory, links) is shared across planners of clusters
+    with the same network and device objects (the TP search's virtual clusters); a device
+    id that another cluster puts on another host gets that cluster's links."""
+    cluster = catalog.make_cluster([("A100", 2), ("A100", 2)], inter_host_gbps=10.0)
+    a, b, c, _ = cluster.devices
+    moved = replace(b, host=c.host)  # b's id, on the other host
+    other = Cluster(devices=(a, moved, *cluster.devices[2:]), network=cluster.network)
+    job = Job(global_batch=8, microbatch_size=1)
+    model = uniform_model(4)
+    first = Planner(cluster, model, job)._signature((a, b))
+    assert Planner(cluster, model, job)._signature((a, b)) == first
+    second = Planner(other, model, job)._signature((a, moved))
+    assert second[1] != first[1] and second[1] == (other.link(a.id, b.id),)
+    assert Planner(other, model, job)._signature((a, b)) == second  # b is not other's own
+
+
+def test_straggler_median_is_statistics_median() -> None:
+    """search's median (kept out of start-up: statistics imports fractions and decimal)
+    is statistics.median's float, odd and even counts."""
+    import statistics
+
+    from hetpilot.planner.search import _median
+
+    r = random.Random(0)
+    for n in [1, 2, 3, 4, 7, 8] * 50:
+        values = [r.choice([r.uniform(0, 400), 312.0, 125.0]) for _ in range(n)]
+        assert _median(values) == statistics.median(values)
