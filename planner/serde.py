@@ -206,6 +206,7 @@ def cluster_from_dict(data: Any, path: str = "cluster") -> Cluster:
             memory_gb=_num(d, "memory_gb", p, positive=True),
             price_per_hour=_num(d, "price_per_hour", p, default=0.0),
             power_watts=_num(d, "power_watts", p, default=0.0),
+            kind=None if d.get("kind") is None else _str(d, "kind", p),
         )
         if dev.id in seen:
             raise ValidationError(f"{p}.id", f"duplicate device id {dev.id!r}")
@@ -266,6 +267,7 @@ def cluster_to_dict(cluster: Cluster) -> dict[str, Any]:
                 "memory_gb": d.memory_gb,
                 "price_per_hour": d.price_per_hour,
                 "power_watts": d.power_watts,
+                **({} if d.kind is None else {"kind": d.kind}),
             }
             for d in cluster.devices
         ],
@@ -331,7 +333,30 @@ def _tp_fields(d: Mapping[str, Any], path: str) -> dict[str, Any]:
                                           f"got {e:g}")
             eff[int(key)] = e
         out["tp_efficiency"] = tuple(sorted(eff.items()))
+    if d.get("kind_scale") is not None:
+        out["kind_scale"] = _kind_scale(d["kind_scale"], f"{path}.kind_scale")
     return out
+
+
+def _kind_scale(data: Any, path: str) -> tuple[tuple[str, tuple[tuple[int, float], ...]], ...]:
+    """A layer's ``kind_scale`` (spec 2): ``{kind: factor}`` or ``{kind: {degree: factor}}``;
+    a plain factor is kept as degree 0 (every degree)."""
+    out = []
+    for kind, value in _obj(data, path).items():
+        kp = f"{path}.{kind}"
+        if not kind.strip():
+            raise ValidationError(kp, "a device kind must be a non-empty string")
+        if isinstance(value, Mapping):
+            factors = []
+            for key, f in value.items():
+                dp = f"{kp}.{key}"
+                if not (isinstance(key, str) and key.isdigit() and int(key) >= 1):
+                    raise ValidationError(dp, f"keys must be degrees >= 1 as strings, got {key!r}")
+                factors.append((int(key), check_number(f, dp, positive=True)))
+            out.append((kind, tuple(sorted(factors))))
+        else:
+            out.append((kind, ((0, check_number(value, kp, positive=True)),)))
+    return tuple(out)
 
 
 def _layer_to_dict(layer: Layer) -> dict[str, Any]:
@@ -350,6 +375,9 @@ def _layer_to_dict(layer: Layer) -> dict[str, Any]:
             out["tp_max"] = layer.tp_max
         if layer.tp_efficiency:
             out["tp_efficiency"] = {str(k): v for k, v in layer.tp_efficiency}
+    if layer.kind_scale:
+        out["kind_scale"] = {k: f[0][1] if f and f[0][0] == 0 else {str(d): x for d, x in f}
+                             for k, f in layer.kind_scale}
     return out
 
 

@@ -46,6 +46,8 @@ _SUMS: memos.PerModel[tuple[int, int], tuple[float, float]] = memos.PerModel()
 """Per model: the forward and backward GFLOP of each layer range asked for."""
 _SPLIT_SUMS: memos.PerModel[tuple[object, ...], tuple[float, float, float]] = memos.PerModel()
 """Per model: a tensor-parallel stage's GFLOP and all-reduce seconds."""
+_SCALED: memos.PerModel[tuple[object, ...], tuple[float, float]] = memos.PerModel()
+"""Per model with ``kind_scale``: a stage's (F_j, B_j) without recompute."""
 
 
 def _gflop(model: Model, a: int, b: int) -> tuple[float, float]:
@@ -86,6 +88,9 @@ def _split_sums(model: Model, a: int, b: int, t: int, micro: int, gbps: float,
 
 def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
     """(F_j, B_j) of one microbatch on the stage (spec 5.1, 5.6), recompute included."""
+    if model.kind_scaled:
+        f, bk = _scaled_op_s(cluster, model, stage, micro)
+        return f, (bk + f if stage.recompute else bk)
     a, b = stage.layers
     t = stage.tp
     if t == 1:
@@ -100,6 +105,41 @@ def stage_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tupl
     f = micro * fwd / rate + comm
     bk = micro * bwd / rate + comm
     return f, (bk + f if stage.recompute else bk)
+
+
+def _scaled_op_s(cluster: Cluster, model: Model, stage: Stage, micro: int) -> tuple[float, float]:
+    """:func:`stage_op_s` without recompute, with layers' ``kind_scale`` (spec 5.1, 5.6):
+    each device's compute is its layers' work times the factor of its kind at the degree
+    each layer runs at (t when split, else 1); the stage's forward (backward) takes its
+    slowest device's."""
+    a, b = stage.layers
+    t = stage.tp
+    devices = frozenset((d.kind, d.tflops) for d in (cluster.by_id[x] for x in stage.devices))
+    gbps, lat = ring(cluster, stage.devices) if t > 1 else (0.0, 0.0)
+    table = _SCALED.table(model)
+    key = (a, b, t, micro, devices, gbps, lat)
+    found = table.get(key)
+    if found is not None:
+        return found
+    layers = model.layers[a:b]
+    comm = 0.0
+    if t > 1:
+        comm = sum(layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t, gbps, lat)
+                   for layer in layers if layer.splits(t) and layer.tp_comm_mb is not None)
+    f = bk = 0.0
+    for kind, tflops in devices:
+        fwd = bwd = 0.0
+        for layer in layers:
+            if layer.splits(t):
+                share = layer.scale(kind, t) / (t * layer.efficiency(t))
+            else:
+                share = layer.scale(kind, 1)
+            fwd += layer.fwd_gflop * share
+            bwd += layer.bwd_gflop * share
+        f = max(f, micro * fwd / (1000.0 * tflops))
+        bk = max(bk, micro * bwd / (1000.0 * tflops))
+    found = table[key] = (f + comm, bk + comm)
+    return found
 
 
 def boundary_s(cluster: Cluster, model: Model, sender: Stage, receiver: Stage,

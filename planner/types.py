@@ -62,6 +62,8 @@ class Device:
     """Memory training may use, decimal GB."""
     price_per_hour: float = 0.0
     power_watts: float = 0.0
+    kind: str | None = None
+    """The device's kind ("A100-40"), which a layer's ``kind_scale`` names (spec 1, 2)."""
 
     def cost(self, kind: str) -> float:
         return float(getattr(self, kind))
@@ -184,6 +186,21 @@ class Layer:
     tp_efficiency: tuple[tuple[int, float], ...] = ()
     """(degree, fraction of the ideal speed-up the split compute reaches), by degree;
     degrees not named reach 1."""
+    kind_scale: tuple[tuple[str, tuple[tuple[int, float], ...]], ...] = ()
+    """(device kind, ((degree, factor), ...)) by kind: the factor multiplies the layer's
+    compute time on a device of that kind when it runs at that degree (spec 2, 5.1);
+    degree 0 stands for every degree (the key's plain-number form); kinds and degrees
+    not named take 1."""
+
+    def scale(self, kind: str | None, degree: int) -> float:
+        """The factor on this layer's compute time on a device of ``kind`` at ``degree``."""
+        for k, factors in self.kind_scale:
+            if k == kind:
+                for d, f in factors:
+                    if d == degree or d == 0:
+                        return f
+                return 1.0
+        return 1.0
 
     def splits(self, degree: int) -> bool:
         """Whether a stage of ``degree`` devices splits this layer (else each device runs it whole)."""
@@ -202,6 +219,11 @@ class Model:
     name: str
     layers: tuple[Layer, ...]
     optimizer_factor: float = 3.0
+
+    @cached_property
+    def kind_scaled(self) -> bool:
+        """Whether some layer carries a ``kind_scale`` (else spec 5.1's one rate per device)."""
+        return any(layer.kind_scale for layer in self.layers)
 
     @property
     def num_layers(self) -> int:

@@ -1,0 +1,135 @@
+"""Per-kind layer times (spec 2 ``kind_scale``, 5.1, 5.6): hand-derived times, validation,
+and v1 files unchanged. The two-device numbers are the worked example of docs/spec.md 5.1."""
+
+from __future__ import annotations
+
+import pytest
+from hetpilot.planner import serde
+from hetpilot.planner.errors import ValidationError
+from hetpilot.planner.refmodel import evaluate, group_op_times
+
+from .helpers import example
+
+CLUSTER = {"devices": [
+    {"id": "a:0", "host": "a", "tflops": 10.0, "memory_gb": 16.0, "kind": "A100"},
+    {"id": "b:0", "host": "b", "tflops": 5.0, "memory_gb": 16.0, "kind": "V100"},
+    {"id": "b:1", "host": "b", "tflops": 5.0, "memory_gb": 16.0, "kind": "V100"},
+], "network": {"intra_host_gbps": 800.0, "inter_host_gbps": 100.0}}
+
+LAYERS = [
+    {"fwd_gflop": 10.0, "bwd_gflop": 20.0, "out_mb": 10.0, "act_mb": 10.0, "param_mb": 10.0},
+    {"fwd_gflop": 10.0, "bwd_gflop": 20.0, "out_mb": 10.0, "act_mb": 10.0, "param_mb": 10.0,
+     "kind_scale": {"V100": 2.0}},
+]
+
+
+def _plan(first: str, second: str) -> serde.Plan:
+    return serde.plan_from_dict({"microbatch_size": 1, "schedule": "gpipe", "groups": [
+        {"samples": 2, "stages": [{"device": first, "layers": [0, 1]},
+                                  {"device": second, "layers": [1, 2]}]}]})
+
+
+def test_two_device_plan_by_hand() -> None:
+    cluster = serde.cluster_from_dict(CLUSTER)
+    model = serde.model_from_dict({"layers": LAYERS})
+    plan = _plan("a:0", "b:0")
+    times = group_op_times(cluster, model, plan.groups[0], 1)
+    # stage 0 on the A100 (no factor): 10 / 10000, 20 / 10000; stage 1 on the V100, layer 1
+    # x 2: 10 * 2 / 5000, 20 * 2 / 5000; the boundary 10 * 8 / 100000
+    assert times.fwd == pytest.approx((0.001, 0.004), rel=1e-12)
+    assert times.bwd == pytest.approx((0.002, 0.008), rel=1e-12)
+    assert times.comm == pytest.approx((0.0008,), rel=1e-12)
+    # gpipe, M = 2: stage 1 runs F0 .0018-.0058, F1 -.0098, B0 -.0178, B1 -.0258; the
+    # gradients reach stage 0 at .0186 and .0266; its B1 ends at .0286
+    assert evaluate(cluster, model, plan, 2).iteration_s == pytest.approx(0.0286, rel=1e-12)
+    # the other order leaves the factor unused (layer 1 on the A100): stage 0 F .002 B .004,
+    # stage 1 F .001 B .002; stage 0's B1 runs .0126-.0166
+    assert evaluate(cluster, model, _plan("b:0", "a:0"), 2).iteration_s == pytest.approx(
+        0.0166, rel=1e-12)
+
+
+def test_without_the_key_the_one_rate_reading() -> None:
+    cluster = serde.cluster_from_dict(CLUSTER)
+    model = serde.model_from_dict({"layers": [{k: v for k, v in layer.items()
+                                               if k != "kind_scale"} for layer in LAYERS]})
+    assert not model.kind_scaled
+    # v1: both orders take .0166 (stage 1 on the V100: F .002, B .004)
+    for first, second in (("a:0", "b:0"), ("b:0", "a:0")):
+        assert evaluate(cluster, model, _plan(first, second), 2).iteration_s == pytest.approx(
+            0.0166, rel=1e-12)
+
+
+def test_factor_per_degree_on_a_tp_stage() -> None:
+    cluster = serde.cluster_from_dict(CLUSTER)
+    layers = [{**LAYERS[0], "tp_comm_mb": 0.0, "kind_scale": {"V100": {"1": 3.0, "2": 1.5}}},
+              {**LAYERS[1], "kind_scale": {"V100": {"2": 4.0}}}]
+    model = serde.model_from_dict({"layers": layers})
+    plan = serde.plan_from_dict({"microbatch_size": 2, "schedule": "gpipe", "groups": [
+        {"samples": 2, "stages": [{"devices": ["b:0", "b:1"], "layers": [0, 2]}]}]})
+    times = group_op_times(cluster, model, plan.groups[0], 2)
+    # layer 0 split 2 ways at the degree-2 factor 1.5 (its all-reduce moves 0 MB: 0 s);
+    # layer 1 is not split (no tp_comm_mb), runs whole at degree 1's factor, unnamed: 1
+    assert times.fwd[0] == pytest.approx(2 * (10.0 * 1.5 / 2 + 10.0) / 5000, rel=1e-12)
+    assert times.bwd[0] == pytest.approx(2 * (20.0 * 1.5 / 2 + 20.0) / 5000, rel=1e-12)
+
+
+def test_slowest_kind_of_a_mixed_stage_sets_the_pace() -> None:
+    data = {**CLUSTER, "devices": [*CLUSTER["devices"],
+                                   {"id": "b:2", "host": "b", "tflops": 6.0, "memory_gb": 16.0}]}
+    cluster = serde.cluster_from_dict(data)
+    model = serde.model_from_dict({"layers": LAYERS})
+    plan = serde.plan_from_dict({"microbatch_size": 1, "schedule": "gpipe", "groups": [
+        {"samples": 1, "stages": [{"devices": ["b:2", "b:0"], "layers": [0, 2]}]}]})
+    times = group_op_times(cluster, model, plan.groups[0], 1)
+    # no layer splits: each device runs both whole; b:2 (no kind) 20 / 6000, b:0 30 / 5000
+    assert times.fwd[0] == pytest.approx(30.0 / 5000, rel=1e-12)
+    assert times.bwd[0] == pytest.approx(60.0 / 5000, rel=1e-12)
+
+
+def test_round_trip_keeps_both_forms() -> None:
+    layers = [LAYERS[0], {**LAYERS[1], "kind_scale": {"V100": 2.0, "A100": {"1": 0.5, "4": 2.0}}}]
+    model = serde.model_from_dict({"layers": layers})
+    again = serde.model_from_dict(serde.model_to_dict(model))
+    assert again == model
+    assert serde.model_to_dict(model)["layers"][1]["kind_scale"] == {
+        "V100": 2.0, "A100": {"1": 0.5, "4": 2.0}}
+    assert "kind_scale" not in serde.model_to_dict(model)["layers"][0]
+    cluster = serde.cluster_from_dict(CLUSTER)
+    assert serde.cluster_from_dict(serde.cluster_to_dict(cluster)) == cluster
+    assert model.layers[1].scale("A100", 4) == 2.0
+    assert model.layers[1].scale("A100", 2) == 1.0
+    assert model.layers[1].scale("V100", 8) == 2.0
+    assert model.layers[1].scale(None, 1) == 1.0
+
+
+@pytest.mark.parametrize(("value", "field"), [
+    ({"V100": 0}, "model.layers[1].kind_scale.V100"),
+    ({"V100": -1.0}, "model.layers[1].kind_scale.V100"),
+    ({"V100": "x"}, "model.layers[1].kind_scale.V100"),
+    ({"V100": {"0": 1.0}}, "model.layers[1].kind_scale.V100.0"),
+    ({"V100": {"two": 1.0}}, "model.layers[1].kind_scale.V100.two"),
+    ({"V100": {"2": float("inf")}}, "model.layers[1].kind_scale.V100.2"),
+    ({" ": 1.0}, "model.layers[1].kind_scale. "),
+    ([1.0], "model.layers[1].kind_scale"),
+])
+def test_bad_kind_scale_names_the_field(value: object, field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        serde.model_from_dict({"layers": [LAYERS[0], {**LAYERS[1], "kind_scale": value}]})
+    assert err.value.field == field
+
+
+@pytest.mark.parametrize("kind", ["", 3, ["A100"]])
+def test_bad_device_kind_names_the_field(kind: object) -> None:
+    data = {**CLUSTER, "devices": [{**CLUSTER["devices"][0], "kind": kind}]}
+    with pytest.raises(ValidationError) as err:
+        serde.cluster_from_dict(data)
+    assert err.value.field == "cluster.devices[0].kind"
+
+
+def test_v1_files_write_no_new_key() -> None:
+    cluster = serde.cluster_from_dict(example("cluster.json"))
+    model = serde.model_from_dict(example("model.json"))
+    assert all(d.kind is None for d in cluster.devices)
+    assert not model.kind_scaled
+    assert all("kind" not in d for d in serde.cluster_to_dict(cluster)["devices"])
+    assert all("kind_scale" not in x for x in serde.model_to_dict(model)["layers"])
