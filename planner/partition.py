@@ -56,19 +56,26 @@ _STAGE_COSTS_BYTES = 256 * 1024 * 1024
 
 
 class ModelArrays:
-    """Prefix sums over a model's layers, for O(1) segment sums."""
+    """Prefix sums over a model's layers, for O(1) segment sums; with ``kind``, the work
+    sums are those of a device of that kind (each layer's ``kind_scale`` at degree 1)."""
 
-    def __init__(self, model: Model) -> None:
+    def __init__(self, model: Model, kind: str | None = None) -> None:
         layers = model.layers
         self.model = model
         self.num_layers = len(layers)
         self.opt = model.optimizer_factor
+        self.scaled = model.kind_scaled
+        """Whether device kinds change the work sums (:meth:`of`)."""
+        self._kinds: dict[str | None, ModelArrays] = {None: self} if kind is None else {}
 
         def cum(values: Sequence[float]) -> np.ndarray:
             return np.concatenate(([0.0], np.cumsum(np.asarray(values, dtype=float))))
 
-        self.fwd = cum([x.fwd_gflop for x in layers])
-        self.bwd = cum([x.bwd_gflop for x in layers])
+        scale = [x.scale(kind, 1) for x in layers] if kind is not None else [1.0] * len(layers)
+        self.fwd = cum([x.fwd_gflop * s if kind is not None else x.fwd_gflop
+                        for x, s in zip(layers, scale, strict=True)])
+        self.bwd = cum([x.bwd_gflop * s if kind is not None else x.bwd_gflop
+                        for x, s in zip(layers, scale, strict=True)])
         self.act = cum([x.act_mb for x in layers])
         self.param = cum([x.param_mb for x in layers])
         # in_mb of layer l is out_mb of layer l-1 (0 for layer 0)
@@ -88,12 +95,22 @@ class ModelArrays:
     def times_memo(self, devices: Sequence[Device], links: Sequence[tuple[float, float]],
                    micro: int) -> dict[tuple[object, ...], _Times]:
         """The :attr:`group_times` memo of one group (bounded: cleared when large)."""
-        key = (tuple((d.tflops, d.memory_gb) for d in devices), tuple(links), micro)
+        key = (tuple((d.tflops, d.memory_gb, d.kind) if self.scaled else (d.tflops, d.memory_gb)
+                     for d in devices), tuple(links), micro)
         found = self.group_times.get(key)
         if found is None or len(found) >= 4096:
             if len(self.group_times) >= 4096:
                 self.group_times.clear()
             found = self.group_times[key] = {}
+        return found
+
+    def of(self, kind: str | None) -> ModelArrays:
+        """The arrays a device of ``kind`` reads: these without ``kind_scale`` (spec 5.1)."""
+        if not self.scaled:
+            return self
+        found = self._kinds.get(kind)
+        if found is None:
+            found = self._kinds[kind] = ModelArrays(self.model, kind)
         return found
 
     @cached_property
@@ -129,8 +146,10 @@ def _stage_cost_matrices(
     """Per segment [a, b): bottleneck cost and fill-and-drain sum (inf where it cannot
     fit), as matrices transposed for the DP (row b, column a).
 
-    Memoised per model on everything they depend on (groups of one cluster share a
-    few device kinds and links); the arrays returned are shared, never written."""
+    Memoised per model (and device kind, :meth:`ModelArrays.of`) on everything they
+    depend on (groups of one cluster share a few device kinds and links); the arrays
+    returned are shared, never written."""
+    arr = arr.of(dev.kind)
     key = (dev.tflops, dev.memory_gb, link, micro, in_flight)
     found = arr.stage_costs.get(key)
     if found is None:
@@ -245,6 +264,8 @@ def _times_for(
     opt = 1.0 + arr.opt
     last = len(devices) - 1
     for j, dev in enumerate(devices):
+        if arr.scaled:
+            c_fwd, c_bwd = arr.of(dev.kind).lists[:2]
         a, b = bounds[j], bounds[j + 1]
         f = c_fwd[b] - c_fwd[a]
         bk = c_bwd[b] - c_bwd[a]
@@ -333,7 +354,7 @@ def _dp_cuts(
     depend on: groups of the same device kinds and links recur with another M."""
     n_stages = len(devices)
     keys = tuple((dev.tflops, dev.memory_gb, links[j] if j + 1 < n_stages else None, micro,
-                  flights[j]) for j, dev in enumerate(devices))
+                  flights[j], dev.kind if arr.scaled else None) for j, dev in enumerate(devices))
     if keys in arr.dp_cuts:
         return arr.dp_cuts[keys]
     bottle, fill = [], []  # transposed
@@ -402,8 +423,9 @@ def exhaustive_cuts(
     ok = np.ones(lo.shape[0], dtype=bool)
     for j, dev in enumerate(devices):
         a, b = lo[:, j], hi[:, j]
-        f = arr.fwd[b] - arr.fwd[a]
-        bk = arr.bwd[b] - arr.bwd[a]
+        work = arr.of(dev.kind)
+        f = work.fwd[b] - work.fwd[a]
+        bk = work.bwd[b] - work.bwd[a]
         params = (arr.param[b] - arr.param[a]) * (1.0 + arr.opt)
         act = arr.act[b] - arr.act[a]
         cap = 1000.0 * dev.memory_gb

@@ -1,7 +1,8 @@
 """Group signatures: what a pipeline group's cut and makespan depend on.
 
 A group's signature is its devices' (TFLOP/s, memory) and the links between
-consecutive devices, in stage order. The planner keys its memos of cuts and
+consecutive devices, in stage order; for a model with ``kind_scale`` (spec 5.1)
+also each device's kind. The planner keys its memos of cuts and
 makespans on it, and tells groups apart by a small int per distinct signature
 (:meth:`GroupSignatures.of`) rather than hashing signatures again. Signatures of
 groups of a cluster's own devices are also kept process-wide by the network's
@@ -19,7 +20,7 @@ from .types import Cluster, Device, Network
 
 __all__ = ["GroupSignatures"]
 
-Signature = tuple[tuple[tuple[float, float], ...], tuple[tuple[float, float], ...]]
+Signature = tuple[tuple[tuple[object, ...], ...], tuple[tuple[float, float], ...]]
 
 _SHARED: dict[tuple[int, ...], tuple[Signature, tuple[Device, ...], Network]] = {}
 """Signatures by the ids of the network and the devices, all held in the value."""
@@ -32,8 +33,10 @@ class GroupSignatures:
     One thread at a time (each search's planner makes its own): the numbering is
     not guarded."""
 
-    def __init__(self, cluster: Cluster) -> None:
+    def __init__(self, cluster: Cluster, kinds: bool = False) -> None:
         self.cluster = cluster
+        self._kinds = kinds
+        """Whether devices' kinds tell signatures apart (the model has ``kind_scale``)."""
         self.speeds: list[float] = []
         """Per signature number: its devices' TFLOP/s summed in stage order."""
         self._by_ids: dict[tuple[int, ...], tuple[Signature, int, tuple[Device, ...]]] = {}
@@ -69,12 +72,14 @@ class GroupSignatures:
     def _shared(self, devs: Sequence[Device], key: tuple[int, ...]) -> Signature:
         owned = len(devs) > 1 and all(map(self._own.__contains__, key))
         if owned:
-            held = _SHARED.get((self._network_id, *key))
+            held = _SHARED.get((self._network_id, self._kinds, *key))
             if held is not None:  # the objects are held by the entry: the ids are theirs
                 return held[0]
-        sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+        sig: Signature = (tuple((d.tflops, d.memory_gb, d.kind) if self._kinds
+                                else (d.tflops, d.memory_gb) for d in devs), self.links(devs))
         if owned:
             if len(_SHARED) >= 50_000:
                 _SHARED.clear()
-            _SHARED[(self._network_id, *key)] = (sig, tuple(devs), self.cluster.network)
+            _SHARED[(self._network_id, self._kinds, *key)] = (sig, tuple(devs),
+                                                              self.cluster.network)
         return sig

@@ -109,7 +109,7 @@ class Planner:
         self._key = (model_token(model), self.micro)
         self._big = len(cluster.devices) > BIG_CLUSTER  # rank cuts by the proxy only
         self._thorough = len(cluster.devices) <= _THOROUGH_CLUSTER  # every cut of <= 4 stages
-        self.sigs = GroupSignatures(cluster)
+        self.sigs = GroupSignatures(cluster, kinds=model.kind_scaled)
 
     def links(self, devs: Sequence[Device]) -> tuple[tuple[float, float], ...]:
         return self.sigs.links(devs)

@@ -7,6 +7,8 @@ import pytest
 from hetpilot.planner import serde
 from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.refmodel import evaluate, group_op_times
+from hetpilot.planner.search import make_plan
+from hetpilot.planner.types import Job
 
 from .helpers import example
 
@@ -133,3 +135,27 @@ def test_v1_files_write_no_new_key() -> None:
     assert not model.kind_scaled
     assert all("kind" not in d for d in serde.cluster_to_dict(cluster)["devices"])
     assert all("kind_scale" not in x for x in serde.model_to_dict(model)["layers"])
+
+
+def test_cut_search_reads_the_factors() -> None:
+    """Two devices that each hold two of four layers: the V100 is 4x slow at the last layer
+    and 4x fast at the first. The search puts the V100 first with layers 0-1; planned on
+    one rate per device it gives the V100 the last layer, 3x slower by the judge."""
+    cluster = serde.cluster_from_dict({**CLUSTER, "devices": [
+        {**d, "memory_gb": 13.0} for d in CLUSTER["devices"][:2]]})
+    layers = [{"fwd_gflop": 10.0, "bwd_gflop": 20.0, "out_mb": 1.0, "act_mb": 10.0,
+               "param_mb": 1000.0} for _ in range(4)]
+    layers[0]["kind_scale"] = {"V100": {"1": 0.25}}
+    layers[3]["kind_scale"] = {"V100": 4.0}
+    model = serde.model_from_dict({"layers": layers})
+    job = Job(global_batch=8, microbatch_size=1, schedules=("1f1b",))
+    plan = make_plan(cluster, model, job)
+    assert [(s.device, s.layers) for s in plan.groups[0].stages] == [("b:0", (0, 2)),
+                                                                      ("a:0", (2, 4))]
+    # 1f1b, M = 8: b:0 F .002 (10 * .25 + 10) / 5000, B .005; a:0 F .002, B .004;
+    # boundary .00008; the search's prediction is the judge's time
+    assert plan.predicted_iteration_s == evaluate(cluster, model, plan, 8).iteration_s
+    one_rate = serde.model_from_dict({"layers": [{k: v for k, v in x.items() if k != "kind_scale"}
+                                                 for x in layers]})
+    other = make_plan(cluster, one_rate, job)
+    assert evaluate(cluster, model, other, 8).iteration_s > 2.5 * plan.predicted_iteration_s
