@@ -253,13 +253,16 @@ def _tp_comm_mb(prof_by_kind: dict[str, dict], mbs: int, gbps: float) -> float:
 
 def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
                     tensor_parallel: bool, memory_margin_gb: float = 0.0,
-                    link_scale: float = 1.0, intra_host: str = "auto") -> tuple[Cluster, Model]:
+                    link_scale: float = 1.0, intra_host: str = "auto",
+                    kind_scale: bool = True) -> tuple[Cluster, Model]:
     """hetpilot's cluster and model for one trace row and microbatch size.
 
     ``intra_host`` is what the links inside a node run at: ``"nvlink"`` Sailor's
     intra-node fit (``intra_node_bandwidths.json``, the V100's, the slower, at four
     GPUs), ``"inter"`` the V100's inter-node fit, ``"auto"`` the first with
-    ``tensor_parallel`` and the second without (bench/RESULTS-sailor.md says why)."""
+    ``tensor_parallel`` and the second without (bench/RESULTS-sailor.md says why).
+    ``kind_scale``: devices carry their kind and layers Sailor's per-kind, per-degree
+    times as ``kind_scale`` factors (:func:`_kind_scales`); else one rate per device."""
     prof = sailor.profiles[MODEL]
     info = sailor.llm_info[MODEL]["1"]
     n_layers = len(info)
@@ -304,7 +307,8 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
             host = f"{kind[0].lower()}{h}"
             hosts.append(host)
             devices += [{"id": f"{host}:{g}", "host": host, "tflops": tflops,
-                         "memory_gb": memory} for g in range(GPUS_PER_NODE)]
+                         "memory_gb": memory, **({"kind": kind} if kind_scale else {})}
+                        for g in range(GPUS_PER_NODE)]
     if intra_host not in INTRA_HOST:
         raise ValueError(f"intra_host: {intra_host!r} is not one of {', '.join(INTRA_HOST)}")
     if intra_host == "nvlink" or (intra_host == "auto" and tensor_parallel):
@@ -323,10 +327,51 @@ def hetpilot_inputs(sailor: Sailor, row: dict[str, int], mbs: int, *,
         "host_links": host_links}})
     if tensor_parallel:
         comm = _tp_comm_mb({k: prof[k].get(str(mbs), {}) for k in KINDS}, mbs, intra)
+        layers = [{**layer, "tp_comm_mb": comm} for layer in layers]
+    if kind_scale:
+        nominal = {kind: total(kind) / total(KINDS[0]) for kind in KINDS}
+        layers = _kind_scales(prof, layers, mbs, nominal, intra, tensor_parallel)
+    if tensor_parallel or kind_scale:
         model = serde.model_from_dict({"name": MODEL, "optimizer_factor": OPTIMIZER_FACTOR,
-                                       "layers": [{**layer, "tp_comm_mb": comm}
-                                                  for layer in layers]})
+                                       "layers": layers})
     return cluster, model
+
+
+def _kind_scales(prof: dict, layers: list[dict[str, Any]], mbs: int, nominal: dict[str, float],
+                 intra_gbps: float, tensor_parallel: bool) -> list[dict[str, Any]]:
+    """Layers with ``kind_scale`` (spec 2): per kind and degree, the factor that makes spec
+    5.1 / 5.6's compute time of the layer equal Sailor's profiled forward + backward.
+
+    The converted layer's nominal time on a device of ``kind`` at TP 1 is its A100 time
+    times ``nominal[kind]`` (the whole-model ratio the device's tflops carry); at degree
+    t a split layer's nominal compute is that over t, and its all-reduces (spec 5.6 on
+    the links inside a node) come off the profiled time first, so the fitted
+    ``tp_comm_mb`` keeps its part. A V100 not profiled at TP 1 for this microbatch size
+    takes twice its time at mbs / 2, as :func:`hetpilot_inputs`' rate does."""
+    ref = prof[KINDS[0]][str(mbs)]["1"]
+    scales: list[dict[str, dict[str, float]]] = [{} for _ in layers]
+    for kind in KINDS:
+        tables = dict(prof[kind].get(str(mbs), {}))
+        if "1" not in tables and str(mbs // 2) in prof[kind]:
+            tables["1"] = {k: [2 * v[0], 2 * v[1], v[2]]
+                           for k, v in prof[kind][str(mbs // 2)]["1"].items()}
+        degrees = sorted(int(t) for t in tables if tensor_parallel or t == "1")
+        for i, layer in enumerate(layers):
+            base = (ref[str(i)][0] + ref[str(i)][1]) * nominal[kind]
+            if base <= 0:
+                continue
+            for t in degrees:
+                split = t > 1 and layer.get("tp_comm_mb") is not None and t <= layer["tp_max"]
+                if t > 1 and not split:  # the layer runs whole there: degree 1's factor
+                    continue
+                measured = tables[str(t)][str(i)][0] + tables[str(t)][str(i)][1]
+                comm = (2 * layer["tp_allreduces"] * 2 * (t - 1) / t * mbs * layer["tp_comm_mb"]
+                        * 8.0 / (1000.0 * intra_gbps)) if split else 0.0
+                # an all-reduce fit above the profile leaves at least a tenth of the ideal split
+                factor = max(measured - comm, 0.1 * base / t) / (base / t if split else base)
+                if not math.isclose(factor, 1.0, rel_tol=1e-9):
+                    scales[i].setdefault(kind, {})[str(t)] = factor
+    return [{**layer, "kind_scale": s} if s else layer for layer, s in zip(layers, scales, strict=True)]
 
 
 def sailor_plan(plan: Plan, cluster: Cluster, *, merge: str) -> tuple[dict, list[int]]:
@@ -412,7 +457,7 @@ def _profiled(sailor: Sailor, plan: Plan, cluster: Cluster) -> bool:
 
 def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
                   tensor_parallel: bool, link_scale: float = 1.0,
-                  intra_host: str = "auto") -> dict[str, Any]:
+                  intra_host: str = "auto", kind_scale: bool = True) -> dict[str, Any]:
     from hetpilot.planner.tpsearch import make_tp_plan
 
     best: dict[str, Any] = {}
@@ -422,7 +467,7 @@ def hetpilot_best(sailor: Sailor, row: dict[str, int], micros: list[int], *,
         for margin in (0.0, 1.0, 2.0):  # replan with less memory if Sailor's check refuses
             cluster, model = hetpilot_inputs(sailor, row, mbs, tensor_parallel=tensor_parallel,
                                              memory_margin_gb=margin, link_scale=link_scale,
-                                             intra_host=intra_host)
+                                             intra_host=intra_host, kind_scale=kind_scale)
             job = Job(global_batch=BATCH, microbatch_size=mbs, schedules=("1f1b",),
                       tensor_parallel=tensor_parallel)
             start = time.process_time()
@@ -487,6 +532,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--intra-host", choices=INTRA_HOST, default="auto",
                     help="the links inside a node: Sailor's intra-node fit (nvlink), its "
                          "inter-node fit (inter), or nvlink with TP and inter without (auto)")
+    ap.add_argument("--kind-scale", choices=("on", "off"), default="on",
+                    help="layers carry Sailor's per-kind, per-degree times as kind_scale (on) "
+                         "or each device one rate (off, the third round's converter)")
     ap.add_argument("--sailor-cache", type=Path,
                     help="a folder keeping Sailor's plans by commit and cluster, so reruns "
                          "skip Sailor's planner")
@@ -525,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             again = sailor.sailor_time(splan, micro)  # our per-pipeline timing agrees
             assert math.isclose(again, st, rel_tol=1e-9), (again, st)
             cluster, model = hetpilot_inputs(sailor, row, splan["mbs"], tensor_parallel=True,
-                                             intra_host=args.intra_host)
+                                             intra_host=args.intra_host,
+                                             kind_scale=args.kind_scale == "on")
             own = evaluate(cluster, model, from_sailor(splan, cluster), BATCH)
             out["sailor"] = {"iteration_s": st, "search_s": search_s, "mbs": splan["mbs"],
                              "in_hetpilot_model_s": own.iteration_s, "valid": own.valid,
@@ -533,7 +582,8 @@ def main(argv: list[str] | None = None) -> int:
                              "stages": stages["num_stages"], "dp": stages["dp"],
                              "tp": sorted({c[1] for s in stages["tmp_per_stage"] for c in s})}
         out["hetpilot"] = hetpilot_best(sailor, row, micros, tensor_parallel=not args.no_tp,
-                                        link_scale=args.link_scale, intra_host=args.intra_host)
+                                        link_scale=args.link_scale, intra_host=args.intra_host,
+                                        kind_scale=args.kind_scale == "on")
         if "sailor" in out and "sailor_s" in out["hetpilot"]:
             out["ratio"] = out["hetpilot"]["sailor_s"] / out["sailor"]["iteration_s"]
             out["own_choice_ratio"] = (out["hetpilot"]["own_choice"]["sailor_s"]
