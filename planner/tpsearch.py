@@ -74,22 +74,27 @@ class TPChoice:
 
     cluster: Cluster
     members: dict[str, tuple[str, ...]]
+    model: Model
+    """The model the v1 planner times the virtual devices with: the real one, or with
+    ``kind_scale`` (spec 5.1) also each group's per-layer time (:func:`virtual_cluster`)."""
 
 
-def _rate(model: Model, tflops: float, t: int, gbps: float, lat: float, micro: int) -> float:
-    """TFLOP/s at which a group of t devices runs the whole model (forward and backward
-    of one microbatch, all-reduces included), counting the model's unsplit GFLOP."""
+def _rate(model: Model, tflops: float, t: int, gbps: float, lat: float, micro: int,
+          kind: str | None = None) -> float:
+    """TFLOP/s at which a group of t devices (of ``kind``) runs the whole model (forward
+    and backward of one microbatch, all-reduces included), counting the model's unsplit
+    GFLOP."""
     work = total = comm = 0.0
     for layer in model.layers:
         gflop = layer.fwd_gflop + layer.bwd_gflop
         total += gflop
         if layer.splits(t):
-            work += gflop / (t * layer.efficiency(t))
+            work += gflop * layer.scale(kind, t) / (t * layer.efficiency(t))
             assert layer.tp_comm_mb is not None
             comm += 2 * layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t,
                                                                gbps, lat)
         else:
-            work += gflop
+            work += gflop * layer.scale(kind, 1)
     seconds = micro * work / (1000.0 * tflops) + comm
     return micro * total / (1000.0 * seconds) if seconds > 0 else tflops
 
@@ -112,6 +117,7 @@ def virtual_cluster(cluster: Cluster, model: Model, choice: dict[Kind, int],
         by_host.setdefault((dev.host, _kind(dev)), []).append(dev)
     devices: list[Device] = []
     members: dict[str, tuple[str, ...]] = {}
+    groups: dict[str, tuple[Device, int, float, float, float]] = {}  # virtual kinds' make-up
     for (_, kind), devs in by_host.items():
         t = choice.get(kind, 1)
         full = len(devs) - len(devs) % t if t > 1 else 0
@@ -120,9 +126,15 @@ def virtual_cluster(cluster: Cluster, model: Model, choice: dict[Kind, int],
             ids = tuple(d.id for d in group)
             gbps, lat = ring(cluster, ids)
             lead = group[0]
+            rate = _rate(model, lead.tflops, t, gbps, lat, micro, lead.kind)
+            vkind = lead.kind
+            if model.kind_scaled:  # this make-up's per-layer times as a kind of its own
+                vkind = f"tp{t}:{lead.kind}:{lead.tflops!r}:{gbps!r}:{lat!r}"
+                groups[vkind] = (lead, t, gbps, lat, rate)
             devices.append(replace(
                 lead,
-                tflops=_rate(model, lead.tflops, t, gbps, lat, micro),
+                kind=vkind,
+                tflops=rate,
                 memory_gb=lead.memory_gb * _memory_scale(model, t, micro),
                 price_per_hour=sum(d.price_per_hour for d in group),
                 power_watts=sum(d.power_watts for d in group)))
@@ -132,7 +144,35 @@ def virtual_cluster(cluster: Cluster, model: Model, choice: dict[Kind, int],
             members[dev.id] = (dev.id,)
     order = {d.id: i for i, d in enumerate(cluster.devices)}
     devices.sort(key=lambda d: order[d.id])
-    return TPChoice(Cluster(devices=tuple(devices), network=cluster.network), members)
+    return TPChoice(Cluster(devices=tuple(devices), network=cluster.network), members,
+                    _virtual_model(model, groups, micro) if groups else model)
+
+
+def _virtual_model(model: Model, groups: dict[str, tuple[Device, int, float, float, float]],
+                   micro: int) -> Model:
+    """``model`` with, per virtual kind, each layer's factor that turns the virtual
+    device's one rate into the group's time for that layer (spec 5.6 with the kind's
+    ``kind_scale``: split compute plus its all-reduces, or the whole layer), so the v1
+    cut search sees where a layer is dear on the group; one factor for forward plus
+    backward (the all-reduces' share of each is then approximate, the judge's exact)."""
+    layers = []
+    for layer in model.layers:
+        gflop = layer.fwd_gflop + layer.bwd_gflop
+        extra = []
+        for vkind, (lead, t, gbps, lat, rate) in groups.items():
+            if gflop <= 0:
+                continue
+            if layer.splits(t):
+                assert layer.tp_comm_mb is not None
+                seconds = (micro * gflop * layer.scale(lead.kind, t)
+                           / (t * layer.efficiency(t) * 1000.0 * lead.tflops)
+                           + 2 * layer.tp_allreduces
+                           * ring_allreduce_s(micro * layer.tp_comm_mb, t, gbps, lat))
+            else:
+                seconds = micro * gflop * layer.scale(lead.kind, 1) / (1000.0 * lead.tflops)
+            extra.append((vkind, ((0, seconds * 1000.0 * rate / (micro * gflop)),)))
+        layers.append(replace(layer, kind_scale=(*layer.kind_scale, *extra)) if extra else layer)
+    return replace(model, layers=tuple(layers))
 
 
 def _real_plan(plan: Plan, members: dict[str, tuple[str, ...]]) -> Plan:
@@ -330,7 +370,7 @@ def mixed_plans(virtual: TPChoice, model: Model, job: Job) -> list[Plan]:
     if len({_kind(d) for d in devices}) < 2:
         return []
     by_speed = sorted(devices, key=lambda d: -d.tflops)  # stable: host order within a speed
-    planner = StructurePlanner(virtual.cluster, model, job)
+    planner = StructurePlanner(virtual.cluster, virtual.model, job)
     schedule = searched_schedules(job)[0]
     out = []
     counts = sorted({len(devices) // s for s in MIXED_STAGES if s <= model.num_layers} - {0, 1})
@@ -359,7 +399,7 @@ def _try(cluster: Cluster, model: Model, job: Job, planner: Planner,
     virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
     plans = []
     with contextlib.suppress(InfeasibleError):
-        plans.append(planner(virtual.cluster, model, job))
+        plans.append(planner(virtual.cluster, virtual.model, job))
     if any(t > 1 for t in choice.values()):
         plans.extend(mixed_plans(virtual, model, job))
     out = []
@@ -377,7 +417,7 @@ def megatron_tp(cluster: Cluster, model: Model, job: Job) -> Plan:
     equal samples) with each group as one device."""
     choice = {kind: ts[-1] for kind, ts in degrees(cluster, model).items()}
     virtual = virtual_cluster(cluster, model, choice, job.microbatch_size)
-    real = _real_plan(make_plan(virtual.cluster, model, job, policy="megatron"),
+    real = _real_plan(make_plan(virtual.cluster, virtual.model, job, policy="megatron"),
                       virtual.members)
     seconds = _judge(cluster, model, job, real)
     if seconds is None:

@@ -3,12 +3,16 @@ and v1 files unchanged. The two-device numbers are the worked example of docs/sp
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hetpilot.planner import serde
 from hetpilot.planner.errors import ValidationError
 from hetpilot.planner.refmodel import evaluate, group_op_times
 from hetpilot.planner.search import make_plan
-from hetpilot.planner.types import Job
+from hetpilot.planner.tpmodel import stage_op_s
+from hetpilot.planner.tpsearch import virtual_cluster
+from hetpilot.planner.types import Job, Stage
 
 from .helpers import example
 
@@ -159,3 +163,28 @@ def test_cut_search_reads_the_factors() -> None:
                                                  for x in layers]})
     other = make_plan(cluster, one_rate, job)
     assert evaluate(cluster, model, other, 8).iteration_s > 2.5 * plan.predicted_iteration_s
+
+
+def test_virtual_device_times_each_layer_as_its_tp_group() -> None:
+    """The TP search plans a group of t devices as one virtual device; with ``kind_scale``
+    the virtual model gives it, layer by layer, the group's forward + backward time."""
+    cluster = serde.cluster_from_dict(CLUSTER)
+    layers = [{**LAYERS[0], "tp_comm_mb": 1.0, "tp_allreduces": 2,
+               "kind_scale": {"V100": {"1": 3.0, "2": 1.5}}},
+              {**LAYERS[1], "tp_comm_mb": 1.0, "tp_efficiency": {"2": 0.8}},
+              {**LAYERS[1], "kind_scale": {"V100": 2.0}}]  # never split: degree 1's factor
+    model = serde.model_from_dict({"layers": layers})
+    virtual = virtual_cluster(cluster, model, {(5.0, 16.0): 2}, micro=2)
+    assert virtual.members["b:0"] == ("b:0", "b:1")
+    for a in range(3):
+        real = Stage(device="b:0", devices=("b:0", "b:1"), layers=(a, a + 1))
+        one = Stage(device="b:0", layers=(a, a + 1))
+        f, b = stage_op_s(cluster, model, real, 2)
+        vf, vb = stage_op_s(virtual.cluster, virtual.model, one, 2)
+        assert vf + vb == pytest.approx(f + b, rel=1e-12)
+    assert virtual_cluster(cluster, one_rate(model), {(5.0, 16.0): 2}, micro=2).model == \
+        one_rate(model)
+
+
+def one_rate(model: serde.Model) -> serde.Model:
+    return replace(model, layers=tuple(replace(x, kind_scale=()) for x in model.layers))
