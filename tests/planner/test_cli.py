@@ -75,6 +75,9 @@ def test_evaluate_invalid_plan_is_a_result(files: dict[str, Path], tmp_path: Pat
     (lambda c, m: m["layers"][3].__setitem__("fwd_gflop", -1), "model.layers[3].fwd_gflop"),
     (lambda c, m: c["devices"][0].__setitem__("tflops", "fast"), "cluster.devices[0].tflops"),
     (lambda c, m: c["devices"][1].__setitem__("id", "a:0"), "cluster.devices[1].id"),
+    (lambda c, m: m["layers"][1].__setitem__("kind_scale", {"V100": {"2": -1}}),
+     "model.layers[1].kind_scale.V100.2"),
+    (lambda c, m: c["devices"][2].__setitem__("kind", ""), "cluster.devices[2].kind"),
 ])
 def test_bad_input_exits_2_with_one_line(files: dict[str, Path], edit, field: str) -> None:  # type: ignore[no-untyped-def]
     cluster, model = example("cluster.json"), example("model.json")
