@@ -8,6 +8,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+from hetpilot.planner import serde
+from hetpilot.planner.tpmodel import stage_op_s
 from hetpilot.planner.types import Cluster, Device, Group, Network, Plan, Stage
 
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "sailor_compare.py"
@@ -110,3 +112,44 @@ def test_a_sailor_plan_using_gpus_the_cluster_lacks_is_refused(tmp_path: Path) -
     with pytest.raises(SystemExit, match=r"A100-40.*156"):
         bench.Sailor.sailor_best(sailor, _Planner([stale]), row, tmp_path / "cache")
     assert not (tmp_path / "cache").exists()  # nothing cached
+
+
+def test_kind_scales_reproduce_the_profiled_layer_times() -> None:
+    """The converter's ``kind_scale`` makes spec 5.1 / 5.6 time each layer, on each kind and
+    degree, as the profile does (forward + backward), all-reduces included."""
+    sc = _bench()
+    a, v = sc.KINDS
+    mbs, gbps = 2, 100.0
+    prof = {a: {"2": {"1": {"0": [0.001, 0.002, 0], "1": [0.010, 0.020, 0], "2": [0.004, 0.008, 0]},
+                      "2": {"0": [0.001, 0.001, 0], "1": [0.006, 0.012, 0], "2": [0.003, 0.006, 0]}}},
+            v: {"2": {"1": {"0": [0.002, 0.004, 0], "1": [0.030, 0.060, 0], "2": [0.025, 0.050, 0]},
+                      "2": {"0": [0.002, 0.002, 0], "1": [0.017, 0.034, 0], "2": [0.014, 0.028, 0]}}}}
+    ref = prof[a]["2"]["1"]
+    layers = [{"fwd_gflop": ref[str(i)][0] * 1000.0 * sc.REF_TFLOPS / mbs,
+               "bwd_gflop": ref[str(i)][1] * 1000.0 * sc.REF_TFLOPS / mbs,
+               "out_mb": 1.0, "act_mb": 1.0, "param_mb": 1.0, "tp_max": 4, "tp_comm_mb": 0.5,
+               "tp_allreduces": (1, 2, 0)[i]} for i in range(3)]
+
+    def total(kind: str) -> float:
+        return sum(x[0] + x[1] for x in prof[kind]["2"]["1"].values())
+
+    nominal = {k: total(k) / total(a) for k in (a, v)}
+    model = serde.model_from_dict({"layers": sc._kind_scales(prof, layers, mbs, nominal, gbps, True)})
+    cluster = serde.cluster_from_dict({"devices": [
+        {"id": f"{k}:{i}", "host": k, "kind": k, "tflops": sc.REF_TFLOPS / nominal[k],
+         "memory_gb": 16.0} for k in (a, v) for i in range(2)],
+        "network": {"intra_host_gbps": gbps, "inter_host_gbps": gbps}})
+    checked = 0
+    for kind in (a, v):
+        for t in (1, 2):
+            for i in range(3):
+                ids = tuple(f"{kind}:{j}" for j in range(t))
+                f, b = stage_op_s(cluster, model, Stage(device=ids[0], devices=ids,
+                                                        layers=(i, i + 1)), mbs)
+                measured = sum(prof[kind]["2"][str(t)][str(i)][:2])
+                # the embedding's all-reduce at TP 2 (2 x 0.5 x 2 MB / 100 Gbit/s x 2 = 0.16 ms)
+                # leaves the profile's 2 ms of compute; none is floored here
+                assert f + b == pytest.approx(measured, rel=1e-9), (kind, t, i)
+                checked += 1
+    assert checked == 12
+    assert model.layers[2].scale(v, 1) == pytest.approx((0.075 / 0.012) / nominal[v])
