@@ -95,8 +95,11 @@ class ModelArrays:
     def times_memo(self, devices: Sequence[Device], links: Sequence[tuple[float, float]],
                    micro: int) -> dict[tuple[object, ...], _Times]:
         """The :attr:`group_times` memo of one group (bounded: cleared when large)."""
-        key = (tuple((d.tflops, d.memory_gb, d.kind) if self.scaled else (d.tflops, d.memory_gb)
-                     for d in devices), tuple(links), micro)
+        key: tuple[object, ...]
+        if self.scaled:
+            key = (tuple((d.tflops, d.memory_gb, d.kind) for d in devices), tuple(links), micro)
+        else:
+            key = (tuple((d.tflops, d.memory_gb) for d in devices), tuple(links), micro)
         found = self.group_times.get(key)
         if found is None or len(found) >= 4096:
             if len(self.group_times) >= 4096:

@@ -75,8 +75,11 @@ class GroupSignatures:
             held = _SHARED.get((self._network_id, self._kinds, *key))
             if held is not None:  # the objects are held by the entry: the ids are theirs
                 return held[0]
-        sig: Signature = (tuple((d.tflops, d.memory_gb, d.kind) if self._kinds
-                                else (d.tflops, d.memory_gb) for d in devs), self.links(devs))
+        if self._kinds:
+            sig: Signature = (tuple((d.tflops, d.memory_gb, d.kind) for d in devs),
+                              self.links(devs))
+        else:
+            sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
         if owned:
             if len(_SHARED) >= 50_000:
                 _SHARED.clear()

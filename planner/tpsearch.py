@@ -85,16 +85,17 @@ def _rate(model: Model, tflops: float, t: int, gbps: float, lat: float, micro: i
     and backward of one microbatch, all-reduces included), counting the model's unsplit
     GFLOP."""
     work = total = comm = 0.0
+    scaled = model.kind_scaled
     for layer in model.layers:
         gflop = layer.fwd_gflop + layer.bwd_gflop
         total += gflop
         if layer.splits(t):
-            work += gflop * layer.scale(kind, t) / (t * layer.efficiency(t))
+            work += (gflop * layer.scale(kind, t) if scaled else gflop) / (t * layer.efficiency(t))
             assert layer.tp_comm_mb is not None
             comm += 2 * layer.tp_allreduces * ring_allreduce_s(micro * layer.tp_comm_mb, t,
                                                                gbps, lat)
         else:
-            work += gflop * layer.scale(kind, 1)
+            work += gflop * layer.scale(kind, 1) if scaled else gflop
     seconds = micro * work / (1000.0 * tflops) + comm
     return micro * total / (1000.0 * seconds) if seconds > 0 else tflops
 
