@@ -21,8 +21,10 @@ devices changed re-cuts only the groups whose signature changed.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 import threading
+import weakref
 from collections.abc import Sequence
 from functools import lru_cache
 
@@ -72,19 +74,24 @@ def model_arrays(model: Model) -> ModelArrays:
 
 memos.register(model_arrays.cache_clear)
 
-_MODEL_TOKENS: dict[Model, int] = {}
+_MODEL_TOKENS: weakref.WeakKeyDictionary[Model, int] = weakref.WeakKeyDictionary()
+_NEXT_TOKEN = itertools.count()
 _MODEL_TOKENS_LOCK = threading.Lock()
 
 
 def model_token(model: Model) -> int:
     """A small int per distinct model: hashing the model itself in every memo key is slow.
 
-    Under a lock: two threads planning two new models at once must not both get
-    ``len(_MODEL_TOKENS)``, which would make one model's memo entries the other's."""
+    Equal models alive at once share a token; a token is never given twice, and a
+    model no longer referenced anywhere leaves the table (a daemon's planning process
+    sees a new model every time measurements change it: a plain dict held them all).
+    Under a lock: two threads planning two new models at once must not share one."""
     found = _MODEL_TOKENS.get(model)
     if found is None:
         with _MODEL_TOKENS_LOCK:
-            found = _MODEL_TOKENS.setdefault(model, len(_MODEL_TOKENS))
+            found = _MODEL_TOKENS.get(model)
+            if found is None:
+                found = _MODEL_TOKENS[model] = next(_NEXT_TOKEN)
     return found
 
 

@@ -360,3 +360,25 @@ def test_sync_time_of_groups_that_do_not_tile_is_the_literal_reading() -> None:
     literal = sync_time_literal(cluster, model, twice)
     assert sync_time(cluster, model, twice) == literal
     assert sync_readings(cluster, model, twice)[0] != literal  # the one pass assumes a tiling
+
+
+def test_model_tokens_are_shared_by_equal_models_and_let_go_of_dropped_ones() -> None:
+    """A daemon's planning process sees a new model each time measurements change it:
+    the token table must not hold them all, and a token is never given twice."""
+    import gc
+
+    from hetpilot.planner import structure_planner as sp
+
+    base = random_model(6, 5)
+    twin = replace(base)
+    assert twin is not base and sp.model_token(twin) == sp.model_token(base)
+    before = len(sp._MODEL_TOKENS)
+    seen = set()
+    for k in range(200):  # models a long-running process plans once each
+        model = replace(base, name=f"slot-{k}")
+        seen.add(sp.model_token(model))
+        del model
+    gc.collect()
+    assert len(seen) == 200  # distinct models, distinct tokens (none reused)
+    assert len(sp._MODEL_TOKENS) <= before + 1
+    assert sp.model_token(base) not in seen
