@@ -194,6 +194,21 @@ class _Runner:
         return code
 
 
+def _leave_cgroups(directories: Sequence[str]) -> None:
+    """Remove the launch's cgroups, empty now that its tree has ended, when the agent that
+    made them is gone and cannot (the next agent on the state dir would sweep them):
+    move this process to each parent, then remove the directory. Best effort: cgroup v2
+    refuses a process in a parent that delegates controllers, and the sweep stays."""
+    for directory in directories:
+        parent = os.path.dirname(directory.rstrip("/"))
+        try:
+            with open(os.path.join(parent, "cgroup.procs"), "w") as fh:
+                fh.write(str(os.getpid()))
+            os.rmdir(directory)
+        except OSError:
+            pass
+
+
 def _torchrun_death_signal() -> None:
     set_parent_death_signal(signal.SIGTERM)
 
@@ -218,6 +233,8 @@ def main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, frame: None)  # COMMAND got it too: wait for it
     code, reason = runner.run()
+    if runner.agent_gone:
+        _leave_cgroups(args.cgroup)
     if runner.out.lost:
         reason = (reason + "; " if reason else "") + \
             f"{runner.out.lost} bytes of output lost (the disk refused them)"

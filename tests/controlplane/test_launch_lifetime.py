@@ -68,6 +68,28 @@ while True:
 """
 
 
+def _launch_cgroups(pid: int) -> list[Path]:
+    """The cgroup directories the agent made for the launch whose runner is ``pid``
+    (its ``hetpilot-*/<launch>`` cgroups; none where the agent had no hierarchy)."""
+    mounts = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        fstype = fields[fields.index("-") + 1]
+        if fstype in ("cgroup", "cgroup2"):
+            mounts[fields[4]] = (fields[3], fstype, fields[-1])
+    found = []
+    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
+        _, controllers, path = line.split(":", 2)
+        if "/hetpilot-" not in path:
+            continue
+        for point, (root, fstype, options) in mounts.items():
+            wanted = set(controllers.split(",")) if controllers else set()
+            if (fstype == "cgroup2") == (not controllers) and wanted <= set(options.split(",")):
+                rel = path[len(root):] if root != "/" and path.startswith(root) else path
+                found.append(Path(point + rel))
+    return found
+
+
 def test_no_process_of_a_launch_outlives_its_agent(tmp_path: Path) -> None:
     work = tmp_path / "work"
     work.mkdir()
@@ -84,11 +106,14 @@ def test_no_process_of_a_launch_outlives_its_agent(tmp_path: Path) -> None:
                 "orphan": orphan}
         assert all(proc_stat(p) is not None for p in pids.values()), pids
         assert proc_stat(orphan)[0] == runner  # type: ignore[index]  # the runner adopted it
+        groups = _launch_cgroups(runner)
         agent.send_signal(signal.SIGKILL)
         agent.wait(timeout=10)
         # SIGTERM at once, SIGKILL 2 s later (the agent's stop grace): all gone
         wait_until("every process of the launch to end", lambda: not [
             name for name, pid in pids.items() if proc_stat(pid) is not None], timeout=30)
+        # and the launch's cgroups (where the agent made them) with it, before any agent returns
+        assert not [g for g in groups if g.exists()], groups
     finally:
         if agent.poll() is None:
             agent.kill()
