@@ -49,8 +49,7 @@ class GroupSignatures:
         """(Gbit/s, latency) between consecutive devices of the group."""
         if len(devs) < 2:
             return ()
-        link = self.cluster.link
-        return tuple(link(devs[i].id, devs[i + 1].id) for i in range(len(devs) - 1))
+        return self.cluster.path_links([d.id for d in devs])
 
     def of(self, devs: Sequence[Device]) -> tuple[Signature, int]:
         """The group's signature and its number (equal signatures, equal numbers)."""
@@ -76,10 +75,10 @@ class GroupSignatures:
             if held is not None:  # the objects are held by the entry: the ids are theirs
                 return held[0]
         if self._kinds:
-            sig: Signature = (tuple((d.tflops, d.memory_gb, d.kind) for d in devs),
+            sig: Signature = (tuple([(d.tflops, d.memory_gb, d.kind) for d in devs]),
                               self.links(devs))
         else:
-            sig = (tuple((d.tflops, d.memory_gb) for d in devs), self.links(devs))
+            sig = (tuple([(d.tflops, d.memory_gb) for d in devs]), self.links(devs))
         if owned:
             if len(_SHARED) >= 50_000:
                 _SHARED.clear()

@@ -177,7 +177,8 @@ class Planner:
         without it."""
         total = self.total
         groups = [g for g in structure.groups if g]
-        sids = [self._signature_id(g)[1] for g in groups]
+        of = self.sigs.of
+        sids = [of(g)[1] for g in groups]
         speeds = self.sigs.speeds
         speed = [speeds[sid] for sid in sids]
         whole = sum(speed)

@@ -6,9 +6,10 @@ in :mod:`hetpilot.planner.serde`. Nothing here imports grpc or torch.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from itertools import pairwise
 from types import MappingProxyType
 
 __all__ = [
@@ -131,6 +132,17 @@ class Cluster:
         if found is None:
             found = self._links[key] = self._link(a, b)
         return found
+
+    def path_links(self, ids: Sequence[str]) -> tuple[tuple[float, float], ...]:
+        """:meth:`link` between each two consecutive of ``ids``: the same tuples, and
+        without a lookup per pair where the network sets no per-pair links."""
+        if self.network.device_links or self.network.host_links:
+            link = self.link
+            return tuple([link(ids[i], ids[i + 1]) for i in range(len(ids) - 1)])
+        host_of = self._host_of
+        hosts = [host_of[i] for i in ids]  # a KeyError on a foreign id, as link's
+        intra, inter = self._default_links
+        return tuple([inter if a != b else intra for a, b in pairwise(hosts)])
 
     @cached_property
     def _host_of(self) -> dict[str, str]:

@@ -24,7 +24,7 @@ from hetpilot.planner.refmodel import (
 )
 from hetpilot.planner.schedules import Op, inflight, order, warmup_order
 from hetpilot.planner.sync_readings import sync_readings
-from hetpilot.planner.types import Cluster, Group, Stage
+from hetpilot.planner.types import Cluster, Device, Group, Link, Network, Stage
 
 from .helpers import random_model
 
@@ -382,3 +382,28 @@ def test_model_tokens_are_shared_by_equal_models_and_let_go_of_dropped_ones() ->
     assert len(seen) == 200  # distinct models, distinct tokens (none reused)
     assert len(sp._MODEL_TOKENS) <= before + 1
     assert sp.model_token(base) not in seen
+
+
+@pytest.mark.parametrize("per_pair", ["none", "hosts", "devices", "both"])
+def test_path_links_are_link_pair_by_pair(per_pair: str) -> None:
+    """A group's links in one call are the per-pair lookups' tuples, with and without
+    per-pair links in the network (the plain network takes the hosts-only path)."""
+    rng = random.Random(7)
+    devices = tuple(Device(id=f"h{h}:{i}", host=f"h{h}", tflops=10.0, memory_gb=16.0)
+                    for h in range(4) for i in range(3))
+    hosts = [Link(a="h0", b="h2", gbps=7.0), Link(a="h3", b="h1", gbps=3.0, latency_us=40.0)]
+    pairs = [Link(a="h1:0", b="h1:2", gbps=900.0), Link(a="h2:1", b="h0:0", gbps=11.0)]
+    network = Network(intra_host_gbps=2400.0, inter_host_gbps=25.0, latency_us=5.0,
+                      host_links=tuple(hosts) if per_pair in ("hosts", "both") else (),
+                      device_links=tuple(pairs) if per_pair in ("devices", "both") else ())
+    cluster = Cluster(devices=devices, network=network)
+    ids = [d.id for d in devices]
+    plain = Cluster(devices=devices, network=network)  # link() alone, no shared memo
+    for _ in range(200):
+        path = rng.sample(ids, rng.randint(1, len(ids)))
+        got = cluster.path_links(path)
+        assert got == tuple(plain.link(path[i], path[i + 1]) for i in range(len(path) - 1))
+    if per_pair == "none":
+        assert cluster.path_links(["h0:0", "h0:1", "h1:0"]) == ((2400.0, 5e-6), (25.0, 5e-6))
+    with pytest.raises(KeyError):
+        cluster.path_links(["h0:0", "x:0"])
