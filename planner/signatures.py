@@ -42,6 +42,7 @@ class GroupSignatures:
         self._by_ids: dict[tuple[int, ...], tuple[Signature, int, tuple[Device, ...]]] = {}
         self._by_object: dict[int, tuple[Sequence[Device], Signature, int]] = {}
         self._numbers: dict[Signature, int] = {}
+        self._by_groups: dict[int, tuple[Sequence[Sequence[Device]], tuple[int, ...]]] = {}
         self._own = {id(d) for d in cluster.devices}  # the cluster holds them: ids stay theirs
         self._network_id = id(cluster.network)
 
@@ -67,6 +68,18 @@ class GroupSignatures:
             found = self._by_ids[key] = (sig, number, tuple(devs))
         self._by_object[id(devs)] = (devs, found[0], found[1])  # holding devs keeps its id unique
         return found[0], found[1]
+
+    def numbers(self, groups: Sequence[Sequence[Device]]) -> tuple[int, ...]:
+        """The numbers of ``groups``' non-empty groups, in order; kept by the object
+        ``groups`` (a search plans one structure under each schedule), which must
+        then not change."""
+        held = self._by_groups.get(id(groups))
+        if held is not None and held[0] is groups:
+            return held[1]
+        of = self.of
+        found = tuple([of(g)[1] for g in groups if g])
+        self._by_groups[id(groups)] = (groups, found)  # holding groups keeps its id unique
+        return found
 
     def _shared(self, devs: Sequence[Device], key: tuple[int, ...]) -> Signature:
         owned = len(devs) > 1 and all(map(self._own.__contains__, key))

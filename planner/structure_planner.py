@@ -177,8 +177,7 @@ class Planner:
         without it."""
         total = self.total
         groups = [g for g in structure.groups if g]
-        of = self.sigs.of
-        sids = [of(g)[1] for g in groups]
+        sids = self.sigs.numbers(structure.groups)
         speeds = self.sigs.speeds
         speed = [speeds[sid] for sid in sids]
         whole = sum(speed)

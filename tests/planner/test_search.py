@@ -537,6 +537,23 @@ def test_group_signatures_are_shared_only_for_a_clusters_own_devices() -> None:
     assert Planner(other, model, job)._signature((a, b)) == second  # b is not other's own
 
 
+def test_group_numbers_are_kept_by_the_groups_object() -> None:
+    """A structure's group numbers are each group's own (empty groups left out), and the
+    same object asked again gets the same answer without numbering its groups again."""
+    cluster = catalog.make_cluster([("A100", 2), ("V100", 2)], inter_host_gbps=10.0)
+    a, b, c, d = cluster.devices
+    sigs = Planner(cluster, uniform_model(4), Job(global_batch=8, microbatch_size=1)).sigs
+    groups = ((a, b), (), (c, d), (a, c), (a, b))
+    got = sigs.numbers(groups)
+    assert got == tuple(sigs.of(g)[1] for g in groups if g)
+    assert got[0] == got[3] and len(set(got)) == 3
+    calls = []
+    of = sigs.of
+    sigs.of = lambda devs: calls.append(devs) or of(devs)  # type: ignore[method-assign]
+    assert sigs.numbers(groups) == got and calls == []
+    assert sigs.numbers(groups[:2]) == got[:1] and calls == [(a, b)]
+
+
 def test_straggler_median_is_statistics_median() -> None:
     """search's median (kept out of start-up: statistics imports fractions and decimal)
     is statistics.median's float, odd and even counts."""
