@@ -115,7 +115,7 @@ def sync_readings(cluster: Cluster, model: Model, groups: Sequence[Group]) -> tu
                 for stages, p in zip(stage_lists, pattern_of, strict=True):
                     devs = stages[owner_of[p][bucket][0]].devices
                     ids.append(devs[r * len(devs) // rings])
-                pairs = [link(ids[i], ids[(i + 1) % k]) for i in range(k)]
+                pairs = cluster.path_links([*ids, ids[0]])  # link(ids[i], ids[i + 1 mod k])
                 members.append(ids)
                 pair_gbps.append([x[0] for x in pairs])
                 pair_lat.append([x[1] for x in pairs])
