@@ -253,14 +253,20 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
         (bench/RESULTS-controlplane-profile.md)."""
         epoch = -1
         unacked = 0  # the seq of the latest report taken and not acked yet (0: none)
-        host = ""  # the host it reports
+        pending: set[str] = set()  # the hosts whose latest report is not committed yet
         opened: set[tuple[str, str]] = set()  # (host, registration) this stream reports
         members, launches = self.plane.members, self.plane.launches
+
+        async def commit_pending() -> None:  # before an ack covers reports only taken
+            for pending_host in pending:
+                await members.commit_latest(pending_host)
+            pending.clear()
+
         try:
             async for request in request_iterator:
                 if self.plane.stopping:  # end the stream now, not after the stop's grace
                     if unacked:
-                        await members.commit_latest(host)
+                        await commit_pending()
                         yield agent_pb2.ReportAck(seq=unacked)
                     await context.abort(grpc.StatusCode.UNAVAILABLE,
                                         "the daemon is stopping: register again (this "
@@ -275,9 +281,11 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     # nothing to answer: the commit before the next ack stores it (or a
                     # later report of the host, which supersedes it)
                     members.report_taken(report, registration)
-                    unacked, host = request.seq, report.agent_id
+                    unacked = request.seq
+                    pending.add(report.agent_id)
                     continue
                 peers = await members.report_committed(report, registration)
+                pending.discard(report.agent_id)
                 if (report.agent_id, registration) not in opened:
                     opened.add((report.agent_id, registration))
                     members.stream_opened(report.agent_id, registration)
@@ -293,12 +301,13 @@ class AgentServicer(agent_pb2_grpc.AgentServiceServicer):
                     epoch = members.epoch
                     ack.peers.extend(convert.peers_to_proto(peers))
                 elif request.ack_later and not ack.start and not ack.stop:
-                    unacked, host = request.seq, report.agent_id  # committed; acked later
+                    unacked = request.seq  # committed; acked later
                     continue
+                await commit_pending()  # another host's (an agent's stream has one: none)
                 unacked = 0
                 yield ack
             if unacked:  # the agent closed the stream: cover what it sent
-                await members.commit_latest(host)
+                await commit_pending()
                 yield agent_pb2.ReportAck(seq=unacked)
         finally:  # the stream ended, or broke: it no longer speaks for its hosts
             for host, registration in opened:

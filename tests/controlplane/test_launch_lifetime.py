@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from hetpilot.agents.cgroups import _inside, parse_mountinfo, parse_proc_cgroup
 from hetpilot.agents.launcher import Launcher
 from hetpilot.agents.procs import descendants, proc_stat
 from hetpilot.v1 import job_pb2, job_pb2_grpc
@@ -71,23 +72,16 @@ while True:
 def _launch_cgroups(pid: int) -> list[Path]:
     """The cgroup directories the agent made for the launch whose runner is ``pid``
     (its ``hetpilot-*/<launch>`` cgroups; none where the agent had no hierarchy)."""
-    mounts = {}
-    for line in Path("/proc/self/mountinfo").read_text().splitlines():
-        fields = line.split()
-        fstype = fields[fields.index("-") + 1]
-        if fstype in ("cgroup", "cgroup2"):
-            mounts[fields[4]] = (fields[3], fstype, fields[-1])
-    found = []
-    for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "/hetpilot-" not in path:
-            continue
-        for point, (root, fstype, options) in mounts.items():
-            wanted = set(controllers.split(",")) if controllers else set()
-            if (fstype == "cgroup2") == (not controllers) and wanted <= set(options.split(",")):
-                rel = path[len(root):] if root != "/" and path.startswith(root) else path
-                found.append(Path(point + rel))
-    return found
+    own = parse_proc_cgroup(Path(f"/proc/{pid}/cgroup").read_text())
+    found = set()
+    for mount in parse_mountinfo(Path("/proc/self/mountinfo").read_text()):
+        names = [""] if mount.version == 2 else [n for n in own if n and n in mount.options]
+        for name in names:
+            path = own.get(name, "")
+            directory = _inside(mount, path) if "/hetpilot-" in path else None
+            if directory is not None:
+                found.add(directory)
+    return sorted(found)
 
 
 def test_no_process_of_a_launch_outlives_its_agent(tmp_path: Path) -> None:
